@@ -1,0 +1,107 @@
+// The engine contract (DESIGN.md section 4). An engine answers "can I compute exactly this?" by
+// running the same lowering that builds its plan; a plan proves which modifier it lowered and
+// refuses arguments other than those of the problem it was built for.
+#pragma once
+
+#include <cstdint>
+#include <map>
+#include <memory>
+#include <string>
+#include <string_view>
+
+#include "flexattn/problem.hpp"
+#include "flexattn/tensor.hpp"
+
+namespace flexattn {
+
+// A verdict with its reason (empty when supported).
+class Support {
+ public:
+  static Support yes() { return Support(true, {}); }
+  static Support no(std::string reason) { return Support(false, std::move(reason)); }
+  bool ok() const { return ok_; }
+  explicit operator bool() const { return ok_; }
+  const std::string& reason() const { return reason_; }
+
+ private:
+  Support(bool ok, std::string reason) : ok_(ok), reason_(std::move(reason)) {}
+  bool ok_;
+  std::string reason_;
+};
+
+struct ForwardArgs {
+  TensorView q, k, v;
+  TensorView out;
+  TensorView lse;  // optional (empty): not written
+  std::map<std::string, TensorView> tensors;
+  void* stream = nullptr;  // cudaStream_t for GPU engines
+};
+
+struct BackwardArgs {
+  TensorView q, k, v, out, lse, dout;
+  TensorView dq, dk, dv;
+  std::map<std::string, TensorView> tensors;
+  // Gradients of float tensors read by the score modifier (same shape as the tensor, fp32 or
+  // fp64). Missing entries are not computed; entries are overwritten, not accumulated into.
+  std::map<std::string, TensorView> tensor_grads;
+  void* stream = nullptr;
+};
+
+struct PlanInfo {
+  std::string engine;
+  std::string description;          // human-readable: tiles, threads, kernels, cuDNN engine...
+  std::uint64_t lowered_hash = 0;   // canonical hash of the modifier the plan really implements
+  std::string signature;            // Problem::signature() it was built for
+};
+
+class Plan {
+ public:
+  explicit Plan(PlanInfo info) : info_(std::move(info)) {}
+  virtual ~Plan() = default;
+  Plan(const Plan&) = delete;
+  Plan& operator=(const Plan&) = delete;
+
+  const PlanInfo& info() const { return info_; }
+  virtual const Problem& problem() const = 0;
+
+  // Checks the arguments against the signature (shapes, strides, dtypes, devices, required
+  // tensors), throwing Error(kInvalidArgument) naming the first mismatch, then runs.
+  void forward(const ForwardArgs& args) const;
+  void backward(const BackwardArgs& args) const;
+
+ protected:
+  virtual void run_forward(const ForwardArgs& args) const = 0;
+  virtual void run_backward(const BackwardArgs& args) const = 0;
+
+ private:
+  PlanInfo info_;
+};
+
+// Validates arguments against a problem (what Plan::forward/backward call first).
+void check_forward_args(const Problem& problem, const ForwardArgs& args);
+void check_backward_args(const Problem& problem, const BackwardArgs& args);
+
+class Engine {
+ public:
+  virtual ~Engine() = default;
+  virtual std::string_view name() const = 0;
+  // Whether the engine can run on this machine at all ("no CUDA device", "libcudnn.so.9 not
+  // found"). Checked before lower().
+  virtual Support available() const = 0;
+
+  // supports() is the first half of plan(): both run lower(); supports() stops before building.
+  Support supports(const Problem& problem) const;
+  // Throws Error(kUnsupported) with the reason when not supported.
+  std::unique_ptr<Plan> plan(const Problem& problem) const;
+
+ protected:
+  enum class Stage { kCheck, kBuild };
+  struct Lowered {
+    Support support = Support::no("not lowered");
+    std::unique_ptr<Plan> plan;  // set only for Stage::kBuild and a supported problem
+  };
+  // One function decides support and builds the plan, so the two cannot drift apart.
+  virtual Lowered lower(const Problem& problem, Stage stage) const = 0;
+};
+
+}  // namespace flexattn

@@ -1,0 +1,116 @@
+// An attention problem: shapes, layout, strides, dtypes, scale, modifiers, params, extra tensors,
+// direction. Validated once, at construction, with clear errors.
+#pragma once
+
+#include <cstdint>
+#include <map>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "flexattn/analysis.hpp"
+#include "flexattn/dtype.hpp"
+#include "flexattn/expr.hpp"
+#include "flexattn/graph.hpp"
+#include "flexattn/tensor.hpp"
+
+namespace flexattn {
+
+// Q, K, V, O (and their gradients) in one of these orders. `thd` packs the sequences of a batch
+// one after another: (total_tokens, heads, head_dim), with offsets cu_seqlens (batch + 1 entries).
+enum class Layout { kBSHD, kSBHD, kBHSD, kTHD };
+std::string_view to_string(Layout layout);  // "bshd", ...
+Layout parse_layout(std::string_view text);  // throws kInvalidArgument
+
+enum class Direction { kForward, kForwardBackward };
+
+struct TensorDecl {
+  DType dtype = DType::kF32;  // fp32/fp64/fp16/bf16 load as f32; int32/int64 load as i32
+  std::vector<std::int64_t> shape;
+};
+
+struct ProblemDesc {
+  std::int64_t batch = 1;
+  std::int64_t heads_q = 1;
+  std::int64_t heads_kv = 0;     // 0: same as heads_q
+  std::int64_t seq_len_q = 1;    // thd: the longest sequence (derived from cu_seqlens if 0)
+  std::int64_t seq_len_kv = 0;   // 0: same as seq_len_q
+  std::int64_t head_dim_qk = 64;
+  std::int64_t head_dim_v = 0;   // 0: same as head_dim_qk
+  Layout layout = Layout::kBSHD;
+  DType dtype = DType::kF32;     // storage of Q, K, V, O, dO, dQ, dK, dV
+  std::optional<double> scale;   // default 1 / sqrt(head_dim_qk)
+  std::optional<ir::Expr> score_mod;  // absent: identity
+  std::optional<ir::Expr> mask_mod;   // absent: keep everything
+  std::map<std::string, double> params;
+  std::map<std::string, TensorDecl> tensors;
+  std::vector<std::int64_t> cu_seqlens_q, cu_seqlens_kv;  // thd only
+  // Strides (elements) of the views in layout order; absent: contiguous. Gradients (dQ, dK, dV,
+  // dO) use the strides of Q, K, V, O respectively.
+  std::optional<std::vector<std::int64_t>> q_strides, k_strides, v_strides, o_strides;
+  Direction direction = Direction::kForward;
+  bool want_lse = true;
+  Device device = Device::kCpu;
+
+  // The names the parser may resolve for this problem (params and tensors declared above).
+  ir::Scope scope() const;
+};
+
+class Problem {
+ public:
+  // Validates (heads_q % heads_kv, positive sizes, unit last stride, tensors bound and of the
+  // declared rank, every tensor load in bounds or clamped, thd offsets, ...) and canonicalises
+  // the modifiers. Throws Error(kInvalidArgument) with a one-line message.
+  explicit Problem(ProblemDesc desc);
+
+  const ProblemDesc& desc() const { return desc_; }
+  std::int64_t batch() const { return desc_.batch; }
+  std::int64_t heads_q() const { return desc_.heads_q; }
+  std::int64_t heads_kv() const { return desc_.heads_kv; }
+  std::int64_t seq_len_q() const { return desc_.seq_len_q; }
+  std::int64_t seq_len_kv() const { return desc_.seq_len_kv; }
+  std::int64_t head_dim_qk() const { return desc_.head_dim_qk; }
+  std::int64_t head_dim_v() const { return desc_.head_dim_v; }
+  Layout layout() const { return desc_.layout; }
+  DType dtype() const { return desc_.dtype; }
+  double scale() const { return *desc_.scale; }
+  Direction direction() const { return desc_.direction; }
+  bool wants_backward() const { return desc_.direction == Direction::kForwardBackward; }
+  Device device() const { return desc_.device; }
+
+  // Canonical modifiers after load checking (undecidable indices clamped).
+  const Graph& score_mod() const { return score_mod_; }
+  const Graph& mask_mod() const { return mask_mod_; }
+  // The hash a plan must prove it implements: score_mod, mask_mod and the scale.
+  std::uint64_t modifier_hash() const { return modifier_hash_; }
+
+  // Per-sequence lengths of batch entry b (thd: from cu_seqlens; otherwise seq_len_q/kv).
+  std::int64_t seq_len_q_of(std::int64_t b) const;
+  std::int64_t seq_len_kv_of(std::int64_t b) const;
+  // Leaf ranges over the whole problem, for the interval analysis.
+  LeafRanges leaf_ranges() const;
+
+  // Expected shapes/strides of the views, in layout order.
+  // q/dq: bshd (B, Sq, Hq, Dqk), sbhd (Sq, B, Hq, Dqk), bhsd (B, Hq, Sq, Dqk), thd (Tq, Hq, Dqk);
+  // k/dk with Hkv, Skv; v/dv with Hkv, Skv, Dv; o/dout with Hq, Sq, Dv.
+  // lse: (B, Hq, Sq) or thd (Hq, Tq), contiguous, fp64 for fp64 problems and fp32 otherwise.
+  TensorView expected(std::string_view which) const;  // "q", "k", "v", "o", "lse" (data null)
+  std::int64_t total_tokens_q() const;  // thd: cu_seqlens_q.back(); else batch * seq_len_q
+  std::int64_t total_tokens_kv() const;
+
+  // Exact signature: every shape, stride, dtype, layout, device, direction and the thd offsets.
+  const std::string& signature() const { return signature_; }
+
+ private:
+  ProblemDesc desc_;
+  Graph score_mod_;
+  Graph mask_mod_;
+  std::uint64_t modifier_hash_ = 0;
+  std::string signature_;
+};
+
+// FLOPs per DESIGN.md section 6 (forward; forward+backward is 3.5x). Counts only kept tiles'
+// worth for causal-like masks via `kept_fraction` (1.0 dense, 0.5 causal).
+double attention_flops(const Problem& problem, double kept_fraction);
+
+}  // namespace flexattn
