@@ -81,10 +81,26 @@ class Plan {
 void check_forward_args(const Problem& problem, const ForwardArgs& args);
 void check_backward_args(const Problem& problem, const BackwardArgs& args);
 
+// How a client (the CLI, the conformance runner) moves data to and from an engine's device.
+// CPU engines have none: their views point at host memory.
+class DeviceMemory {
+ public:
+  virtual ~DeviceMemory() = default;
+  virtual void* allocate(std::size_t bytes) const = 0;
+  virtual void release(void* pointer) const noexcept = 0;
+  virtual void copy_to_device(void* destination, const void* source, std::size_t bytes) const = 0;
+  virtual void copy_to_host(void* destination, const void* source, std::size_t bytes) const = 0;
+  virtual void synchronize() const = 0;
+};
+
 class Engine {
  public:
   virtual ~Engine() = default;
   virtual std::string_view name() const = 0;
+  // Where the engine's plans expect their data (Problem::device() must match).
+  virtual Device device() const { return Device::kCpu; }
+  // Non-null for engines whose device is not the CPU.
+  virtual const DeviceMemory* memory() const { return nullptr; }
   // Whether the engine can run on this machine at all ("no CUDA device", "libcudnn.so.9 not
   // found"). Checked before lower().
   virtual Support available() const = 0;
@@ -93,6 +109,13 @@ class Engine {
   Support supports(const Problem& problem) const;
   // Throws Error(kUnsupported) with the reason when not supported.
   std::unique_ptr<Plan> plan(const Problem& problem) const;
+  // The code the engine generates for `problem` (`flexattn explain --source`): for the cuda
+  // engine, the CUDA translation unit NVRTC compiles. Empty for engines that generate none.
+  // Needs no device.
+  virtual std::string generated_source(const Problem& problem) const {
+    static_cast<void>(problem);
+    return {};
+  }
 
  protected:
   enum class Stage { kCheck, kBuild };

@@ -170,7 +170,7 @@ struct Scope {
 };
 
 // Parses the text syntax. Errors are Error(kInvalidArgument) with the position and the offending
-// text, e.g. `unknown name 'kvv' at column 8 in "q >= kvv"` (columns count from 1).
+// text, e.g. `unknown name 'kvv' at column 6 in "q >= kvv"` (columns count from 1).
 Expr parse(std::string_view text, const Scope& scope = {});
 
 // Builds a score modifier from a C++ callable taking the score: trace([](Expr s) { ... }).

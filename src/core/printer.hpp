@@ -1,0 +1,14 @@
+// The text-syntax printer shared by Expr::to_string, Graph::to_string and the type-error
+// messages. Parentheses are minimal under C-like precedence; the output re-parses to an equal
+// canonical graph.
+#pragma once
+
+#include <string>
+
+#include "flexattn/expr.hpp"
+
+namespace flexattn::ir {
+
+std::string print(const ExprNode& node);
+
+}  // namespace flexattn::ir
