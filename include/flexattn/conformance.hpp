@@ -1,0 +1,79 @@
+// The conformance matrix: one catalogue of cases (modifier x mask x layout x dtype x shape,
+// forward and backward) shared by the test suite, `flexattn check` and the benchmarks, and the
+// runner that compares any engine with cpu_ref under the tolerance rule of DESIGN.md section 5.
+#pragma once
+
+#include <cstdint>
+#include <map>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "flexattn/engine.hpp"
+#include "flexattn/problem.hpp"
+
+namespace flexattn::conformance {
+
+enum class Tier { kQuick, kFull };
+Tier parse_tier(std::string_view text);  // "quick" | "full"
+
+struct Shape {
+  std::int64_t batch, heads_q, heads_kv, seq_len_q, seq_len_kv, head_dim_qk, head_dim_v;
+};
+
+struct Case {
+  // "bf16_bshd_b2_hq8_hkv2_sq17_skv577_d80/softcap30_causal"; "_bwd" suffix for backward.
+  std::string name;
+  std::string modifier;  // "softcap30", "alibi", ... ("none" for the identity)
+  std::string mask;      // "causal", "window", ... ("none" for no mask)
+  Shape shape;
+  Layout layout = Layout::kBSHD;
+  DType dtype = DType::kF32;
+  bool backward = false;
+  // IR text used as the score modifier when `modifier` is "custom" (the fuzz test); it may read
+  // `bias[h, q, kv]` (f32) and `slopes[h]` (f32).
+  std::string custom_score_mod;
+};
+
+// A case with a custom score modifier (see Case::custom_score_mod).
+Case custom_case(const Shape& shape, Layout layout, DType dtype, std::string score_mod,
+                 std::string mask, bool backward);
+
+// The cases of a tier, in a fixed order. kQuick covers every modifier, mask, layout, dtype and
+// shape feature at least once, within CI's budget; kFull is a larger product of them.
+std::vector<Case> cases(Tier tier);
+
+// The problem of a case for an engine on `device`, with its extra tensors' contents.
+struct Instance {
+  ProblemDesc desc;
+  std::map<std::string, HostTensor> tensors;
+};
+Instance instantiate(const Case& test_case, Device device, std::uint64_t seed);
+
+struct OutputCheck {
+  std::string output;               // "out", "lse", "dq", "dk", "dv", "d<tensor>"
+  double max_error = 0.0;           // max |engine - float64 reference|
+  double allowed = 0.0;             // 2 x plain same-precision error + rounding floor
+  double fraction_outside = 0.0;    // elements with error > allowed (NaN counts as outside)
+  bool guard_intact = true;         // sentinel regions around the buffer untouched
+  bool passed() const { return guard_intact && max_error <= allowed; }
+};
+
+enum class Status { kPass, kFail, kSkipped };
+std::string_view to_string(Status status);
+
+struct Outcome {
+  Status status = Status::kSkipped;
+  std::string reason;  // skip reason (the engine's), or what failed
+  std::vector<OutputCheck> checks;
+  double max_error() const;
+  double allowed() const;  // of the worst check
+  double fraction_outside() const;
+};
+
+// Runs the case on `engine` and on cpu_ref (float64) with the same inputs, plus the plain
+// same-precision implementation that sets the tolerance. Never throws for an engine failure:
+// an exception from the engine is a kFail with its message.
+Outcome run_case(const Engine& engine, const Case& test_case, std::uint64_t seed = 1);
+
+}  // namespace flexattn::conformance

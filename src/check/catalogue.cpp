@@ -1,0 +1,300 @@
+// The catalogue of conformance cases: which modifiers, masks, layouts, dtypes and shapes each
+// tier covers, and how a case becomes a concrete problem with deterministic tensor contents.
+#include <fmt/format.h>
+
+#include <algorithm>
+#include <cmath>
+#include <string>
+#include <vector>
+
+#include "flexattn/conformance.hpp"
+#include "flexattn/error.hpp"
+#include "flexattn/expr.hpp"
+
+namespace flexattn::conformance {
+namespace {
+
+struct ModifierSpec {
+  const char* name;
+  const char* text;  // IR text; empty for the identity
+};
+
+struct TensorSpec {
+  const char* name;
+  enum class Contents { kNormal, kSlopes, kDocumentsOfQuery, kDocumentsOfKey } contents;
+};
+
+// Score modifiers: every kind of IR feature a user writes (transcendental, tensor loads of several
+// ranks, index arithmetic, piecewise definitions, -inf results).
+constexpr ModifierSpec kScoreMods[] = {
+    {"none", ""},
+    {"softcap30", "30 * tanh(score / 30)"},
+    {"softcap5", "5 * tanh(score / 5)"},
+    {"softcap08", "0.8 * tanh(score / 0.8)"},
+    {"bias", "score + bias[h, q, kv]"},
+    {"alibi", "score + slopes[h] * (kv - q)"},
+    {"relbias", "score + rel[h, clamp(kv - q + 64, 0, 128)]"},
+    {"gate", "score * sigmoid(gate[h])"},
+    {"piecewise", "where(score > 0, score * 0.5, score * 2 + 0.25 * float(kv % 3))"},
+    {"neginf", "where(kv % 5 == 3, -inf, score)"},
+};
+
+// Masks: none, the common structured ones, one from integer tensors, and one that empties rows.
+constexpr ModifierSpec kMasks[] = {
+    {"none", ""},
+    {"causal", "q >= kv"},
+    {"causalbr", "q + (KV_LEN - Q_LEN) >= kv"},
+    {"window", "q >= kv && q - kv < 24"},
+    {"document", "docq[q] == dockv[kv]"},
+    {"prefix", "kv < 8 || q >= kv"},
+    {"emptyrows", "q % 4 != 1 && kv <= q + 3"},
+};
+
+const ModifierSpec& find_spec(std::string_view name, const auto& table) {
+  for (const ModifierSpec& spec : table) {
+    if (name == spec.name) return spec;
+  }
+  throw_invalid(fmt::format("unknown conformance modifier or mask '{}'", name));
+}
+
+// Documents of a few, uneven lengths laid over [0, length): position -> document id.
+constexpr std::int64_t kDocuments = 3;
+std::int64_t document_of(std::int64_t position, std::int64_t length) {
+  // Boundaries at 1/5 and 3/5 of the sequence, so the documents differ in length.
+  const std::int64_t first_end = length / 5;
+  const std::int64_t second_end = (3 * length) / 5;
+  if (position < first_end) return 0;
+  if (position < second_end) return 1;
+  return kDocuments - 1;
+}
+
+std::string shape_name(const Case& c) {
+  return fmt::format("{}_{}_b{}_hq{}_hkv{}_sq{}_skv{}_d{}{}", to_string(c.dtype),
+                     to_string(c.layout), c.shape.batch, c.shape.heads_q, c.shape.heads_kv,
+                     c.shape.seq_len_q, c.shape.seq_len_kv, c.shape.head_dim_qk,
+                     c.shape.head_dim_v == c.shape.head_dim_qk
+                         ? std::string()
+                         : fmt::format("_dv{}", c.shape.head_dim_v));
+}
+
+Case make_case(const Shape& shape, Layout layout, DType dtype, std::string modifier,
+               std::string mask, bool backward) {
+  Case c;
+  c.shape = shape;
+  c.layout = layout;
+  c.dtype = dtype;
+  c.modifier = std::move(modifier);
+  c.mask = std::move(mask);
+  c.backward = backward;
+  c.name = fmt::format("{}/{}_{}{}", shape_name(c), c.modifier, c.mask, backward ? "_bwd" : "");
+  return c;
+}
+
+constexpr Layout kLayouts[] = {Layout::kBSHD, Layout::kSBHD, Layout::kBHSD, Layout::kTHD};
+constexpr DType kDtypes[] = {DType::kF32, DType::kF16, DType::kBF16};
+
+// Shapes: odd lengths (1, 17, 100, 577), seq_len_q != seq_len_kv, head dims 64/80/128/256,
+// head_dim_v != head_dim_qk, GQA ratios 1 and 4, and MQA.
+std::vector<Shape> shape_sweep(Tier tier) {
+  std::vector<Shape> shapes = {
+      {1, 2, 2, 1, 1, 64, 64},        {2, 4, 4, 17, 17, 64, 64},    {1, 4, 1, 17, 100, 64, 64},
+      {1, 4, 4, 100, 17, 80, 80},     {1, 8, 2, 100, 100, 128, 128}, {1, 2, 2, 64, 64, 256, 256},
+      {1, 4, 2, 33, 47, 64, 80},      {1, 1, 1, 577, 577, 64, 64},   {1, 4, 1, 1, 577, 128, 128},
+  };
+  if (tier == Tier::kFull) {
+    const std::vector<Shape> more = {
+        {2, 8, 2, 577, 577, 80, 80},   {2, 4, 4, 100, 577, 256, 256}, {1, 16, 4, 577, 100, 64, 64},
+        {3, 6, 3, 17, 17, 128, 64},    {2, 8, 1, 100, 100, 256, 128},
+    };
+    shapes.insert(shapes.end(), more.begin(), more.end());
+  }
+  return shapes;
+}
+
+}  // namespace
+
+Case custom_case(const Shape& shape, Layout layout, DType dtype, std::string score_mod,
+                 std::string mask, bool backward) {
+  Case c = make_case(shape, layout, dtype, "custom", std::move(mask), backward);
+  c.custom_score_mod = std::move(score_mod);
+  return c;
+}
+
+Tier parse_tier(std::string_view text) {
+  if (text == "quick") return Tier::kQuick;
+  if (text == "full") return Tier::kFull;
+  throw_invalid(fmt::format("unknown tier '{}' (expected quick or full)", text));
+}
+
+std::string_view to_string(Status status) {
+  switch (status) {
+    case Status::kPass:
+      return "pass";
+    case Status::kFail:
+      return "FAIL";
+    case Status::kSkipped:
+      return "skipped";
+  }
+  return "?";
+}
+
+std::vector<Case> cases(Tier tier) {
+  std::vector<Case> result;
+  const Shape base{2, 4, 2, 100, 100, 64, 64};  // GQA 2:1, a length no tile size divides
+
+  // 1. Every modifier with every mask: forward; backward for each modifier with two masks
+  //    (all of them in the full tier).
+  for (const ModifierSpec& modifier : kScoreMods) {
+    for (const ModifierSpec& mask : kMasks) {
+      result.push_back(
+          make_case(base, Layout::kBSHD, DType::kF32, modifier.name, mask.name, false));
+      const bool quick_backward = std::string_view(mask.name) == "none" ||
+                                  std::string_view(mask.name) == "causal" ||
+                                  std::string_view(mask.name) == "emptyrows";
+      if (tier == Tier::kFull || quick_backward) {
+        result.push_back(
+            make_case(base, Layout::kBSHD, DType::kF32, modifier.name, mask.name, true));
+      }
+    }
+  }
+
+  // 2. Every layout with every storage dtype, forward and backward.
+  const Shape layout_shape{2, 4, 1, 33, 47, 64, 64};
+  const std::vector<std::pair<std::string, std::string>> layout_mods =
+      tier == Tier::kQuick
+          ? std::vector<std::pair<std::string, std::string>>{{"softcap30", "causal"},
+                                                             {"bias", "document"}}
+          : std::vector<std::pair<std::string, std::string>>{{"softcap30", "causal"},
+                                                             {"bias", "document"},
+                                                             {"alibi", "window"},
+                                                             {"relbias", "prefix"},
+                                                             {"gate", "emptyrows"},
+                                                             {"neginf", "causalbr"}};
+  for (Layout layout : kLayouts) {
+    for (DType dtype : kDtypes) {
+      for (const auto& [modifier, mask] : layout_mods) {
+        result.push_back(make_case(layout_shape, layout, dtype, modifier, mask, false));
+        result.push_back(make_case(layout_shape, layout, dtype, modifier, mask, true));
+      }
+    }
+  }
+
+  // 3. Every shape feature, in the low-precision dtypes GPU engines run.
+  const std::vector<std::pair<std::string, std::string>> shape_mods =
+      tier == Tier::kQuick
+          ? std::vector<std::pair<std::string, std::string>>{{"alibi", "causalbr"}}
+          : std::vector<std::pair<std::string, std::string>>{
+                {"alibi", "causalbr"}, {"softcap30", "none"}, {"none", "causal"},
+                {"relbias", "window"}};
+  for (const Shape& shape : shape_sweep(tier)) {
+    for (DType dtype : {DType::kBF16, DType::kF16}) {
+      if (tier == Tier::kQuick && dtype == DType::kF16) continue;
+      for (const auto& [modifier, mask] : shape_mods) {
+        result.push_back(make_case(shape, Layout::kBSHD, dtype, modifier, mask, false));
+        result.push_back(make_case(shape, Layout::kBSHD, dtype, modifier, mask, true));
+      }
+    }
+  }
+  return result;
+}
+
+namespace {
+
+std::vector<TensorSpec> tensors_of(std::string_view modifier, std::string_view mask) {
+  std::vector<TensorSpec> tensors;
+  if (modifier == "bias" || modifier == "custom") {
+    tensors.push_back({"bias", TensorSpec::Contents::kNormal});
+  }
+  if (modifier == "alibi" || modifier == "custom") {
+    tensors.push_back({"slopes", TensorSpec::Contents::kSlopes});
+  }
+  if (modifier == "relbias") tensors.push_back({"rel", TensorSpec::Contents::kNormal});
+  if (modifier == "gate") tensors.push_back({"gate", TensorSpec::Contents::kNormal});
+  if (mask == "document") {
+    tensors.push_back({"docq", TensorSpec::Contents::kDocumentsOfQuery});
+    tensors.push_back({"dockv", TensorSpec::Contents::kDocumentsOfKey});
+  }
+  return tensors;
+}
+
+std::vector<std::int64_t> tensor_shape(std::string_view name, const Shape& s) {
+  if (name == "bias") return {s.heads_q, s.seq_len_q, s.seq_len_kv};
+  if (name == "slopes" || name == "gate") return {s.heads_q};
+  if (name == "rel") return {s.heads_q, 129};  // 129 buckets: clamp(kv - q + 64, 0, 128)
+  if (name == "docq") return {s.seq_len_q};
+  if (name == "dockv") return {s.seq_len_kv};
+  throw_internal(fmt::format("no shape rule for conformance tensor '{}'", name));
+}
+
+// thd packs sequences of different lengths: entry b has length max(1, len - 3 b), so the batch
+// is ragged and the longest sequence is the nominal length.
+std::vector<std::int64_t> ragged_offsets(std::int64_t batch, std::int64_t length) {
+  constexpr std::int64_t kShrinkPerEntry = 3;
+  std::vector<std::int64_t> offsets{0};
+  for (std::int64_t b = 0; b < batch; ++b) {
+    offsets.push_back(offsets.back() + std::max<std::int64_t>(1, length - kShrinkPerEntry * b));
+  }
+  return offsets;
+}
+
+}  // namespace
+
+Instance instantiate(const Case& c, Device device, std::uint64_t seed) {
+  Instance instance;
+  ProblemDesc& desc = instance.desc;
+  desc.batch = c.shape.batch;
+  desc.heads_q = c.shape.heads_q;
+  desc.heads_kv = c.shape.heads_kv;
+  desc.seq_len_q = c.shape.seq_len_q;
+  desc.seq_len_kv = c.shape.seq_len_kv;
+  desc.head_dim_qk = c.shape.head_dim_qk;
+  desc.head_dim_v = c.shape.head_dim_v;
+  desc.layout = c.layout;
+  desc.dtype = c.dtype;
+  desc.direction = c.backward ? Direction::kForwardBackward : Direction::kForward;
+  desc.device = device;
+  if (c.layout == Layout::kTHD) {
+    desc.cu_seqlens_q = ragged_offsets(c.shape.batch, c.shape.seq_len_q);
+    desc.cu_seqlens_kv = ragged_offsets(c.shape.batch, c.shape.seq_len_kv);
+  }
+
+  std::uint64_t tensor_seed = seed * 1000003u + 17u;
+  for (const TensorSpec& spec : tensors_of(c.modifier, c.mask)) {
+    const std::vector<std::int64_t> shape = tensor_shape(spec.name, c.shape);
+    const bool is_index = spec.contents == TensorSpec::Contents::kDocumentsOfQuery ||
+                          spec.contents == TensorSpec::Contents::kDocumentsOfKey;
+    HostTensor tensor(is_index ? DType::kI32 : DType::kF32, shape);
+    switch (spec.contents) {
+      case TensorSpec::Contents::kNormal:
+        tensor.fill_normal(tensor_seed++);
+        break;
+      case TensorSpec::Contents::kSlopes:
+        for (std::int64_t h = 0; h < shape[0]; ++h) {
+          tensor.set(h, std::exp2(-8.0 * static_cast<double>(h + 1) /
+                                  static_cast<double>(shape[0])));
+        }
+        break;
+      case TensorSpec::Contents::kDocumentsOfQuery:
+      case TensorSpec::Contents::kDocumentsOfKey:
+        for (std::int64_t i = 0; i < shape[0]; ++i) {
+          tensor.set(i, static_cast<double>(document_of(i, shape[0])));
+        }
+        break;
+    }
+    desc.tensors[spec.name] = TensorDecl{tensor.dtype(), shape};
+    instance.tensors.emplace(spec.name, std::move(tensor));
+  }
+
+  const ir::Scope scope = desc.scope();
+  const ModifierSpec& mask = find_spec(c.mask, kMasks);
+  if (c.modifier == "custom") {
+    desc.score_mod = ir::parse(c.custom_score_mod, scope);
+  } else if (const ModifierSpec& modifier = find_spec(c.modifier, kScoreMods);
+             *modifier.text != '\0') {
+    desc.score_mod = ir::parse(modifier.text, scope);
+  }
+  if (*mask.text != '\0') desc.mask_mod = ir::parse(mask.text, scope);
+  return instance;
+}
+
+}  // namespace flexattn::conformance

@@ -1,0 +1,377 @@
+// Runs one conformance case on an engine: same inputs through the engine, through cpu_ref in
+// float64 and through the plain same-precision implementation; every output checked against the
+// float64 result with the tolerance rule, and every output buffer fenced by sentinel regions.
+#include <fmt/format.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <limits>
+#include <memory>
+#include <vector>
+
+#include "check/check_internal.hpp"
+#include "engines/cpu_ref/cpu_ref.hpp"
+#include "flexattn/conformance.hpp"
+#include "flexattn/error.hpp"
+
+namespace flexattn::conformance {
+namespace {
+
+// Sentinel elements on each side of every output buffer, and the byte they hold. Interior
+// elements start as NaN (all bits set) so an element the engine never writes fails the check.
+constexpr std::int64_t kGuardElements = 64;
+constexpr unsigned char kGuardByte = 0xA7;
+constexpr unsigned char kPoisonByte = 0xFF;
+
+// An output buffer with guard regions, on the host or on the engine's device.
+class GuardedBuffer {
+ public:
+  GuardedBuffer(const TensorView& expected, const DeviceMemory* memory)
+      : memory_(memory), dtype_(expected.dtype), shape_(expected.shape) {
+    const std::size_t element = size_of(dtype_);
+    const auto count = static_cast<std::size_t>(expected.numel());
+    total_bytes_ = (count + 2 * kGuardElements) * element;
+    interior_offset_ = kGuardElements * element;
+    interior_bytes_ = count * element;
+    host_.assign(total_bytes_, std::byte{kGuardByte});
+    std::memset(host_.data() + interior_offset_, kPoisonByte, interior_bytes_);
+    if (memory_ != nullptr) {
+      device_ = memory_->allocate(total_bytes_);
+      memory_->copy_to_device(device_, host_.data(), total_bytes_);
+    }
+  }
+  ~GuardedBuffer() {
+    if (memory_ != nullptr && device_ != nullptr) memory_->release(device_);
+  }
+  GuardedBuffer(const GuardedBuffer&) = delete;
+  GuardedBuffer& operator=(const GuardedBuffer&) = delete;
+
+  // The view handed to the engine.
+  TensorView engine_view() const {
+    TensorView view;
+    std::byte* base = memory_ != nullptr ? static_cast<std::byte*>(device_)
+                                         : const_cast<std::byte*>(host_.data());
+    view.data = base + interior_offset_;
+    view.dtype = dtype_;
+    view.shape = shape_;
+    view.strides = contiguous_strides(shape_);
+    view.device = memory_ != nullptr ? Device::kCuda : Device::kCpu;
+    return view;
+  }
+  // Brings the buffer back to the host (after the engine ran); returns whether guards held.
+  bool fetch() {
+    if (memory_ != nullptr) {
+      memory_->synchronize();
+      memory_->copy_to_host(host_.data(), device_, total_bytes_);
+    }
+    for (std::size_t i = 0; i < total_bytes_; ++i) {
+      const bool in_guard = i < interior_offset_ || i >= interior_offset_ + interior_bytes_;
+      if (in_guard && host_[i] != std::byte{kGuardByte}) return false;
+    }
+    return true;
+  }
+  TensorView host_view() const {
+    TensorView view = engine_view();
+    view.data = const_cast<std::byte*>(host_.data()) + interior_offset_;
+    view.device = Device::kCpu;
+    return view;
+  }
+
+ private:
+  const DeviceMemory* memory_;
+  DType dtype_;
+  std::vector<std::int64_t> shape_;
+  std::vector<std::byte> host_;
+  std::size_t total_bytes_ = 0, interior_offset_ = 0, interior_bytes_ = 0;
+  void* device_ = nullptr;
+};
+
+// An input on the engine's device (a plain host view for CPU engines).
+class DeviceInput {
+ public:
+  DeviceInput(const HostTensor& tensor, const DeviceMemory* memory) : memory_(memory) {
+    view_ = tensor.view();
+    if (memory_ != nullptr) {
+      device_ = memory_->allocate(tensor.bytes());
+      memory_->copy_to_device(device_, tensor.data(), tensor.bytes());
+      view_.data = device_;
+      view_.device = Device::kCuda;
+    }
+  }
+  ~DeviceInput() {
+    if (memory_ != nullptr && device_ != nullptr) memory_->release(device_);
+  }
+  DeviceInput(const DeviceInput&) = delete;
+  DeviceInput& operator=(const DeviceInput&) = delete;
+  const TensorView& view() const { return view_; }
+
+ private:
+  const DeviceMemory* memory_;
+  TensorView view_;
+  void* device_ = nullptr;
+};
+
+double machine_epsilon(DType dtype) {
+  switch (dtype) {
+    case DType::kF64:
+      return std::numeric_limits<double>::epsilon();
+    case DType::kF32:
+    case DType::kI32:
+    case DType::kI64:
+      return std::numeric_limits<float>::epsilon();
+    case DType::kF16:
+      return 0x1p-10;  // 10 fraction bits
+    case DType::kBF16:
+      return 0x1p-7;  // 7 fraction bits
+  }
+  return 0.0;
+}
+
+double element_error(double value, double reference) {
+  if (std::isnan(value) || std::isnan(reference)) return std::numeric_limits<double>::infinity();
+  if (value == reference) return 0.0;  // also equal infinities (LSE of empty rows)
+  return std::fabs(value - reference);
+}
+
+// Compares the engine's and the plain implementation's outputs with the float64 reference.
+OutputCheck compare(std::string name, const TensorView& engine, const TensorView& plain,
+                    const TensorView& reference, DType rounding_dtype, bool guard_intact) {
+  OutputCheck check;
+  check.output = std::move(name);
+  check.guard_intact = guard_intact;
+  const std::int64_t count = reference.numel();
+  double plain_error = 0.0;
+  double magnitude = 0.0;
+  std::vector<double> errors(static_cast<std::size_t>(count));
+  for (std::int64_t i = 0; i < count; ++i) {
+    const double r = reference.load(i);
+    if (std::isfinite(r)) magnitude = std::max(magnitude, std::fabs(r));
+    plain_error = std::max(plain_error, element_error(plain.load(i), r));
+    errors[static_cast<std::size_t>(i)] = element_error(engine.load(i), r);
+  }
+  // One rounding of the largest output in the output's precision: the error floor.
+  const double floor = machine_epsilon(rounding_dtype) * std::max(1.0, magnitude);
+  check.allowed = 2.0 * plain_error + floor;
+  std::int64_t outside = 0;
+  for (double e : errors) {
+    check.max_error = std::max(check.max_error, e);
+    if (!(e <= check.allowed)) ++outside;
+  }
+  check.fraction_outside = count == 0 ? 0.0 : static_cast<double>(outside) / static_cast<double>(count);
+  return check;
+}
+
+HostTensor random_input(const TensorView& expected, DType dtype, std::uint64_t seed) {
+  HostTensor tensor(dtype, expected.shape);
+  tensor.fill_normal(seed);
+  return tensor;
+}
+
+HostTensor host_output(const TensorView& expected, DType dtype) {
+  return HostTensor(dtype, expected.shape);
+}
+
+}  // namespace
+
+double Outcome::max_error() const {
+  double worst = 0.0;
+  for (const OutputCheck& check : checks) worst = std::max(worst, check.max_error);
+  return worst;
+}
+
+double Outcome::allowed() const {
+  double worst_ratio = -1.0;
+  double allowed_of_worst = 0.0;
+  for (const OutputCheck& check : checks) {
+    const double ratio = check.allowed > 0.0 ? check.max_error / check.allowed : check.max_error;
+    if (ratio > worst_ratio) {
+      worst_ratio = ratio;
+      allowed_of_worst = check.allowed;
+    }
+  }
+  return allowed_of_worst;
+}
+
+double Outcome::fraction_outside() const {
+  double worst = 0.0;
+  for (const OutputCheck& check : checks) worst = std::max(worst, check.fraction_outside);
+  return worst;
+}
+
+Outcome run_case(const Engine& engine, const Case& test_case, std::uint64_t seed) {
+  Outcome outcome;
+  if (Support available = engine.available(); !available) {
+    outcome.reason = available.reason();
+    return outcome;
+  }
+  Instance instance = instantiate(test_case, engine.device(), seed);
+  const Problem problem(instance.desc);
+  if (Support support = engine.supports(problem); !support) {
+    outcome.reason = support.reason();
+    return outcome;
+  }
+  const DeviceMemory* memory = engine.memory();
+  const DType dtype = problem.dtype();
+  const DType stats_dtype = DType::kF32;
+
+  // The same inputs for all three, in the storage dtype; float64 copies for the reference.
+  const HostTensor q = random_input(problem.expected("q"), dtype, seed * 4 + 0);
+  const HostTensor k = random_input(problem.expected("k"), dtype, seed * 4 + 1);
+  const HostTensor v = random_input(problem.expected("v"), dtype, seed * 4 + 2);
+  const HostTensor dout = random_input(problem.expected("o"), dtype, seed * 4 + 3);
+
+  ProblemDesc reference_desc = instance.desc;
+  reference_desc.dtype = DType::kF64;
+  reference_desc.device = Device::kCpu;
+  std::map<std::string, HostTensor> reference_tensors;
+  for (auto& [name, tensor] : instance.tensors) {
+    const bool is_float = is_floating(tensor.dtype());
+    reference_tensors.emplace(name, is_float ? tensor.to(DType::kF64) : tensor.to(tensor.dtype()));
+    if (is_float) reference_desc.tensors[name].dtype = DType::kF64;
+  }
+  const Problem reference_problem(reference_desc);
+  const std::vector<std::string> float_tensors = [&] {
+    std::vector<std::string> names;
+    for (const std::string& name : problem.score_mod().tensors()) {
+      if (is_floating(instance.tensors.at(name).dtype())) names.push_back(name);
+    }
+    return names;
+  }();
+
+  // Float64 reference.
+  const HostTensor q64 = q.to(DType::kF64), k64 = k.to(DType::kF64), v64 = v.to(DType::kF64);
+  const HostTensor dout64 = dout.to(DType::kF64);
+  HostTensor out64 = host_output(reference_problem.expected("o"), DType::kF64);
+  HostTensor lse64 = host_output(reference_problem.expected("lse"), DType::kF64);
+  HostTensor dq64, dk64, dv64;
+  std::map<std::string, HostTensor> dtensor64;
+  {
+    const std::unique_ptr<Plan> plan = make_cpu_ref_engine()->plan(reference_problem);
+    ForwardArgs args{q64.view(), k64.view(), v64.view(), out64.view(), lse64.view(), {}, nullptr};
+    for (auto& [name, tensor] : reference_tensors) args.tensors[name] = tensor.view();
+    plan->forward(args);
+    if (test_case.backward) {
+      dq64 = HostTensor(DType::kF64, q.shape());
+      dk64 = HostTensor(DType::kF64, k.shape());
+      dv64 = HostTensor(DType::kF64, v.shape());
+      BackwardArgs bargs;
+      bargs.q = q64.view(), bargs.k = k64.view(), bargs.v = v64.view();
+      bargs.out = out64.view(), bargs.lse = lse64.view(), bargs.dout = dout64.view();
+      bargs.dq = dq64.view(), bargs.dk = dk64.view(), bargs.dv = dv64.view();
+      bargs.tensors = args.tensors;
+      for (const std::string& name : float_tensors) {
+        dtensor64.emplace(name, HostTensor(DType::kF64, instance.tensors.at(name).shape()));
+        bargs.tensor_grads[name] = dtensor64.at(name).view();
+      }
+      plan->backward(bargs);
+    }
+  }
+
+  // Plain same-precision implementation (the tolerance).
+  HostTensor plain_out = host_output(problem.expected("o"), dtype);
+  HostTensor plain_lse = host_output(problem.expected("lse"), stats_dtype);
+  HostTensor plain_dq, plain_dk, plain_dv;
+  std::map<std::string, HostTensor> plain_dtensor;
+  {
+    ForwardArgs args{q.view(), k.view(), v.view(), plain_out.view(), plain_lse.view(), {}, nullptr};
+    for (auto& [name, tensor] : instance.tensors) args.tensors[name] = tensor.view();
+    detail::plain_forward(problem, args);
+    if (test_case.backward) {
+      plain_dq = HostTensor(dtype, q.shape());
+      plain_dk = HostTensor(dtype, k.shape());
+      plain_dv = HostTensor(dtype, v.shape());
+      BackwardArgs bargs;
+      bargs.q = q.view(), bargs.k = k.view(), bargs.v = v.view();
+      bargs.out = plain_out.view(), bargs.lse = plain_lse.view(), bargs.dout = dout.view();
+      bargs.dq = plain_dq.view(), bargs.dk = plain_dk.view(), bargs.dv = plain_dv.view();
+      bargs.tensors = args.tensors;
+      for (const std::string& name : float_tensors) {
+        plain_dtensor.emplace(name, HostTensor(stats_dtype, instance.tensors.at(name).shape()));
+        bargs.tensor_grads[name] = plain_dtensor.at(name).view();
+      }
+      detail::plain_backward(problem, bargs);
+    }
+  }
+
+  // The engine, with every input on its device and every output fenced.
+  try {
+    const std::unique_ptr<Plan> plan = engine.plan(problem);
+    // The plan proof, exactly as selection applies it.
+    if (plan->info().lowered_hash != problem.modifier_hash()) {
+      outcome.status = Status::kFail;
+      outcome.reason = fmt::format(
+          "plan proof failed: the plan implements modifier {} but {} was requested",
+          hash_to_hex(plan->info().lowered_hash), hash_to_hex(problem.modifier_hash()));
+      return outcome;
+    }
+    const DeviceInput q_in(q, memory), k_in(k, memory), v_in(v, memory), dout_in(dout, memory);
+    std::map<std::string, std::unique_ptr<DeviceInput>> tensor_inputs;
+    for (auto& [name, tensor] : instance.tensors) {
+      tensor_inputs.emplace(name, std::make_unique<DeviceInput>(tensor, memory));
+    }
+    GuardedBuffer out(problem.expected("o"), memory);
+    GuardedBuffer lse(problem.expected("lse"), memory);
+    ForwardArgs args{q_in.view(), k_in.view(), v_in.view(), out.engine_view(),
+                     lse.engine_view(), {}, nullptr};
+    for (auto& [name, input] : tensor_inputs) args.tensors[name] = input->view();
+    plan->forward(args);
+    const bool out_guard = out.fetch();
+    const bool lse_guard = lse.fetch();
+    outcome.checks.push_back(compare("out", out.host_view(), plain_out.view(), out64.view(),
+                                     dtype, out_guard));
+    outcome.checks.push_back(compare("lse", lse.host_view(), plain_lse.view(), lse64.view(),
+                                     stats_dtype, lse_guard));
+    if (test_case.backward) {
+      GuardedBuffer dq(problem.expected("q"), memory), dk(problem.expected("k"), memory),
+          dv(problem.expected("v"), memory);
+      std::map<std::string, std::unique_ptr<GuardedBuffer>> dtensors;
+      BackwardArgs bargs;
+      bargs.q = args.q, bargs.k = args.k, bargs.v = args.v;
+      bargs.out = out.engine_view(), bargs.lse = lse.engine_view(), bargs.dout = dout_in.view();
+      bargs.dq = dq.engine_view(), bargs.dk = dk.engine_view(), bargs.dv = dv.engine_view();
+      bargs.tensors = args.tensors;
+      for (const std::string& name : float_tensors) {
+        TensorView expected;
+        expected.dtype = stats_dtype;
+        expected.shape = instance.tensors.at(name).shape();
+        dtensors.emplace(name, std::make_unique<GuardedBuffer>(expected, memory));
+        bargs.tensor_grads[name] = dtensors.at(name)->engine_view();
+      }
+      plan->backward(bargs);
+      const bool dq_guard = dq.fetch(), dk_guard = dk.fetch(), dv_guard = dv.fetch();
+      outcome.checks.push_back(
+          compare("dq", dq.host_view(), plain_dq.view(), dq64.view(), dtype, dq_guard));
+      outcome.checks.push_back(
+          compare("dk", dk.host_view(), plain_dk.view(), dk64.view(), dtype, dk_guard));
+      outcome.checks.push_back(
+          compare("dv", dv.host_view(), plain_dv.view(), dv64.view(), dtype, dv_guard));
+      for (const std::string& name : float_tensors) {
+        const bool guard = dtensors.at(name)->fetch();
+        outcome.checks.push_back(compare("d" + name, dtensors.at(name)->host_view(),
+                                         plain_dtensor.at(name).view(), dtensor64.at(name).view(),
+                                         stats_dtype, guard));
+      }
+    }
+  } catch (const Error& error) {
+    outcome.status = Status::kFail;
+    outcome.reason = fmt::format("{} error: {}", to_string(error.code()), error.what());
+    return outcome;
+  }
+
+  outcome.status = Status::kPass;
+  for (const OutputCheck& check : outcome.checks) {
+    if (check.passed()) continue;
+    outcome.status = Status::kFail;
+    if (!outcome.reason.empty()) outcome.reason += "; ";
+    outcome.reason += !check.guard_intact
+                          ? fmt::format("{}: write outside the buffer (sentinel overwritten)",
+                                        check.output)
+                          : fmt::format("{}: max error {:.3g} > allowed {:.3g} ({:.1f}% outside)",
+                                        check.output, check.max_error, check.allowed,
+                                        100.0 * check.fraction_outside);
+  }
+  return outcome;
+}
+
+}  // namespace flexattn::conformance

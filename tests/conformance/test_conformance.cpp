@@ -1,0 +1,131 @@
+// The conformance matrix as a GoogleTest suite: every built-in engine (but the oracle itself) on
+// every case of the tier, against cpu_ref. Tests are named `<engine>/<shape>.<modifier>_<mask>`;
+// unsupported combinations are skipped with the engine's reason so coverage gaps show.
+// FLEXATTN_CONFORMANCE_TIER=full selects the full tier (default: quick).
+#include <gtest/gtest.h>
+
+#include <cstdlib>
+#include <memory>
+#include <set>
+#include <stdexcept>
+#include <string>
+
+#include "flexattn/conformance.hpp"
+#include "flexattn/context.hpp"
+#include "flexattn/testing.hpp"
+
+namespace flexattn::conformance {
+namespace {
+
+class ConformanceTest : public ::testing::Test {
+ public:
+  ConformanceTest(std::shared_ptr<const Engine> engine, Case test_case)
+      : engine_(std::move(engine)), case_(std::move(test_case)) {}
+
+  void TestBody() override {
+    const Outcome outcome = run_case(*engine_, case_);
+    if (outcome.status == Status::kSkipped) GTEST_SKIP() << outcome.reason;
+    for (const OutputCheck& check : outcome.checks) {
+      EXPECT_TRUE(check.guard_intact) << check.output << ": write outside the buffer";
+      EXPECT_LE(check.max_error, check.allowed)
+          << check.output << ": " << 100.0 * check.fraction_outside
+          << "% of elements outside tolerance";
+    }
+    EXPECT_EQ(outcome.status, Status::kPass) << outcome.reason;
+  }
+
+ private:
+  std::shared_ptr<const Engine> engine_;
+  Case case_;
+};
+
+Tier tier_from_environment() {
+  const char* text = std::getenv("FLEXATTN_CONFORMANCE_TIER");
+  return text == nullptr ? Tier::kQuick : parse_tier(text);
+}
+
+void register_matrix() {
+  const std::vector<Case> all_cases = cases(tier_from_environment());
+  for (const std::shared_ptr<const Engine>& engine : builtin_engines()) {
+    if (engine->name() == "cpu_ref") continue;  // the oracle is not compared with itself
+    for (const Case& test_case : all_cases) {
+      const std::size_t slash = test_case.name.find('/');
+      const std::string suite = std::string(engine->name()) + "/" + test_case.name.substr(0, slash);
+      const std::string name = test_case.name.substr(slash + 1);
+      ::testing::RegisterTest(suite.c_str(), name.c_str(), nullptr, nullptr, __FILE__, __LINE__,
+                              [engine, test_case]() -> ::testing::Test* {
+                                return new ConformanceTest(engine, test_case);
+                              });
+    }
+  }
+}
+
+// The planted faulty engines must fail the matrix on a modifier they drop: the dropping one by
+// the plan proof, the lying one by a large fraction of elements outside tolerance.
+TEST(PlantedFaults, DroppingEngineFailsThePlanProof) {
+  const Case softcap = [] {
+    for (const Case& c : cases(Tier::kQuick)) {
+      if (c.modifier == "softcap5" && c.mask == "none" && !c.backward) return c;
+    }
+    throw std::runtime_error("catalogue lost its softcap5 case");
+  }();
+  const Outcome outcome = run_case(*testing::make_dropping_engine(), softcap);
+  EXPECT_EQ(outcome.status, Status::kFail);
+  EXPECT_NE(outcome.reason.find("plan proof"), std::string::npos) << outcome.reason;
+}
+
+TEST(PlantedFaults, LyingEngineFailsOnMostElements) {
+  int failed = 0;
+  for (const Case& c : cases(Tier::kQuick)) {
+    if (c.backward || c.dtype != DType::kF32 || c.mask != "none") continue;
+    const Outcome outcome = run_case(*testing::make_lying_engine(), c);
+    if (c.modifier == "none") {
+      EXPECT_EQ(outcome.status, Status::kPass) << c.name << ": " << outcome.reason;
+      continue;
+    }
+    if (c.modifier == "softcap30") continue;  // scores of N(0,1) inputs hardly reach the cap
+    EXPECT_EQ(outcome.status, Status::kFail) << c.name;
+    EXPECT_GT(outcome.fraction_outside(), 0.2) << c.name;
+    ++failed;
+  }
+  EXPECT_GE(failed, 6);
+}
+
+TEST(Catalogue, QuickTierCoversEveryFeature) {
+  const std::vector<Case> quick = cases(Tier::kQuick);
+  std::set<std::string> modifiers, masks, layouts, dtypes;
+  std::set<std::int64_t> lengths, head_dims, ratios;
+  bool unequal_lengths = false, unequal_head_dims = false, backward = false;
+  for (const Case& c : quick) {
+    modifiers.insert(c.modifier);
+    masks.insert(c.mask);
+    layouts.insert(std::string(to_string(c.layout)));
+    dtypes.insert(std::string(to_string(c.dtype)));
+    lengths.insert(c.shape.seq_len_q);
+    head_dims.insert(c.shape.head_dim_qk);
+    ratios.insert(c.shape.heads_q / c.shape.heads_kv);
+    if (c.shape.heads_kv == 1) ratios.insert(0);  // MQA
+    unequal_lengths |= c.shape.seq_len_q != c.shape.seq_len_kv;
+    unequal_head_dims |= c.shape.head_dim_qk != c.shape.head_dim_v;
+    backward |= c.backward;
+  }
+  EXPECT_EQ(modifiers.size(), 10u);
+  EXPECT_EQ(masks.size(), 7u);
+  EXPECT_EQ(layouts.size(), 4u);
+  EXPECT_EQ(dtypes.size(), 3u);
+  for (std::int64_t length : {1, 17, 100, 577}) EXPECT_TRUE(lengths.count(length)) << length;
+  for (std::int64_t dim : {64, 80, 128, 256}) EXPECT_TRUE(head_dims.count(dim)) << dim;
+  for (std::int64_t ratio : {0, 1, 4}) EXPECT_TRUE(ratios.count(ratio)) << ratio;
+  EXPECT_TRUE(unequal_lengths);
+  EXPECT_TRUE(unequal_head_dims);
+  EXPECT_TRUE(backward);
+}
+
+}  // namespace
+}  // namespace flexattn::conformance
+
+int main(int argc, char** argv) {
+  ::testing::InitGoogleTest(&argc, argv);
+  flexattn::conformance::register_matrix();
+  return RUN_ALL_TESTS();
+}
