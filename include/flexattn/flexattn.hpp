@@ -9,5 +9,6 @@
 #include "flexattn/expr.hpp"
 #include "flexattn/graph.hpp"
 #include "flexattn/modifiers.hpp"
+#include "flexattn/npy.hpp"
 #include "flexattn/problem.hpp"
 #include "flexattn/tensor.hpp"

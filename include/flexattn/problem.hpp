@@ -109,6 +109,10 @@ class Problem {
   std::string signature_;
 };
 
+// The hash a plan must prove it implements (Problem::modifier_hash and every engine's
+// PlanInfo::lowered_hash use this one formula).
+std::uint64_t modifier_hash(const Graph& score_mod, const Graph& mask_mod, double scale);
+
 // FLOPs per DESIGN.md section 6 (forward; forward+backward is 3.5x). Counts only kept tiles'
 // worth for causal-like masks via `kept_fraction` (1.0 dense, 0.5 causal).
 double attention_flops(const Problem& problem, double kept_fraction);

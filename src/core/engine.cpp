@@ -1,1 +1,129 @@
-// placeholder: being written
+// The engine contract: support is the first half of planning, and plans check their arguments
+// against the problem they were built for before running.
+#include "flexattn/engine.hpp"
+
+#include <fmt/format.h>
+
+#include <set>
+
+#include "flexattn/error.hpp"
+
+namespace flexattn {
+
+namespace {
+
+bool same_layout(const TensorView& actual, const TensorView& expected) {
+  return actual.dtype == expected.dtype && actual.shape == expected.shape &&
+         actual.strides == expected.strides && actual.device == expected.device;
+}
+
+void check_view(std::string_view name, const TensorView& actual, const TensorView& expected) {
+  if (actual.empty()) {
+    throw_invalid(fmt::format("argument {}: missing (expected {})", name, expected.describe()));
+  }
+  if (!same_layout(actual, expected)) {
+    throw_invalid(fmt::format("argument {}: expected {}, got {}", name, expected.describe(),
+                              actual.describe()));
+  }
+}
+
+TensorView declared_view(const TensorDecl& decl, Device device) {
+  TensorView view;
+  view.dtype = decl.dtype;
+  view.shape = decl.shape;
+  view.strides = contiguous_strides(decl.shape);
+  view.device = device;
+  return view;
+}
+
+std::set<std::string> tensors_read(const Problem& problem) {
+  std::set<std::string> names;
+  for (const std::string& name : problem.score_mod().tensors()) names.insert(name);
+  for (const std::string& name : problem.mask_mod().tensors()) names.insert(name);
+  return names;
+}
+
+// Every tensor a modifier reads must be passed, contiguous, with its declared shape and dtype.
+void check_tensors(const Problem& problem, const std::map<std::string, TensorView>& tensors) {
+  for (const std::string& name : tensors_read(problem)) {
+    const TensorView expected = declared_view(problem.desc().tensors.at(name), problem.device());
+    const auto found = tensors.find(name);
+    check_view("tensor '" + name + "'", found == tensors.end() ? TensorView{} : found->second,
+               expected);
+  }
+}
+
+}  // namespace
+
+Support Engine::supports(const Problem& problem) const {
+  Support available_here = available();
+  if (!available_here) return available_here;
+  if (problem.device() != device()) {
+    return Support::no(fmt::format("runs on {}, the problem is on {}", to_string(device()),
+                                   to_string(problem.device())));
+  }
+  return lower(problem, Stage::kCheck).support;
+}
+
+std::unique_ptr<Plan> Engine::plan(const Problem& problem) const {
+  const Support available_here = available();
+  if (!available_here) throw_unsupported(fmt::format("{}: {}", name(), available_here.reason()));
+  if (problem.device() != device()) {
+    throw_unsupported(fmt::format("{}: runs on {}, the problem is on {}", name(),
+                                  to_string(device()), to_string(problem.device())));
+  }
+  Lowered lowered = lower(problem, Stage::kBuild);
+  if (!lowered.support) throw_unsupported(fmt::format("{}: {}", name(), lowered.support.reason()));
+  if (!lowered.plan) throw_internal(fmt::format("{}: lowering succeeded without a plan", name()));
+  return std::move(lowered.plan);
+}
+
+void Plan::forward(const ForwardArgs& args) const {
+  check_forward_args(problem(), args);
+  run_forward(args);
+}
+
+void Plan::backward(const BackwardArgs& args) const {
+  check_backward_args(problem(), args);
+  run_backward(args);
+}
+
+void check_forward_args(const Problem& problem, const ForwardArgs& args) {
+  check_view("q", args.q, problem.expected("q"));
+  check_view("k", args.k, problem.expected("k"));
+  check_view("v", args.v, problem.expected("v"));
+  check_view("out", args.out, problem.expected("o"));
+  if (!args.lse.empty()) check_view("lse", args.lse, problem.expected("lse"));
+  check_tensors(problem, args.tensors);
+}
+
+void check_backward_args(const Problem& problem, const BackwardArgs& args) {
+  if (!problem.wants_backward()) {
+    throw_invalid("backward: the problem was built for the forward direction only");
+  }
+  check_view("q", args.q, problem.expected("q"));
+  check_view("k", args.k, problem.expected("k"));
+  check_view("v", args.v, problem.expected("v"));
+  check_view("out", args.out, problem.expected("o"));
+  check_view("lse", args.lse, problem.expected("lse"));
+  check_view("dout", args.dout, problem.expected("dout"));
+  check_view("dq", args.dq, problem.expected("dq"));
+  check_view("dk", args.dk, problem.expected("dk"));
+  check_view("dv", args.dv, problem.expected("dv"));
+  check_tensors(problem, args.tensors);
+  const std::set<std::string> read = tensors_read(problem);
+  for (const auto& [name, gradient] : args.tensor_grads) {
+    const auto decl = problem.desc().tensors.find(name);
+    if (!read.contains(name) || decl == problem.desc().tensors.end() ||
+        !is_floating(decl->second.dtype)) {
+      throw_invalid(fmt::format(
+          "argument tensor_grads '{}': the modifiers read no floating-point tensor '{}'", name,
+          name));
+    }
+    TensorView expected = declared_view(decl->second, problem.device());
+    expected.dtype = gradient.dtype == DType::kF64 ? DType::kF64 : DType::kF32;
+    check_view("tensor_grads '" + name + "' (fp32 or fp64)", gradient, expected);
+  }
+}
+
+}  // namespace flexattn

@@ -1,1 +1,109 @@
+// Helpers shared by every test executable. Sections: golden cases, layout conversion, random
+// problems and inputs, running an engine, tolerances.
 #pragma once
+
+#include <gtest/gtest.h>
+
+#include <cstdint>
+#include <map>
+#include <memory>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "flexattn/flexattn.hpp"
+
+namespace flexattn::test {
+
+// ---- golden cases (../shared/golden, see its README.md) ------------------------------------
+
+std::string golden_dir();  // FLEXATTN_GOLDEN_DIR
+bool golden_available();
+// Names of the case folders, sorted; empty when the golden data is absent.
+std::vector<std::string> golden_case_names();
+
+struct GoldenCase {
+  std::string name;
+  std::string dir;
+  std::int64_t batch = 0, heads_q = 0, heads_kv = 0, seq_len_q = 0, seq_len_kv = 0;
+  std::int64_t head_dim_qk = 0, head_dim_v = 0;
+  double scale = 0.0;
+  std::string score_mod, mask_mod;   // IR text; empty when absent
+  std::vector<std::string> tensors;  // extra tensors, as `<name>.npy` in the folder
+  std::string note;
+
+  // `<dir>/<array>.npy`, e.g. array("q"), array("dbias").
+  HostTensor array(const std::string& array) const;
+  // The problem of this case in `layout` and `dtype`, with the extra tensors declared as stored
+  // (float32 or int64). thd packs the batch as equal-length sequences.
+  ProblemDesc desc(Layout layout, DType dtype, Direction direction) const;
+};
+GoldenCase load_golden_case(const std::string& name);
+
+// Skips the current test, visibly, when the golden data is absent.
+#define FLEXATTN_SKIP_WITHOUT_GOLDEN()                                               \
+  do {                                                                               \
+    if (!::flexattn::test::golden_available()) {                                     \
+      GTEST_SKIP() << "golden data not found at " << ::flexattn::test::golden_dir(); \
+    }                                                                                \
+  } while (false)
+
+// ---- layouts --------------------------------------------------------------------------------
+
+// A (batch, heads, seq, dim) bhsd array as `layout` by transposed copy: bshd (B, S, H, D),
+// sbhd (S, B, H, D), bhsd (a copy), thd (B * S, H, D) (equal-length sequences).
+HostTensor from_bhsd(const HostTensor& bhsd, Layout layout);
+// The inverse; thd needs the batch size.
+HostTensor to_bhsd(const HostTensor& tensor, Layout layout, std::int64_t batch = 0);
+// Equal-length thd offsets: {0, length, 2 * length, ..., batch * length}.
+std::vector<std::int64_t> uniform_offsets(std::int64_t batch, std::int64_t length);
+
+// ---- random problems and inputs ---------------------------------------------------------------
+
+// Contiguous inputs of a problem, in its dtype and layout.
+struct Inputs {
+  HostTensor q, k, v, dout;
+  std::map<std::string, HostTensor> tensors;  // the declared extra tensors
+};
+// q, k, v, dout ~ N(0, stddev^2) (v scaled by v_stddev); float tensors ~ N(0, 1); integer
+// tensors are non-decreasing small ids (like document ids), so any index use stays plausible.
+Inputs random_inputs(const Problem& problem, std::uint64_t seed, double v_stddev = 1.0);
+
+// A problem from a catalogue modifier (score_mod and/or mask, by name; "" for none).
+ProblemDesc catalogue_desc(const std::vector<std::string>& modifiers, ProblemDesc base);
+// Inputs with the catalogue's tensor contents (ALiBi slopes, document ids, ...).
+Inputs catalogue_inputs(const Problem& problem, const std::vector<std::string>& modifiers,
+                        std::uint64_t seed);
+
+// ---- running an engine ------------------------------------------------------------------------
+
+struct Outputs {
+  HostTensor out, lse;                             // lse fp64 for fp64 problems, fp32 otherwise
+  HostTensor dq, dk, dv;                           // only when the problem wants backward
+  std::map<std::string, HostTensor> tensor_grads;  // "name" -> gradient of each float tensor
+};
+
+// A built-in engine by name; fails the test (and returns null) when absent.
+std::shared_ptr<const Engine> builtin_engine(std::string_view name);
+// Plans `problem` on `engine` and runs forward, then backward when the problem wants it
+// (gradients of every float tensor the modifiers read, in fp64 for fp64 problems, else fp32).
+Outputs run_engine(const Engine& engine, const Problem& problem, const Inputs& inputs);
+ForwardArgs forward_args(const Inputs& inputs, const Outputs& outputs);
+BackwardArgs backward_args(const Inputs& inputs, const Outputs& outputs);
+
+// ---- tolerances (DESIGN.md section 5) ---------------------------------------------------------
+
+// max |result - reference| over all elements; equal infinities count as 0, and any NaN, or an
+// infinity against a different value, gives NaN or infinity. Shapes must match.
+double max_abs_error(const HostTensor& result, const HostTensor& reference);
+// The largest finite |value|.
+double max_abs_value(const HostTensor& tensor);
+// The flash-attention rule: twice the error of a plain same-precision implementation, plus a
+// rounding floor.
+double allowed_error(double plain_error, double rounding_floor);
+// Passes when every element is within `allowed` of the reference (NaN never is); the failure
+// message names the worst element.
+::testing::AssertionResult within_tolerance(const HostTensor& result, const HostTensor& reference,
+                                            double allowed);
+
+}  // namespace flexattn::test
