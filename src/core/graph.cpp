@@ -265,6 +265,15 @@ class Canonicaliser {
     return -1;
   }
 
+  // The comparison that holds for swapped operands; other ops are their own mirror.
+  static Op mirror(Op op) {
+    if (op == Op::kLess) return Op::kGreater;
+    if (op == Op::kLessEqual) return Op::kGreaterEqual;
+    if (op == Op::kGreater) return Op::kLess;
+    if (op == Op::kGreaterEqual) return Op::kLessEqual;
+    return op;
+  }
+
   std::int32_t add(Op op, Type type, double literal_value, std::string name,
                    std::vector<std::int32_t> args) {
     const bool foldable = op != Op::kLoad && !args.empty() &&
@@ -281,6 +290,11 @@ class Canonicaliser {
       if (std::int32_t simpler = simplify(op, type, args); simpler >= 0) return simpler;
     }
     if (is_commutative(op) && comes_before(args[1], args[0])) std::swap(args[0], args[1]);
+    // Mirrored comparisons are one comparison: `a >= b` and `b <= a` get the same operand order.
+    if (const Op mirrored = mirror(op); mirrored != op && comes_before(args[1], args[0])) {
+      std::swap(args[0], args[1]);
+      op = mirrored;
+    }
     GraphNode node;
     node.op = op;
     node.type = type;

@@ -181,6 +181,16 @@ TEST(Graph, DifferentModifiersHashDifferently) {
   }
 }
 
+TEST(Graph, MirroredComparisonsAreEqual) {
+  const Expr q = ir::query();
+  const Expr kv = ir::key();
+  EXPECT_EQ(Graph(q >= kv).hash(), Graph(kv <= q).hash());
+  EXPECT_EQ(Graph(q > kv).hash(), Graph(kv < q).hash());
+  EXPECT_EQ(Graph(kv < 8).hash(), Graph(Expr(8) > kv).hash());
+  EXPECT_NE(Graph(q >= kv).hash(), Graph(q > kv).hash());
+  EXPECT_NE(Graph(q >= kv).hash(), Graph(kv >= q).hash());
+}
+
 TEST(Graph, HashIsPinned) {
   // Changing the hash function invalidates every on-disk cache and plan proof; do it on purpose.
   EXPECT_EQ(hash_to_hex(Graph(ir::query() >= ir::key()).hash()), "cf61fd3b681fa514");
