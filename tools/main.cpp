@@ -1,1 +1,107 @@
-int main() { return 0; }
+// `flexattn`: the command-line tool. Subcommands: demo, engines, explain, run, check (see --help).
+// Errors: one line on stderr starting with "error: "; exit code 2 for invalid input (including
+// bad flags), 3 when no engine can run the problem, 1 for anything else.
+#include <fmt/format.h>
+
+#include <cstdio>
+#include <exception>
+#include <new>
+#include <sstream>
+
+#include "cli.hpp"
+#include "cmd_check.hpp"
+
+namespace {
+
+constexpr int kExitInvalidInput = 2;
+constexpr int kExitUnsupported = 3;
+constexpr int kExitFailure = 1;
+
+// Multi-line library messages ("no engine can run ...", then one line per engine) on one line:
+// "first line: second; third".
+std::string one_line(const std::string& message) {
+  std::istringstream stream(message);
+  std::string first, line, rest;
+  std::getline(stream, first);
+  while (std::getline(stream, line)) {
+    const std::size_t start = line.find_first_not_of(" \t");
+    if (start == std::string::npos) continue;
+    rest += (rest.empty() ? "" : "; ") + line.substr(start);
+  }
+  return rest.empty() ? first : first + ": " + rest;
+}
+
+int fail(int code, const std::string& message) {
+  std::fflush(stdout);
+  fmt::print(stderr, "error: {}\n", one_line(message));
+  return code;
+}
+
+int exit_code(flexattn::ErrorCode code) {
+  switch (code) {
+    case flexattn::ErrorCode::kInvalidArgument:
+      return kExitInvalidInput;
+    case flexattn::ErrorCode::kUnsupported:
+      return kExitUnsupported;
+    case flexattn::ErrorCode::kCuda:
+    case flexattn::ErrorCode::kCudnn:
+    case flexattn::ErrorCode::kCompile:
+    case flexattn::ErrorCode::kInternal:
+      break;
+  }
+  return kExitFailure;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  using namespace flexattn::cli;
+  CLI::App app(
+      "flexattn: scaled-dot-product attention with user-defined score modifiers and "
+      "masks, served by several engines behind one guarded selection.\n"
+      "Environment: FLEXATTN_ENGINES=cuda,-cudnn* (allow/deny engines by glob), "
+      "FLEXATTN_LOG=info|debug (log each selection).",
+      "flexattn");
+  app.require_subcommand(1);
+  app.set_version_flag("--version", "flexattn 0.1.0");
+
+  DemoFlags demo;
+  bool engines_json = false, engines_planted = false;
+  ProblemFlags explain_problem;
+  bool explain_json = false;
+  ProblemFlags run_problem;
+  RunFlags run;
+  CheckFlags check;
+  add_demo_command(app, demo);
+  add_engines_command(app, engines_json, engines_planted);
+  add_explain_command(app, explain_problem, explain_json);
+  add_run_command(app, run_problem, run);
+  add_check_command(app, check);
+
+  try {
+    app.parse(argc, argv);
+  } catch (const CLI::CallForHelp& help) {
+    return app.exit(help);
+  } catch (const CLI::CallForAllHelp& help) {
+    return app.exit(help);
+  } catch (const CLI::CallForVersion& version) {
+    return app.exit(version);
+  } catch (const CLI::ParseError& error) {
+    return fail(kExitInvalidInput, fmt::format("{} (see flexattn --help)", error.what()));
+  }
+
+  try {
+    if (app.got_subcommand("demo")) return demo_command(demo);
+    if (app.got_subcommand("engines")) return engines_command(engines_json, engines_planted);
+    if (app.got_subcommand("explain")) return explain_command(explain_problem, explain_json);
+    if (app.got_subcommand("run")) return run_command(run_problem, run);
+    if (app.got_subcommand("check")) return check_command(check);
+    return fail(kExitInvalidInput, "no subcommand (see flexattn --help)");
+  } catch (const flexattn::Error& error) {
+    return fail(exit_code(error.code()), error.what());
+  } catch (const std::bad_alloc&) {
+    return fail(kExitFailure, "out of memory");
+  } catch (const std::exception& error) {
+    return fail(kExitFailure, error.what());
+  }
+}

@@ -1,11 +1,19 @@
 // The one list of built-in engines, in preference order (fastest first).
+#include "engines/cpu/cpu.hpp"
 #include "engines/cpu_ref/cpu_ref.hpp"
+#if FLEXATTN_HAVE_CUDA
+#include "engines/cuda/cuda_engine.hpp"
+#endif
 #include "flexattn/context.hpp"
 
 namespace flexattn {
 
 std::vector<std::shared_ptr<const Engine>> builtin_engines() {
   std::vector<std::shared_ptr<const Engine>> engines;
+#if FLEXATTN_HAVE_CUDA
+  engines.push_back(make_cuda_engine());
+#endif
+  engines.push_back(make_cpu_engine());
   engines.push_back(make_cpu_ref_engine());
   return engines;
 }

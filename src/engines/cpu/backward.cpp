@@ -1,0 +1,286 @@
+// The backward pass (flash-attention-2 style): scores are recomputed tile by tile from Q, K and
+// the saved LSE, never stored whole. Two passes, each writing disjoint outputs, so the result is
+// bit-identical for any number of threads:
+// - the key pass, parallel over (batch, kv head, key tile), accumulates dK and dV of its tile over
+//   every query head of the group and every query tile, in a fixed order;
+// - the query pass, parallel over (batch, query tile, head), accumulates dQ over the key tiles and
+//   the gradients of the tensors the score modifier reads (tensor_gradients.cpp).
+// Like the forward pass, tiles are transposed (keys x queries) so per-query statistics are vectors.
+#include "engines/cpu/backward.hpp"
+
+#include <omp.h>
+
+#include <algorithm>
+#include <cmath>
+#include <limits>
+
+#include "engines/cpu/kernels.hpp"
+#include "engines/cpu/tile_io.hpp"
+
+namespace flexattn::cpu {
+
+namespace {
+
+constexpr float kNegativeInfinity = -std::numeric_limits<float>::infinity();
+constexpr float kInfinity = std::numeric_limits<float>::infinity();
+
+// out[c * ld_out + r] = scale * in[r * ld_in + c] for r < rows, c < columns.
+void transpose(const float* in, std::int64_t ld_in, std::int64_t rows, std::int64_t columns,
+               float scale, float* out, std::int64_t ld_out) {
+  for (std::int64_t c = 0; c < columns; ++c) {
+    for (std::int64_t r = 0; r < rows; ++r) out[c * ld_out + r] = scale * in[r * ld_in + c];
+  }
+}
+
+}  // namespace
+
+BackwardContext::BackwardContext(const Problem& problem, const Lowering& lowering,
+                                 const TileSizes& tiles, const BackwardArgs& arguments)
+    : p(problem),
+      low(lowering),
+      block_q(tiles.block_q),
+      block_k(tiles.block_k),
+      dim_qk(problem.head_dim_qk()),
+      dim_v(problem.head_dim_v()),
+      dim_qk_padded(round_up(problem.head_dim_qk(), kVectorWidth)),
+      dim_v_padded(round_up(problem.head_dim_v(), kVectorWidth)),
+      group(problem.heads_q() / problem.heads_kv()),
+      scale(static_cast<float>(problem.scale())),
+      kernel(kernels()),
+      args(arguments),
+      inputs{problem.desc().params, arguments.tensors} {}
+
+BackwardState BackwardContext::make_state(bool with_gradients) const {
+  BackwardState s;
+  if (!low.identity_score) s.runner.emplace(low.backward_tape, inputs, block_q);
+  if (!low.keep_all) s.mask_runner.emplace(low.mask_tape, inputs, block_q);
+  if (with_gradients) s.gradient_runner.emplace(low.gradient_tape, inputs, block_q);
+  s.queries.resize(to_size(block_q * dim_qk_padded));
+  s.queries_t.resize(to_size(dim_qk * block_q));
+  s.douts.resize(to_size(block_q * dim_v_padded));
+  s.douts_t.resize(to_size(dim_v * block_q));
+  s.keys.resize(to_size(block_k * dim_qk));
+  s.values.resize(to_size(block_k * dim_v));
+  for (auto* tile : {&s.raw, &s.probs, &s.dmod, &s.ds, &s.ds_raw}) {
+    tile->resize(to_size(block_k * block_q));
+  }
+  for (auto* vector : {&s.lse_shift, &s.delta, &s.column_sums}) vector->resize(to_size(block_q));
+  return s;
+}
+
+void BackwardContext::load_query_tile(std::int64_t b, std::int64_t h, std::int64_t q0,
+                                      std::int64_t nq, const std::vector<float>& delta,
+                                      BackwardState& s) const {
+  const std::int64_t lanes = round_up(nq, kVectorWidth);
+  const RowBlock q_block{sequence_rows(p, args.q, true, b, h), q0, nq, dim_qk};
+  read_rows(args.q, q_block, s.queries.data(), dim_qk_padded, lanes, dim_qk_padded);
+  transpose(s.queries.data(), dim_qk_padded, lanes, dim_qk, scale, s.queries_t.data(), block_q);
+  const RowBlock dout_block{sequence_rows(p, args.dout, true, b, h), q0, nq, dim_v};
+  read_rows(args.dout, dout_block, s.douts.data(), dim_v_padded, lanes, dim_v_padded);
+  transpose(s.douts.data(), dim_v_padded, lanes, dim_v, 1.0f, s.douts_t.data(), block_q);
+  const auto* lse = static_cast<const float*>(args.lse.data);
+  for (std::int64_t r = 0; r < lanes; ++r) {
+    if (r >= nq) {  // padding lanes: P = exp(s - inf) = 0, so they contribute nothing
+      s.lse_shift[r] = kInfinity;
+      s.delta[r] = 0.0f;
+      continue;
+    }
+    const std::int64_t at = statistic_offset(p, b, h, q0 + r);
+    // A row with no kept key has LSE = -inf and P = 0: shifting by +inf gives exactly that.
+    s.lse_shift[r] = lse[at] == kNegativeInfinity ? kInfinity : lse[at];
+    s.delta[r] = delta[to_size(at)];
+  }
+  if (s.runner) s.runner->set_queries(q0, nq);
+  if (s.mask_runner) s.mask_runner->set_queries(q0, nq);
+  if (s.gradient_runner) s.gradient_runner->set_queries(q0, nq);
+}
+
+void BackwardContext::set_head(std::int64_t b, std::int64_t h, BackwardState& s) const {
+  const std::int64_t q_len = p.seq_len_q_of(b), kv_len = p.seq_len_kv_of(b);
+  if (s.runner) s.runner->set_head(b, h, q_len, kv_len);
+  if (s.mask_runner) s.mask_runner->set_head(b, h, q_len, kv_len);
+  if (s.gradient_runner) s.gradient_runner->set_head(b, h, q_len, kv_len);
+}
+
+void BackwardContext::recompute(TileClass tile_class, std::int64_t k0, std::int64_t nk,
+                                std::int64_t lanes, const RowsView& keys, const RowsView& values,
+                                BackwardState& s) const {
+  float* raw = s.raw.data();      // (nk, lanes) of (block_k, block_q): scale * K Q^T
+  float* probs = s.probs.data();  // modified scores, then P^T
+  float* dmod = s.dmod.data();    // d score_mod / d score
+  // S^T = K (scale Q)^T
+  kernel.gemm(
+      {nk, lanes, dim_qk, keys.rows, keys.ld, 1, s.queries_t.data(), block_q, raw, block_q, false});
+  for (std::int64_t c = 0; c < nk; ++c) {
+    float* raw_row = raw + c * block_q;
+    float* prob_row = probs + c * block_q;
+    if (s.runner) {
+      float* const destinations[] = {prob_row, dmod + c * block_q};
+      s.runner->run(k0 + c, raw_row, destinations);
+    } else {
+      std::copy_n(raw_row, lanes, prob_row);
+    }
+    if (tile_class == TileClass::kMixed) {  // kAllTrue tiles skip the mask
+      s.mask_runner->run(k0 + c, nullptr);
+      const std::int32_t* keep = s.mask_runner->ints(low.mask_tape.output(0));
+      for (std::int64_t r = 0; r < lanes; ++r) {
+        prob_row[r] = keep[r] != 0 ? prob_row[r] : kNegativeInfinity;
+      }
+    }
+  }
+  // P^T = exp(S'^T - LSE)
+  std::fill_n(s.column_sums.begin(), lanes, 0.0f);
+  kernel.exp_shifted(probs, nk, lanes, block_q, s.lse_shift.data(), s.column_sums.data());
+  // dP^T = V dO^T, then dS = P (dP - D) (d loss / d modified score) and dS * d score_mod / d
+  // score (d loss / d raw score).
+  kernel.gemm({nk, lanes, dim_v, values.rows, values.ld, 1, s.douts_t.data(), block_q, s.ds.data(),
+               block_q, false});
+  kernel.softmax_gradient(probs, s.runner ? dmod : nullptr, s.ds.data(), s.ds_raw.data(), nk, lanes,
+                          block_q, s.delta.data());
+}
+
+std::vector<float> BackwardContext::row_deltas() const {
+  // D = rowsum(dO * O), per (batch, head, query), indexed like the LSE.
+  std::vector<float> delta(to_size(p.heads_q() * p.total_tokens_q()), 0.0f);
+  const std::int64_t heads = p.heads_q();
+  const auto make_state = [&] { return std::vector<float>(to_size(2 * block_q * dim_v)); };
+  parallel_for(p.batch() * heads, make_state, [&](std::int64_t task, std::vector<float>& rows) {
+    const std::int64_t b = task / heads, h = task % heads, q_len = p.seq_len_q_of(b);
+    float* outs = rows.data();                     // (block_q, dim_v)
+    float* douts = rows.data() + block_q * dim_v;  // (block_q, dim_v)
+    const SequenceRows out_rows = sequence_rows(p, args.out, true, b, h);
+    const SequenceRows dout_rows = sequence_rows(p, args.dout, true, b, h);
+    for (std::int64_t q0 = 0; q0 < q_len; q0 += block_q) {
+      const std::int64_t nq = std::min(block_q, q_len - q0);
+      read_rows(args.out, {out_rows, q0, nq, dim_v}, outs, dim_v, nq, dim_v);
+      read_rows(args.dout, {dout_rows, q0, nq, dim_v}, douts, dim_v, nq, dim_v);
+      for (std::int64_t r = 0; r < nq; ++r) {
+        float sum = 0.0f;
+        for (std::int64_t j = 0; j < dim_v; ++j) sum += outs[r * dim_v + j] * douts[r * dim_v + j];
+        delta[to_size(statistic_offset(p, b, h, q0 + r))] = sum;
+      }
+    }
+  });
+  return delta;
+}
+
+void CpuPlan::run_backward(const BackwardArgs& args) const {
+  const BackwardContext context(problem_, lowering_, tiles_, args);
+  const std::vector<float> delta = context.row_deltas();
+  // Fused (5 products) when there are enough (batch, kv head) items to keep every thread busy
+  // and no tensor gradient is wanted; else the key pass and the query pass (7 products, every
+  // key tile its own item). Both sum every output in the same order with the same kernels, so
+  // they give bit-identical results and the choice may depend on the thread count.
+  bool tensor_gradients = false;
+  for (const auto& [name, view] : args.tensor_grads) {
+    for (const LoadDerivative& load : lowering_.load_derivatives) {
+      tensor_gradients = tensor_gradients || load.tensor == name;
+    }
+  }
+  const std::int64_t items = problem_.batch() * problem_.heads_kv();
+  if (!tensor_gradients && items >= kFusedItemsPerThread * omp_get_max_threads()) {
+    fused_pass(context, delta);
+    for (const auto& [name, view] : args.tensor_grads) {  // read only by the mask: zero
+      for (std::int64_t e = 0; e < view.numel(); ++e) view.store(e, 0.0);
+    }
+    return;
+  }
+  key_pass(context, delta);
+  query_pass(context, delta);
+}
+
+KeyTileState CpuPlan::make_key_tile_state(const BackwardContext& x) const {
+  KeyTileState s{x.make_state(false), {}, {}, {}};
+  s.dk.resize(to_size(x.block_k * x.dim_qk_padded));
+  s.dv.resize(to_size(x.block_k * x.dim_v_padded));
+  return s;
+}
+
+void CpuPlan::key_tile(const BackwardContext& x, const std::vector<float>& delta, std::int64_t b,
+                       std::int64_t h_kv, std::int64_t kt, KeyTileState& state,
+                       float* dq_blocks) const {
+  const Problem& p = problem_;
+  BackwardState& s = state.tiles;
+  const std::int64_t q_len = p.seq_len_q_of(b), kv_len = p.seq_len_kv_of(b);
+  const std::int64_t k0 = kt * x.block_k, nk = std::min(x.block_k, kv_len - k0);
+  const TileGrid& tile_grid = grid(b);
+  const RowBlock k_block{sequence_rows(p, x.args.k, false, b, h_kv), k0, nk, x.dim_qk};
+  const RowBlock v_block{sequence_rows(p, x.args.v, false, b, h_kv), k0, nk, x.dim_v};
+  const RowsView keys = float_rows(x.args.k, k_block, s.keys.data());
+  const RowsView values = float_rows(x.args.v, v_block, s.values.data());
+  std::fill(state.dk.begin(), state.dk.end(), 0.0f);
+  std::fill(state.dv.begin(), state.dv.end(), 0.0f);
+  const std::int64_t dq_block = x.dim_qk * x.block_q;
+  for (std::int64_t g = 0; g < x.group; ++g) {
+    const std::int64_t h = h_kv * x.group + g;
+    x.set_head(b, h, s);
+    for (std::int64_t qt = 0; qt < tile_grid.query_tiles; ++qt) {
+      const TileClass tile_class = tile_grid.at(qt, kt);
+      if (tile_class == TileClass::kAllFalse) continue;  // proven fully masked: skipped
+      const std::int64_t q0 = qt * x.block_q, nq = std::min(x.block_q, q_len - q0);
+      const std::int64_t lanes = round_up(nq, kVectorWidth);
+      x.load_query_tile(b, h, q0, nq, delta, s);
+      x.recompute(tile_class, k0, nk, lanes, keys, values, s);
+      // dV += P^T dO;  dK += dS^T Q (the scale is applied once, at the end)
+      x.kernel.gemm({nk, x.dim_v_padded, lanes, s.probs.data(), x.block_q, 1, s.douts.data(),
+                     x.dim_v_padded, state.dv.data(), x.dim_v_padded, true});
+      x.kernel.gemm({nk, x.dim_qk_padded, lanes, s.ds_raw.data(), x.block_q, 1, s.queries.data(),
+                     x.dim_qk_padded, state.dk.data(), x.dim_qk_padded, true});
+      if (dq_blocks != nullptr) {  // dQ^T += K^T dS^T, exactly as the query pass adds it
+        float* dq_t = dq_blocks + (g * tile_grid.query_tiles + qt) * dq_block;
+        x.kernel.gemm({x.dim_qk, lanes, nk, keys.rows, 1, keys.ld, s.ds_raw.data(), x.block_q, dq_t,
+                       x.block_q, true});
+      }
+    }
+  }
+  for (float& value : state.dk) value *= x.scale;
+  write_rows(x.args.dk, {sequence_rows(p, x.args.dk, false, b, h_kv), k0, nk, x.dim_qk},
+             state.dk.data(), x.dim_qk_padded);
+  write_rows(x.args.dv, {sequence_rows(p, x.args.dv, false, b, h_kv), k0, nk, x.dim_v},
+             state.dv.data(), x.dim_v_padded);
+}
+
+void CpuPlan::key_pass(const BackwardContext& x, const std::vector<float>& delta) const {
+  const std::int64_t heads_kv = problem_.heads_kv();
+  std::vector<std::pair<std::int64_t, std::int64_t>> key_tiles;  // (batch, key tile)
+  for (std::int64_t b = 0; b < problem_.batch(); ++b) {
+    for (std::int64_t kt = 0; kt < grid(b).key_tiles; ++kt) key_tiles.emplace_back(b, kt);
+  }
+  parallel_for(
+      static_cast<std::int64_t>(key_tiles.size()) * heads_kv,
+      [&] { return make_key_tile_state(x); },
+      [&](std::int64_t index, KeyTileState& state) {
+        const auto [b, kt] = key_tiles[to_size(index / heads_kv)];
+        key_tile(x, delta, b, index % heads_kv, kt, state, nullptr);
+      });
+}
+
+void CpuPlan::fused_pass(const BackwardContext& x, const std::vector<float>& delta) const {
+  const Problem& p = problem_;
+  const std::int64_t heads_kv = p.heads_kv();
+  parallel_for(
+      p.batch() * heads_kv, [&] { return make_key_tile_state(x); },
+      [&](std::int64_t index, KeyTileState& state) {
+        const std::int64_t b = index / heads_kv, h_kv = index % heads_kv;
+        const TileGrid& tile_grid = grid(b);
+        const std::int64_t dq_block = x.dim_qk * x.block_q;
+        // dQ^T of every query tile of the group's heads: (group, query_tiles, dim_qk, block_q)
+        state.dq.assign(to_size(x.group * tile_grid.query_tiles * dq_block), 0.0f);
+        for (std::int64_t kt = 0; kt < tile_grid.key_tiles; ++kt) {
+          key_tile(x, delta, b, h_kv, kt, state, state.dq.data());
+        }
+        const std::int64_t q_len = p.seq_len_q_of(b);
+        for (std::int64_t g = 0; g < x.group; ++g) {
+          const std::int64_t h = h_kv * x.group + g;
+          for (std::int64_t qt = 0; qt < tile_grid.query_tiles; ++qt) {
+            const std::int64_t q0 = qt * x.block_q, nq = std::min(x.block_q, q_len - q0);
+            const RowBlock dq_rows{sequence_rows(p, x.args.dq, true, b, h), q0, nq, x.dim_qk};
+            write_rows_transposed(x.args.dq, dq_rows,
+                                  &state.dq[to_size((g * tile_grid.query_tiles + qt) * dq_block)],
+                                  x.block_q, x.scale, state.tiles.queries.data());
+          }
+        }
+      });
+}
+
+}  // namespace flexattn::cpu

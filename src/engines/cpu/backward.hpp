@@ -1,0 +1,67 @@
+// Shared pieces of the two backward passes (backward.cpp, query_pass.cpp): the per-thread tile
+// buffers and the recomputation of P and dS for one (key tile x query tile) pair.
+#pragma once
+
+#include <cstdint>
+#include <optional>
+#include <vector>
+
+#include "engines/cpu/kernels.hpp"
+#include "engines/cpu/plan.hpp"
+#include "engines/cpu/tile_io.hpp"
+
+namespace flexattn::cpu {
+
+// One thread's buffers. Tiles are (block_k keys, block_q queries), row-major.
+struct BackwardState {
+  std::optional<TapeRunner> runner;           // backward tape: score_mod and its derivative
+  std::optional<TapeRunner> mask_runner;      // mask tape
+  std::optional<TapeRunner> gradient_runner;  // tensor-gradient tape (query pass only)
+  std::vector<float> queries;                 // (block_q, dim_qk_padded): Q rows, zero padded
+  std::vector<float> queries_t;               // (dim_qk, block_q): scale * Q^T
+  std::vector<float> douts;                   // (block_q, dim_v_padded): dO rows, zero padded
+  std::vector<float> douts_t;                 // (dim_v, block_q): dO^T
+  std::vector<float> keys, values;            // converted K / V tiles when not stored as fp32
+  std::vector<float> raw;                     // S^T before the modifier
+  std::vector<float> probs;                   // P^T
+  std::vector<float> dmod;                    // d score_mod / d score
+  std::vector<float> ds;                      // dS^T w.r.t. the modified score
+  std::vector<float> ds_raw;                  // dS^T w.r.t. the raw score
+  std::vector<float> lse_shift, delta, column_sums;  // (block_q,)
+};
+
+// The key pass's per-thread state: tile buffers and the dK / dV accumulators of one key tile,
+// plus the dQ^T accumulators of a whole (batch, kv head) group in the fused pass.
+struct KeyTileState {
+  BackwardState tiles;
+  std::vector<float> dk, dv;  // (block_k, dim_qk_padded), (block_k, dim_v_padded)
+  std::vector<float> dq;      // (group, query_tiles, dim_qk, block_q), fused pass only
+};
+
+// What both passes read: the problem, the lowering, the arguments and the tile geometry.
+struct BackwardContext {
+  BackwardContext(const Problem& problem, const Lowering& lowering, const TileSizes& tiles,
+                  const BackwardArgs& arguments);
+
+  BackwardState make_state(bool with_gradients) const;
+  // The tapes' (batch, head); then a query tile's Q, dO, LSE and D into the state.
+  void set_head(std::int64_t b, std::int64_t h, BackwardState& s) const;
+  void load_query_tile(std::int64_t b, std::int64_t h, std::int64_t q0, std::int64_t nq,
+                       const std::vector<float>& delta, BackwardState& s) const;
+  // S^T, the modifier and its derivative, the mask, P^T, dP^T, dS^T for keys [k0, k0 + nk)
+  // against the loaded query tile.
+  void recompute(TileClass tile_class, std::int64_t k0, std::int64_t nk, std::int64_t lanes,
+                 const RowsView& keys, const RowsView& values, BackwardState& s) const;
+  // D = rowsum(dO * O) for every (batch, head, query), indexed like the LSE.
+  std::vector<float> row_deltas() const;
+
+  const Problem& p;
+  const Lowering& low;
+  std::int64_t block_q, block_k, dim_qk, dim_v, dim_qk_padded, dim_v_padded, group;
+  float scale;
+  const Kernels& kernel;
+  const BackwardArgs& args;
+  TapeInputs inputs;
+};
+
+}  // namespace flexattn::cpu

@@ -1,0 +1,475 @@
+#include "engines/cuda/codegen.hpp"
+
+#include <fmt/format.h>
+
+#include <cmath>
+#include <cstdint>
+#include <limits>
+#include <set>
+
+#include "engines/cuda/kernel_sources.hpp"
+#include "engines/cuda/kernels/params.cuh"
+#include "flexattn/error.hpp"
+
+namespace flexattn::cuda {
+namespace {
+
+const char* c_type(Type type) {
+  switch (type) {
+    case Type::kF32:
+      return "float";
+    case Type::kI32:
+      return "int";
+    case Type::kBool:
+      return "bool";
+  }
+  throw_internal("cuda codegen: unknown type");
+}
+
+std::string float_literal(double value) {
+  const auto single = static_cast<float>(value);
+  if (std::isnan(single)) return "__int_as_float(0x7fc00000)";
+  if (std::isinf(single)) return single > 0 ? "positive_infinity()" : "negative_infinity()";
+  // Hexadecimal: exact, so the kernel sees the f32 value the IR's literal rounds to.
+  return fmt::format("({:a}f)", single);
+}
+
+std::string int_literal(double value) {
+  const auto integer = static_cast<std::int64_t>(value);
+  if (integer == std::numeric_limits<std::int32_t>::min()) return "(-2147483647 - 1)";
+  return integer < 0 ? fmt::format("({})", integer) : fmt::format("{}", integer);
+}
+
+// How a tensor of each storage dtype is read (device_math.cuh).
+struct TensorAccess {
+  const char* pointer;
+  const char* loader;
+};
+TensorAccess tensor_access(DType dtype) {
+  switch (dtype) {
+    case DType::kF32:
+      return {"const float*", "load_tensor_f32"};
+    case DType::kF64:
+      return {"const double*", "load_tensor_f64"};
+    case DType::kBF16:
+      return {"const unsigned short*", "load_tensor_bf16"};
+    case DType::kF16:
+      return {"const unsigned short*", "load_tensor_f16"};
+    case DType::kI32:
+      return {"const int*", "load_tensor_i32"};
+    case DType::kI64:
+      return {"const long long*", "load_tensor_i64"};
+  }
+  throw_internal("cuda codegen: unknown tensor dtype");
+}
+
+std::size_t slot_of(const std::vector<std::string>& names, const std::string& name) {
+  for (std::size_t i = 0; i < names.size(); ++i) {
+    if (names[i] == name) return i;
+  }
+  throw_internal("cuda codegen: '" + name + "' has no kernel-argument slot");
+}
+
+// Lowers one canonical graph. Nodes that depend only on (b, h, Q_LEN, KV_LEN), params and loads
+// at such indices are "invariant": computed once per thread block into Invariants; the rest are
+// computed per element.
+class GraphLowering {
+ public:
+  GraphLowering(const Graph& graph, std::string prefix, const Problem& problem,
+                const ModifierBindings& bindings)
+      : graph_(graph), prefix_(std::move(prefix)), problem_(problem), bindings_(bindings) {
+    const std::size_t count = graph.nodes().size();
+    reachable_.assign(count, false);
+    varying_.assign(count, false);
+    reachable_[static_cast<std::size_t>(graph.root())] = true;
+    for (std::size_t i = count; i-- > 0;) {
+      if (!reachable_[i]) continue;
+      for (std::int32_t arg : graph.nodes()[i].args) reachable_[static_cast<std::size_t>(arg)] = true;
+    }
+    for (std::size_t i = 0; i < count; ++i) {
+      const GraphNode& node = graph.nodes()[i];
+      bool varying = node.op == Op::kScore || node.op == Op::kQuery || node.op == Op::kKey;
+      for (std::int32_t arg : node.args) varying = varying || varying_[static_cast<std::size_t>(arg)];
+      varying_[i] = varying;
+    }
+  }
+
+  // Fields of Invariants and their assignments in prepare().
+  void emit_invariants(std::string& fields, std::string& assignments) const {
+    for (std::size_t i = 0; i < graph_.nodes().size(); ++i) {
+      if (!reachable_[i] || varying_[i] || !is_computed(i)) continue;
+      const GraphNode& node = graph_.nodes()[i];
+      fields += fmt::format("    {} {}{};\n", c_type(node.type), prefix_, i);
+      assignments += fmt::format("    inv.{}{} = {};\n", prefix_, i, expression(i));
+    }
+  }
+
+  // Per-element statements; returns the root's value.
+  std::string emit_varying(std::string& statements) const {
+    for (std::size_t i = 0; i < graph_.nodes().size(); ++i) {
+      if (!reachable_[i] || !varying_[i] || !is_computed(i)) continue;
+      const GraphNode& node = graph_.nodes()[i];
+      statements +=
+          fmt::format("    const {} {}{} = {};\n", c_type(node.type), prefix_, i, expression(i));
+    }
+    return reference(static_cast<std::size_t>(graph_.root()));
+  }
+
+ private:
+  // Nodes that get a named value (everything but leaves, literals and params).
+  bool is_computed(std::size_t index) const {
+    switch (graph_.nodes()[index].op) {
+      case Op::kScore:
+      case Op::kBatch:
+      case Op::kHead:
+      case Op::kQuery:
+      case Op::kKey:
+      case Op::kQueryLen:
+      case Op::kKeyLen:
+      case Op::kLiteral:
+      case Op::kParam:
+        return false;
+      case Op::kLoad:
+      case Op::kAdd:
+      case Op::kSub:
+      case Op::kMul:
+      case Op::kDiv:
+      case Op::kMod:
+      case Op::kNeg:
+      case Op::kLess:
+      case Op::kLessEqual:
+      case Op::kGreater:
+      case Op::kGreaterEqual:
+      case Op::kEqual:
+      case Op::kNotEqual:
+      case Op::kAnd:
+      case Op::kOr:
+      case Op::kNot:
+      case Op::kWhere:
+      case Op::kMin:
+      case Op::kMax:
+      case Op::kClamp:
+      case Op::kAbs:
+      case Op::kExp:
+      case Op::kExp2:
+      case Op::kLog:
+      case Op::kLog2:
+      case Op::kSqrt:
+      case Op::kRsqrt:
+      case Op::kTanh:
+      case Op::kSigmoid:
+      case Op::kFloor:
+      case Op::kToFloat:
+      case Op::kToInt:
+        return true;
+    }
+    throw_internal("cuda codegen: unknown op");
+  }
+
+  // How another expression refers to node `index`.
+  std::string reference(std::size_t index) const {
+    const GraphNode& node = graph_.nodes()[index];
+    switch (node.op) {
+      case Op::kScore:
+        return "score";
+      case Op::kBatch:
+        return "at.batch";
+      case Op::kHead:
+        return "at.head";
+      case Op::kQuery:
+        return "q";
+      case Op::kKey:
+        return "kv";
+      case Op::kQueryLen:
+        return "at.q_len";
+      case Op::kKeyLen:
+        return "at.kv_len";
+      case Op::kLiteral:
+        if (node.type == Type::kF32) return float_literal(node.literal);
+        if (node.type == Type::kI32) return int_literal(node.literal);
+        return node.literal != 0.0 ? "true" : "false";
+      case Op::kParam:
+        return fmt::format("p.params[{}]", slot_of(bindings_.params, node.name));
+      case Op::kLoad:
+      case Op::kAdd:
+      case Op::kSub:
+      case Op::kMul:
+      case Op::kDiv:
+      case Op::kMod:
+      case Op::kNeg:
+      case Op::kLess:
+      case Op::kLessEqual:
+      case Op::kGreater:
+      case Op::kGreaterEqual:
+      case Op::kEqual:
+      case Op::kNotEqual:
+      case Op::kAnd:
+      case Op::kOr:
+      case Op::kNot:
+      case Op::kWhere:
+      case Op::kMin:
+      case Op::kMax:
+      case Op::kClamp:
+      case Op::kAbs:
+      case Op::kExp:
+      case Op::kExp2:
+      case Op::kLog:
+      case Op::kLog2:
+      case Op::kSqrt:
+      case Op::kRsqrt:
+      case Op::kTanh:
+      case Op::kSigmoid:
+      case Op::kFloor:
+      case Op::kToFloat:
+      case Op::kToInt:
+        break;
+    }
+    return varying_[index] ? fmt::format("{}{}", prefix_, index)
+                           : fmt::format("inv.{}{}", prefix_, index);
+  }
+
+  // Operand `k` of `node`, converted to `type` when its own type differs.
+  std::string operand(const GraphNode& node, std::size_t k, Type type) const {
+    const auto index = static_cast<std::size_t>(node.args[k]);
+    const std::string text = reference(index);
+    if (graph_.nodes()[index].type == type) return text;
+    return fmt::format("static_cast<{}>({})", c_type(type), text);
+  }
+
+  // The common type of a comparison's operands (i32 with f32 compares as f32).
+  Type comparison_type(const GraphNode& node) const {
+    const Type a = graph_.node(node.args[0]).type;
+    const Type b = graph_.node(node.args[1]).type;
+    return a == b ? a : Type::kF32;
+  }
+
+  std::string call(const char* function, const GraphNode& node, Type type) const {
+    std::string text = fmt::format("{}(", function);
+    for (std::size_t k = 0; k < node.args.size(); ++k) {
+      if (k > 0) text += ", ";
+      text += operand(node, k, type);
+    }
+    return text + ")";
+  }
+
+  std::string compare(const char* symbol, const GraphNode& node) const {
+    const Type type = comparison_type(node);
+    return fmt::format("({} {} {})", operand(node, 0, type), symbol, operand(node, 1, type));
+  }
+
+  // x / c for an f32 literal c: x * (1 / c) when 1 / c is a normal float (within an ulp of the
+  // division, and a multiply instead of a division in the per-element code). Empty otherwise.
+  std::string reciprocal_of_literal(const GraphNode& node) const {
+    const GraphNode& divisor = graph_.node(node.args[1]);
+    if (node.type != Type::kF32 || divisor.op != Op::kLiteral) return {};
+    const double reciprocal = 1.0 / divisor.literal;
+    if (!std::isnormal(static_cast<float>(reciprocal))) return {};
+    return float_literal(reciprocal);
+  }
+
+  // Extra tensors are contiguous (check_forward_args enforces it), so the strides are constants;
+  // offsets are 32-bit when the tensor has fewer than 2^31 elements.
+  std::string load(const GraphNode& node) const {
+    const std::size_t slot = slot_of(bindings_.tensors, node.name);
+    const TensorDecl& decl = problem_.desc().tensors.at(node.name);
+    const TensorAccess access = tensor_access(decl.dtype);
+    const std::vector<std::int64_t> strides = contiguous_strides(decl.shape);
+    std::int64_t elements = 1;
+    for (std::int64_t extent : decl.shape) elements *= extent;
+    const bool narrow = elements <= std::numeric_limits<std::int32_t>::max();
+    std::string offset;
+    for (std::size_t k = 0; k < node.args.size(); ++k) {
+      if (k > 0) offset += " + ";
+      const std::string index = operand(node, k, Type::kI32);
+      const std::int64_t stride = strides[k];
+      if (narrow) {
+        offset += stride == 1 ? index : fmt::format("{} * {}", index, stride);
+      } else {
+        offset += fmt::format("static_cast<long long>({}) * {}LL", index, stride);
+      }
+    }
+    return fmt::format("{}(static_cast<{}>(p.tensors[{}].data), {})", access.loader,
+                       access.pointer, slot, offset.empty() ? "0" : offset);
+  }
+
+  std::string expression(std::size_t index) const {
+    const GraphNode& node = graph_.nodes()[index];
+    const Type type = node.type;
+    switch (node.op) {
+      case Op::kScore:
+      case Op::kBatch:
+      case Op::kHead:
+      case Op::kQuery:
+      case Op::kKey:
+      case Op::kQueryLen:
+      case Op::kKeyLen:
+      case Op::kLiteral:
+      case Op::kParam:
+        return reference(index);
+      case Op::kLoad:
+        return load(node);
+      case Op::kAdd:
+        return call("ir_add", node, type);
+      case Op::kSub:
+        return call("ir_sub", node, type);
+      case Op::kMul:
+        return call("ir_mul", node, type);
+      case Op::kDiv:
+        if (const std::string reciprocal = reciprocal_of_literal(node); !reciprocal.empty()) {
+          return fmt::format("ir_mul({}, {})", operand(node, 0, type), reciprocal);
+        }
+        return call("ir_div", node, type);
+      case Op::kMod:
+        return call("ir_mod", node, type);
+      case Op::kNeg:
+        return call("ir_neg", node, type);
+      case Op::kLess:
+        return compare("<", node);
+      case Op::kLessEqual:
+        return compare("<=", node);
+      case Op::kGreater:
+        return compare(">", node);
+      case Op::kGreaterEqual:
+        return compare(">=", node);
+      case Op::kEqual:
+        return compare("==", node);
+      case Op::kNotEqual:
+        return compare("!=", node);
+      case Op::kAnd:
+        return fmt::format("({} && {})", operand(node, 0, Type::kBool),
+                           operand(node, 1, Type::kBool));
+      case Op::kOr:
+        return fmt::format("({} || {})", operand(node, 0, Type::kBool),
+                           operand(node, 1, Type::kBool));
+      case Op::kNot:
+        return fmt::format("(!{})", operand(node, 0, Type::kBool));
+      case Op::kWhere:
+        return fmt::format("({} ? {} : {})", operand(node, 0, Type::kBool),
+                           operand(node, 1, type), operand(node, 2, type));
+      case Op::kMin:
+        return call("ir_min", node, type);
+      case Op::kMax:
+        return call("ir_max", node, type);
+      case Op::kClamp:
+        return call("ir_clamp", node, type);
+      case Op::kAbs:
+        return call("ir_abs", node, type);
+      case Op::kExp:
+        return call("expf", node, Type::kF32);
+      case Op::kExp2:
+        return call("exp2f", node, Type::kF32);
+      case Op::kLog:
+        return call("logf", node, Type::kF32);
+      case Op::kLog2:
+        return call("log2f", node, Type::kF32);
+      case Op::kSqrt:
+        return call("sqrtf", node, Type::kF32);
+      case Op::kRsqrt:
+        return call("ir_rsqrt", node, Type::kF32);
+      case Op::kTanh:
+        // CUDA's tanhf (2 ulp). A cheaper exp2/reciprocal form (3e-7 absolute error) was measured
+        // at 1.7x the softcap speed but fails the fp32-level LSE tolerance on short sequences.
+        return call("tanhf", node, Type::kF32);
+      case Op::kSigmoid:
+        return call("ir_sigmoid", node, Type::kF32);
+      case Op::kFloor:
+        return call("floorf", node, Type::kF32);
+      case Op::kToFloat:
+        return operand(node, 0, Type::kF32);
+      case Op::kToInt:
+        if (graph_.node(node.args[0]).type == Type::kI32) return reference(
+            static_cast<std::size_t>(node.args[0]));
+        return call("ir_to_int", node, Type::kF32);
+    }
+    throw_internal("cuda codegen: unknown op");
+  }
+
+  const Graph& graph_;
+  std::string prefix_;
+  const Problem& problem_;
+  const ModifierBindings& bindings_;
+  std::vector<bool> reachable_;
+  std::vector<bool> varying_;
+};
+
+bool keeps_everything(const Graph& mask) {
+  return mask.is_literal() && mask.node(mask.root()).literal != 0.0;
+}
+
+}  // namespace
+
+BindingSelection bind_modifier(const Problem& problem) {
+  BindingSelection selection;
+  std::set<std::string> tensors;
+  std::set<std::string> params;
+  for (const Graph* graph : {&problem.score_mod(), &problem.mask_mod()}) {
+    for (const std::string& name : graph->tensors()) tensors.insert(name);
+    for (const std::string& name : graph->params()) params.insert(name);
+  }
+  selection.bindings.tensors.assign(tensors.begin(), tensors.end());
+  selection.bindings.params.assign(params.begin(), params.end());
+  if (tensors.size() > static_cast<std::size_t>(flexattn_kernels::kMaxTensors)) {
+    selection.reason = fmt::format("the modifiers read {} tensors; the kernel takes at most {}",
+                                   tensors.size(), flexattn_kernels::kMaxTensors);
+  } else if (params.size() > static_cast<std::size_t>(flexattn_kernels::kMaxParams)) {
+    selection.reason = fmt::format("the modifiers read {} parameters; the kernel takes at most {}",
+                                   params.size(), flexattn_kernels::kMaxParams);
+  }
+  return selection;
+}
+
+std::string generate_modifier_source(const Problem& problem, const ModifierBindings& bindings,
+                                     const KernelChoice& choice) {
+  const GraphLowering score(problem.score_mod(), "s", problem, bindings);
+  const GraphLowering mask(problem.mask_mod(), "m", problem, bindings);
+  std::string fields;
+  std::string assignments;
+  score.emit_invariants(fields, assignments);
+  mask.emit_invariants(fields, assignments);
+  std::string score_body;
+  const std::string score_value = score.emit_varying(score_body);
+  std::string mask_body;
+  const std::string mask_value = mask.emit_varying(mask_body);
+
+  std::string text = "// ---- generated by flexattn's cuda engine ----\n";
+  text += "namespace flexattn_generated {\nusing namespace flexattn_kernels;\n\n";
+  text += "struct Modifier {\n";
+  text += fmt::format("  static constexpr bool kIdentityScore = {};\n",
+                      problem.score_mod().is_identity_score());
+  text += fmt::format("  static constexpr bool kHasMask = {};\n",
+                      !keeps_everything(problem.mask_mod()));
+  text += "  struct Invariants {\n" + fields + "  };\n";
+  text +=
+      "  __device__ static __forceinline__ Invariants prepare(const ForwardParams& p, "
+      "const Coordinates& at) {\n    Invariants inv{};\n" +
+      assignments + "    return inv;\n  }\n";
+  text += fmt::format("  // score_mod: {}\n", problem.score_mod().to_string());
+  text +=
+      "  __device__ static __forceinline__ float score_mod(const Invariants& inv, "
+      "const ForwardParams& p, const Coordinates& at, float score, int q, int kv) {\n" +
+      score_body + fmt::format("    return {};\n  }}\n", score_value);
+  text += fmt::format("  // mask_mod: {}\n", problem.mask_mod().to_string());
+  text +=
+      "  __device__ static __forceinline__ bool mask_mod(const Invariants& inv, "
+      "const ForwardParams& p, const Coordinates& at, int q, int kv) {\n" +
+      mask_body + fmt::format("    return {};\n  }}\n", mask_value);
+  text += "};\n\n}  // namespace flexattn_generated\n\n";
+
+  const bool mma = choice.kind == KernelKind::kMma;
+  text += fmt::format("using FlexattnConfig = {};\n", choice.config_type());
+  text += fmt::format(
+      "extern \"C\" __global__ void __launch_bounds__(FlexattnConfig::kThreads{}) {}(\n"
+      "    const flexattn_kernels::ForwardParams params) {{\n"
+      "  flexattn_kernels::{}<FlexattnConfig, flexattn_generated::Modifier>(params);\n}}\n",
+      mma ? ", FlexattnConfig::kMinBlocks" : "", kKernelName,
+      mma ? "forward_mma" : "forward_simt");
+  return text;
+}
+
+std::string generate_translation_unit(const Problem& problem, const ModifierBindings& bindings,
+                                      const KernelChoice& choice) {
+  return std::string(kernel_library_source()) + "\n" +
+         generate_modifier_source(problem, bindings, choice);
+}
+
+}  // namespace flexattn::cuda

@@ -1,0 +1,246 @@
+#include "engines/cuda/kernel_cache.hpp"
+
+#include <fmt/format.h>
+#include <nvrtc.h>
+#include <unistd.h>
+
+#include <array>
+#include <atomic>
+#include <chrono>
+#include <cstdlib>
+#include <cstring>
+#include <fstream>
+#include <iterator>
+#include <random>
+#include <system_error>
+
+#include "engines/cuda/codegen.hpp"
+#include "flexattn/error.hpp"
+
+namespace flexattn::cuda {
+namespace {
+
+// FNV-1a (64-bit) constants: offset basis and prime.
+constexpr std::uint64_t kFnvOffset = 0xcbf29ce484222325ULL;
+constexpr std::uint64_t kFnvPrime = 0x100000001b3ULL;
+// A second, independent offset basis for the upper half of the 128-bit key.
+constexpr std::uint64_t kSecondOffset = 0x6c62272e07bb0142ULL;
+
+std::uint64_t fnv1a(std::string_view bytes, std::uint64_t hash) {
+  for (const char byte : bytes) {
+    hash ^= static_cast<unsigned char>(byte);
+    hash *= kFnvPrime;
+  }
+  return hash;
+}
+
+// The disk entry: a fixed header, then the cubin.
+constexpr std::array<char, 8> kMagic = {'F', 'L', 'X', 'C', 'U', 'B', 'I', 'N'};
+constexpr std::uint32_t kFormatVersion = 1;
+constexpr std::size_t kKeyDigits = 32;
+struct EntryHeader {
+  std::array<char, 8> magic;
+  std::uint32_t version;
+  std::array<char, kKeyDigits> key;
+  std::uint64_t payload_bytes;
+  std::uint64_t payload_checksum;
+};
+
+std::uint64_t checksum(const std::vector<char>& payload) {
+  return fnv1a(std::string_view(payload.data(), payload.size()), kFnvOffset);
+}
+
+void check_nvrtc(nvrtcResult result, const char* call) {
+  if (result != NVRTC_SUCCESS) {
+    throw Error(ErrorCode::kCompile,
+                fmt::format("{} failed: {}", call, nvrtcGetErrorString(result)));
+  }
+}
+
+// Reads a disk entry; empty when absent, truncated, corrupt or for another key.
+std::vector<char> read_entry(const std::filesystem::path& path, const std::string& key) {
+  std::ifstream file(path, std::ios::binary);
+  if (!file) return {};
+  EntryHeader header{};
+  file.read(reinterpret_cast<char*>(&header), sizeof(header));
+  if (!file || header.magic != kMagic || header.version != kFormatVersion ||
+      std::string_view(header.key.data(), header.key.size()) != key) {
+    return {};
+  }
+  // A cubin of more than 256 MiB is no kernel of ours: treat the header as corrupt.
+  constexpr std::uint64_t kMaxPayload = std::uint64_t{1} << 28;
+  if (header.payload_bytes == 0 || header.payload_bytes > kMaxPayload) return {};
+  std::vector<char> payload(header.payload_bytes);
+  file.read(payload.data(), static_cast<std::streamsize>(payload.size()));
+  if (!file || file.peek() != std::char_traits<char>::eof()) return {};
+  if (checksum(payload) != header.payload_checksum) return {};
+  return payload;
+}
+
+// Writes atomically: a uniquely named temporary file in the same folder, renamed over the entry.
+// The cache is an optimisation, so failures leave no file and are not errors.
+void write_entry(const std::filesystem::path& path, const std::string& key,
+                 const std::vector<char>& payload) {
+  EntryHeader header{};
+  header.magic = kMagic;
+  header.version = kFormatVersion;
+  std::memcpy(header.key.data(), key.data(), kKeyDigits);
+  header.payload_bytes = payload.size();
+  header.payload_checksum = checksum(payload);
+  std::random_device random;
+  const std::filesystem::path temporary =
+      path.string() + fmt::format(".tmp.{}.{:x}", static_cast<long>(getpid()), random());
+  {
+    std::ofstream file(temporary, std::ios::binary | std::ios::trunc);
+    file.write(reinterpret_cast<const char*>(&header), sizeof(header));
+    file.write(payload.data(), static_cast<std::streamsize>(payload.size()));
+    file.flush();
+    if (!file) {
+      std::error_code ignored;
+      std::filesystem::remove(temporary, ignored);
+      return;
+    }
+  }
+  std::error_code error;
+  std::filesystem::rename(temporary, path, error);
+  if (error) std::filesystem::remove(temporary, error);
+}
+
+// Keeps a failed translation unit next to the cache so the NVRTC log's line numbers can be read.
+std::string keep_failed_source(const std::string& source, const std::string& name) {
+  const std::filesystem::path directory = cache_directory();
+  if (directory.empty()) return "";
+  const std::filesystem::path path = directory / name;
+  std::ofstream file(path, std::ios::trunc);
+  file << source;
+  return file ? path.string() : "";
+}
+
+}  // namespace
+
+std::string nvrtc_version() {
+  int major = 0;
+  int minor = 0;
+  check_nvrtc(nvrtcVersion(&major, &minor), "nvrtcVersion");
+  return fmt::format("{}.{}", major, minor);
+}
+
+std::filesystem::path cache_directory() {
+  std::filesystem::path directory;
+  if (const char* explicit_dir = std::getenv("FLEXATTN_CACHE_DIR");
+      explicit_dir != nullptr && *explicit_dir != '\0') {
+    directory = explicit_dir;
+  } else if (const char* xdg = std::getenv("XDG_CACHE_HOME"); xdg != nullptr && *xdg != '\0') {
+    directory = std::filesystem::path(xdg) / "flexattn";
+  } else if (const char* home = std::getenv("HOME"); home != nullptr && *home != '\0') {
+    directory = std::filesystem::path(home) / ".cache" / "flexattn";
+  } else {
+    return {};
+  }
+  std::error_code error;
+  std::filesystem::create_directories(directory, error);
+  return error ? std::filesystem::path() : directory;
+}
+
+std::vector<char> compile_to_cubin(const std::string& source, const std::string& source_name,
+                                   int capability) {
+  nvrtcProgram program = nullptr;
+  check_nvrtc(nvrtcCreateProgram(&program, source.c_str(), source_name.c_str(), 0, nullptr,
+                                 nullptr),
+              "nvrtcCreateProgram");
+  const std::string architecture = fmt::format("--gpu-architecture=sm_{}", capability);
+  const std::array<const char*, 2> options = {architecture.c_str(), "-std=c++17"};
+  const nvrtcResult compiled =
+      nvrtcCompileProgram(program, static_cast<int>(options.size()), options.data());
+  if (compiled != NVRTC_SUCCESS) {
+    std::size_t log_size = 0;
+    std::string log;
+    if (nvrtcGetProgramLogSize(program, &log_size) == NVRTC_SUCCESS && log_size > 1) {
+      log.resize(log_size);
+      nvrtcGetProgramLog(program, log.data());
+      log.resize(log_size - 1);
+    }
+    nvrtcDestroyProgram(&program);
+    const std::string kept = keep_failed_source(source, source_name);
+    throw Error(ErrorCode::kCompile,
+                fmt::format("NVRTC could not compile {}{}: {}\n{}", source_name,
+                            kept.empty() ? "" : " (kept at " + kept + ")",
+                            nvrtcGetErrorString(compiled), log));
+  }
+  std::size_t size = 0;
+  std::vector<char> cubin;
+  try {
+    check_nvrtc(nvrtcGetCUBINSize(program, &size), "nvrtcGetCUBINSize");
+    cubin.resize(size);
+    check_nvrtc(nvrtcGetCUBIN(program, cubin.data()), "nvrtcGetCUBIN");
+  } catch (...) {
+    nvrtcDestroyProgram(&program);
+    throw;
+  }
+  nvrtcDestroyProgram(&program);
+  return cubin;
+}
+
+CompiledKernel::CompiledKernel(std::shared_ptr<const Driver> driver,
+                               const std::vector<char>& cubin, int shared_bytes)
+    : driver_(std::move(driver)) {
+  ContextScope scope(*driver_);
+  driver_->check(driver_->api().module_load_data(&module_, cubin.data()), "cuModuleLoadData");
+  try {
+    const std::string name(kKernelName);
+    driver_->check(driver_->api().module_get_function(&function_, module_, name.c_str()),
+                   "cuModuleGetFunction");
+    driver_->check(driver_->api().function_set_attribute(
+                       function_, CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, shared_bytes),
+                   "cuFuncSetAttribute(MAX_DYNAMIC_SHARED_SIZE_BYTES)");
+  } catch (...) {
+    driver_->api().module_unload(module_);
+    throw;
+  }
+}
+
+CompiledKernel::~CompiledKernel() {
+  CUcontext popped = nullptr;
+  if (driver_->api().context_push(driver_->context()) == CUDA_SUCCESS) {
+    driver_->api().module_unload(module_);
+    driver_->api().context_pop(&popped);
+  }
+}
+
+KernelLookup KernelCache::get(const std::string& source, int shared_bytes) {
+  const auto start = std::chrono::steady_clock::now();
+  const std::string versions =
+      fmt::format("|sm_{}|nvrtc {}|driver {}|shared {}", driver_->compute_capability(),
+                  nvrtc_version(), driver_->driver_version(), shared_bytes);
+  KernelLookup lookup;
+  lookup.key = fmt::format("{:016x}{:016x}", fnv1a(versions, fnv1a(source, kFnvOffset)),
+                           fnv1a(versions, fnv1a(source, kSecondOffset)));
+  const auto elapsed = [&start] {
+    return std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  };
+  const std::lock_guard lock(mutex_);
+  if (const auto found = kernels_.find(lookup.key); found != kernels_.end()) {
+    lookup.kernel = found->second;
+    lookup.origin = "memory cache";
+    lookup.seconds = elapsed();
+    return lookup;
+  }
+  const std::filesystem::path directory = cache_directory();
+  const std::filesystem::path entry =
+      directory.empty() ? std::filesystem::path() : directory / (lookup.key + ".cubin");
+  std::vector<char> cubin = entry.empty() ? std::vector<char>() : read_entry(entry, lookup.key);
+  if (!cubin.empty()) {
+    lookup.origin = "disk cache";
+  } else {
+    cubin = compile_to_cubin(source, "flexattn_" + lookup.key + ".cu",
+                             driver_->compute_capability());
+    if (!entry.empty()) write_entry(entry, lookup.key, cubin);
+    lookup.origin = "compiled (NVRTC)";
+  }
+  lookup.kernel = std::make_shared<CompiledKernel>(driver_, cubin, shared_bytes);
+  kernels_.emplace(lookup.key, lookup.kernel);
+  lookup.seconds = elapsed();
+  return lookup;
+}
+
+}  // namespace flexattn::cuda

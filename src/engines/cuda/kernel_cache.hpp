@@ -1,0 +1,66 @@
+// Run-time compilation of the generated kernels (NVRTC) and their two caches: in memory (per
+// engine instance) and on disk ($FLEXATTN_CACHE_DIR, else $XDG_CACHE_HOME/flexattn, else
+// ~/.cache/flexattn), keyed by the generated source, the architecture and the NVRTC and driver
+// versions. Disk entries are written to a temporary file and renamed into place (safe against
+// concurrent processes); an entry whose header or checksum does not match is recompiled.
+#pragma once
+
+#include <cuda.h>
+
+#include <cstdint>
+#include <filesystem>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <vector>
+
+#include "engines/cuda/driver.hpp"
+
+namespace flexattn::cuda {
+
+// Compiles `source` to a cubin for compute capability `capability` (e.g. 90). Needs no GPU.
+// Throws Error(kCompile) with NVRTC's log and the source name on failure.
+std::vector<char> compile_to_cubin(const std::string& source, const std::string& source_name,
+                                   int capability);
+// "13.0"
+std::string nvrtc_version();
+// Where compiled kernels are kept; empty when no directory can be determined.
+std::filesystem::path cache_directory();
+
+// A loaded module holding the generated kernel.
+class CompiledKernel {
+ public:
+  CompiledKernel(std::shared_ptr<const Driver> driver, const std::vector<char>& cubin,
+                 int shared_bytes);
+  ~CompiledKernel();
+  CompiledKernel(const CompiledKernel&) = delete;
+  CompiledKernel& operator=(const CompiledKernel&) = delete;
+  CUfunction function() const { return function_; }
+
+ private:
+  std::shared_ptr<const Driver> driver_;
+  CUmodule module_ = nullptr;
+  CUfunction function_ = nullptr;
+};
+
+struct KernelLookup {
+  std::shared_ptr<const CompiledKernel> kernel;
+  std::string key;     // 32 hex digits
+  std::string origin;  // "memory cache", "disk cache", "compiled (NVRTC)"
+  double seconds = 0.0;  // time to obtain it (compile + load, or read + load)
+};
+
+class KernelCache {
+ public:
+  explicit KernelCache(std::shared_ptr<const Driver> driver) : driver_(std::move(driver)) {}
+  // The kernel of `source`, launched with `shared_bytes` of dynamic shared memory.
+  KernelLookup get(const std::string& source, int shared_bytes);
+
+ private:
+  std::shared_ptr<const Driver> driver_;
+  std::mutex mutex_;
+  std::map<std::string, std::shared_ptr<const CompiledKernel>> kernels_;
+};
+
+}  // namespace flexattn::cuda

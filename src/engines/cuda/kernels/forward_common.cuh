@@ -1,0 +1,136 @@
+// What every forward kernel shares: where a sequence lives, the list of kv tiles a query block
+// visits, and the element pipeline `score -> score_mod -> mask -> bounds`.
+//
+// A generated modifier is a struct with this interface (see codegen.cpp):
+//   static constexpr bool kIdentityScore;  // score_mod is `score`
+//   static constexpr bool kHasMask;        // mask_mod is not the constant `true`
+//   struct Invariants;                     // values that depend only on (b, h, lengths)
+//   static Invariants prepare(const ForwardParams&, const Coordinates&);
+//   static float score_mod(const Invariants&, const ForwardParams&, const Coordinates&,
+//                          float score, int q, int kv);
+//   static bool mask_mod(const Invariants&, const ForwardParams&, const Coordinates&, int q,
+//                        int kv);
+#pragma once
+
+#include "device_math.cuh"
+#include "params.cuh"
+
+namespace flexattn_kernels {
+
+constexpr float kLog2e = 1.4426950408889634f;
+constexpr float kLn2 = 0.6931471805599453f;
+
+// The (b, h) a thread block works on and that batch entry's sequence lengths.
+struct Coordinates {
+  int batch;
+  int head;
+  int q_len;
+  int kv_len;
+};
+
+struct SequenceSpan {
+  int q_offset;  // first token of the sequence (thd), else 0
+  int q_len;
+  int kv_offset;
+  int kv_len;
+};
+
+__device__ __forceinline__ SequenceSpan sequence_span(const ForwardParams& p, int batch) {
+  SequenceSpan span;
+  if (p.cu_seqlens_q != nullptr) {
+    span.q_offset = p.cu_seqlens_q[batch];
+    span.q_len = p.cu_seqlens_q[batch + 1] - span.q_offset;
+  } else {
+    span.q_offset = 0;
+    span.q_len = p.seq_len_q;
+  }
+  if (p.cu_seqlens_kv != nullptr) {
+    span.kv_offset = p.cu_seqlens_kv[batch];
+    span.kv_len = p.cu_seqlens_kv[batch + 1] - span.kv_offset;
+  } else {
+    span.kv_offset = 0;
+    span.kv_len = p.seq_len_kv;
+  }
+  return span;
+}
+
+// Address of element (batch, token, head, 0) of a view.
+template <class T>
+__device__ __forceinline__ T* view_row(const SequenceView& view, int batch, int token,
+                                       int head) {
+  return static_cast<T*>(view.data) + batch * view.batch_stride + token * view.token_stride +
+         head * view.head_stride;
+}
+
+// The kv tiles a query block visits: [begin, end) into p.tile_entries, without tiles that start
+// past this sequence's keys (thd sequences shorter than the longest).
+struct EntryRange {
+  int begin;
+  int end;
+};
+__device__ __forceinline__ EntryRange visited_tiles(const ForwardParams& p, int q_start,
+                                                    int block_n, int kv_len) {
+  const int classified_block = q_start / p.class_block_q;
+  EntryRange range{p.tile_offsets[classified_block], p.tile_offsets[classified_block + 1]};
+  while (range.end > range.begin && (p.tile_entries[range.end - 1] >> 1) * block_n >= kv_len) {
+    --range.end;
+  }
+  return range;
+}
+
+__device__ __forceinline__ int entry_kv_tile(int entry) { return entry >> 1; }
+__device__ __forceinline__ bool entry_is_mixed(int entry) { return (entry & 1) != 0; }
+
+// The logit of one element: score = scale * dot, then score_mod, then the mask and the key
+// bounds (only when kCheck: mixed or boundary tiles). `q` is already clamped into the sequence;
+// with kCheck, `kv` may lie past it and is clamped before the modifier reads anything, so a
+// modifier only ever sees indices its load analysis covers. kLog2Domain multiplies by log2(e).
+template <class Modifier, bool kCheck, bool kLog2Domain>
+__device__ __forceinline__ float element_logit(float dot, const ForwardParams& p,
+                                               const typename Modifier::Invariants& invariants,
+                                               const Coordinates& at, int q, int kv) {
+  const int kv_inside = kCheck ? ir_min(kv, at.kv_len - 1) : kv;
+  float logit;
+  if constexpr (Modifier::kIdentityScore) {
+    logit = dot * (kLog2Domain ? p.scale_log2 : p.scale);
+  } else {
+    logit = Modifier::score_mod(invariants, p, at, dot * p.scale, q, kv_inside);
+    if constexpr (kLog2Domain) logit *= kLog2e;
+  }
+  if constexpr (kCheck) {
+    bool keep = kv < at.kv_len;
+    if constexpr (Modifier::kHasMask) {
+      keep = keep && Modifier::mask_mod(invariants, p, at, q, kv_inside);
+    }
+    if (!keep) logit = negative_infinity();
+  }
+  return logit;
+}
+
+// Finishes a row: (normaliser, log-sum-exp) from the running max and sum. A row that kept no key
+// has sum 0: its output is 0 and its LSE -inf.
+struct RowResult {
+  float inverse_sum;
+  float lse;
+};
+__device__ __forceinline__ RowResult finish_row_log2(float row_max, float row_sum) {
+  if (row_sum > 0.0f) return RowResult{1.0f / row_sum, (row_max + log2f(row_sum)) * kLn2};
+  return RowResult{0.0f, negative_infinity()};
+}
+__device__ __forceinline__ RowResult finish_row_natural(float row_max, float row_sum) {
+  if (row_sum > 0.0f) return RowResult{1.0f / row_sum, row_max + logf(row_sum)};
+  return RowResult{0.0f, negative_infinity()};
+}
+
+// The max to subtract: a row whose every logit so far is -inf subtracts 0, so exp gives 0, not
+// NaN.
+__device__ __forceinline__ float safe_max(float row_max) {
+  return row_max == negative_infinity() ? 0.0f : row_max;
+}
+
+__device__ __forceinline__ float* lse_address(const ForwardParams& p, int batch, int head,
+                                              int token) {
+  return p.lse + batch * p.lse_batch_stride + head * p.lse_head_stride + token;
+}
+
+}  // namespace flexattn_kernels

@@ -1,0 +1,322 @@
+// Flash-attention-2 forward on tensor cores (bf16/fp16 storage, fp32 accumulation).
+//
+// One thread block computes kBlockM query rows of one (batch, head). Each warp owns
+// kTilesPerWarp * 16 rows. Q stays in shared memory; K and V tiles of kBlockN keys stream through
+// kStages shared-memory buffers filled by cp.async, so the copy of tile j+1 overlaps the math of
+// tile j. Per kv tile:
+//   S = Q K^T                 (ldmatrix + mma, fp32 accumulators in registers)
+//   S = logits(S)             (scale, generated score_mod, generated mask on mixed tiles, bounds)
+//   online softmax in exp2 form (row max and sum in registers, the old O rescaled)
+//   O += P V                  (P re-packed from the S accumulators, V through ldmatrix.trans)
+// The tile list (which kv tiles to visit, which need the mask) comes from the host's interval
+// analysis of the mask; a tile absent from it is never loaded.
+#pragma once
+
+#include "forward_common.cuh"
+#include "tile_ops.cuh"
+
+namespace flexattn_kernels {
+
+template <class ElementTag, int kHeadDimQk, int kHeadDimV, int kPaddedQk, int kPaddedV,
+          int kTilesPerWarp_, int kWarps_, int kBlockN_, int kStages_, int kMinBlocks_>
+struct MmaConfig {
+  using Tag = ElementTag;
+  static constexpr int kTilesPerWarp = kTilesPerWarp_;
+  static constexpr int kWarps = kWarps_;
+  static constexpr int kBlockN = kBlockN_;
+  static constexpr int kStages = kStages_;
+  static constexpr int kMinBlocks = kMinBlocks_;
+  static constexpr int kThreads = kWarps * kWarpSize;
+  static constexpr int kRowsPerWarp = 16 * kTilesPerWarp;
+  static constexpr int kBlockM = kRowsPerWarp * kWarps;
+  // Shared-memory rows hold the padded head dim (a multiple of 64: 8 swizzled 16-byte chunks).
+  static constexpr int kChunksQk = kPaddedQk / kChunkElements;
+  static constexpr int kChunksV = kPaddedV / kChunkElements;
+  // Real data, in chunks; and the chunks the mma steps read (whole 16-column steps).
+  static constexpr int kRealChunksQk = kHeadDimQk / kChunkElements;
+  static constexpr int kRealChunksV = kHeadDimV / kChunkElements;
+  static constexpr int kStepsQk = (kHeadDimQk + 15) / 16;      // k-steps of Q K^T
+  static constexpr int kStepsV = (kHeadDimV + 15) / 16;        // 16-column steps of O
+  static constexpr int kLoadedChunksQk = 2 * kStepsQk;
+  static constexpr int kLoadedChunksV = 2 * kStepsV;
+  static constexpr int kOutputTiles = 2 * kStepsV;             // 8-column accumulator tiles of O
+  static constexpr int kScoreTiles = kBlockN / 8;              // 8-column accumulator tiles of S
+  static constexpr int kStagingChunks = kChunksQk > kChunksV ? kChunksQk : kChunksV;
+  static constexpr int kQBytes = kBlockM * kStagingChunks * kChunkBytes;  // Q, then O staging
+  static constexpr int kKBytes = kBlockN * kChunksQk * kChunkBytes;
+  static constexpr int kVBytes = kBlockN * kChunksV * kChunkBytes;
+  static constexpr int kSharedBytes = kQBytes + kStages * (kKBytes + kVBytes);
+
+  static_assert(kHeadDimQk % kChunkElements == 0 && kHeadDimV % kChunkElements == 0,
+                "head dims of the tensor-core kernel are multiples of 8");
+  static_assert(kPaddedQk % 64 == 0 && kPaddedV % 64 == 0, "padded dims are multiples of 64");
+  static_assert(kBlockN % 16 == 0, "kv tiles are whole mma k-steps");
+  static_assert(kStages >= 2, "at least double buffering");
+};
+
+struct alignas(16) SharedChunk {
+  unsigned words[4];
+};
+
+// Scale, modify, mask: the S accumulators become log2-domain logits.
+template <class Modifier, bool kCheck, int kTiles, int kScoreTiles>
+__device__ __forceinline__ void compute_logits(float (&score)[kTiles][kScoreTiles][4],
+                                               const ForwardParams& p,
+                                               const typename Modifier::Invariants& invariants,
+                                               const Coordinates& at,
+                                               const int (&query)[kTiles][2], int kv_first) {
+#pragma unroll
+  for (int i = 0; i < kTiles; ++i) {
+#pragma unroll
+    for (int j = 0; j < kScoreTiles; ++j) {
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        score[i][j][e] = element_logit<Modifier, kCheck, true>(
+            score[i][j][e], p, invariants, at, query[i][e / 2], kv_first + j * 8 + e % 2);
+      }
+    }
+  }
+}
+
+template <class Config, class Modifier>
+__device__ __forceinline__ void forward_mma(const ForwardParams& p) {
+  using Tag = typename Config::Tag;
+  constexpr int kTiles = Config::kTilesPerWarp;
+  constexpr int kBlockM = Config::kBlockM;
+  constexpr int kBlockN = Config::kBlockN;
+  constexpr int kStages = Config::kStages;
+  constexpr int kThreads = Config::kThreads;
+  constexpr int kScoreTiles = Config::kScoreTiles;
+  constexpr int kOutputTiles = Config::kOutputTiles;
+  extern __shared__ __align__(128) unsigned char shared[];
+
+  const int thread = threadIdx.x;
+  const int warp = thread / kWarpSize;
+  const int lane = thread % kWarpSize;
+  const int group = lane / 4;      // accumulator row within an 8-row half
+  const int quad_lane = lane % 4;  // accumulator column pair
+  // Blocks with the most kv tiles (the last rows under causal masks) start first.
+  const int q_block = gridDim.x - 1 - blockIdx.x;
+  const int head = blockIdx.y;
+  const int batch = blockIdx.z;
+  const SequenceSpan span = sequence_span(p, batch);
+  const int q_start = q_block * kBlockM;
+  if (q_start >= span.q_len) return;
+  const int head_kv = head / p.heads_per_kv;
+  const Coordinates at{batch, head, span.q_len, span.kv_len};
+
+  const unsigned short* q_source =
+      view_row<const unsigned short>(p.q, batch, span.q_offset + q_start, head);
+  const unsigned short* k_source = view_row<const unsigned short>(p.k, batch, span.kv_offset,
+                                                                  head_kv);
+  const unsigned short* v_source = view_row<const unsigned short>(p.v, batch, span.kv_offset,
+                                                                  head_kv);
+  const unsigned q_tile = shared_address(shared);                     // (kBlockM, padded qk)
+  const unsigned k_tiles = q_tile + Config::kQBytes;                  // kStages x (kBlockN, qk)
+  const unsigned v_tiles = k_tiles + kStages * Config::kKBytes;       // kStages x (kBlockN, v)
+
+  const EntryRange entries = visited_tiles(p, q_start, kBlockN, span.kv_len);
+
+  load_tile_async<kBlockM, Config::kChunksQk, Config::kLoadedChunksQk, kThreads>(
+      q_tile, q_source, p.q.token_stride, span.q_len - q_start, Config::kRealChunksQk, thread);
+  commit_copies();
+
+  auto load_keys_and_values = [&](int entry_index, int stage) {
+    const int kv_start = entry_kv_tile(p.tile_entries[entry_index]) * kBlockN;
+    const int rows_valid = span.kv_len - kv_start;
+    load_tile_async<kBlockN, Config::kChunksQk, Config::kLoadedChunksQk, kThreads>(
+        k_tiles + stage * Config::kKBytes, k_source + kv_start * p.k.token_stride,
+        p.k.token_stride, rows_valid, Config::kRealChunksQk, thread);
+    load_tile_async<kBlockN, Config::kChunksV, Config::kLoadedChunksV, kThreads>(
+        v_tiles + stage * Config::kVBytes, v_source + kv_start * p.v.token_stride,
+        p.v.token_stride, rows_valid, Config::kRealChunksV, thread);
+  };
+#pragma unroll
+  for (int stage = 0; stage < kStages - 1; ++stage) {
+    if (entries.begin + stage < entries.end) load_keys_and_values(entries.begin + stage, stage);
+    commit_copies();
+  }
+
+  float output[kTiles][kOutputTiles][4];  // (rows, head_dim_v) accumulators
+  float row_max[kTiles][2];               // log2 domain
+  float row_sum[kTiles][2];               // this thread's share of the row sum
+  int query[kTiles][2];                   // the rows' positions, clamped into the sequence
+#pragma unroll
+  for (int i = 0; i < kTiles; ++i) {
+#pragma unroll
+    for (int j = 0; j < kOutputTiles; ++j) {
+#pragma unroll
+      for (int e = 0; e < 4; ++e) output[i][j][e] = 0.0f;
+    }
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+      row_max[i][half] = negative_infinity();
+      row_sum[i][half] = 0.0f;
+      const int row = q_start + warp * Config::kRowsPerWarp + i * 16 + group + half * 8;
+      query[i][half] = ir_min(row, span.q_len - 1);
+    }
+  }
+  const typename Modifier::Invariants invariants = Modifier::prepare(p, at);
+  // ldmatrix row addresses: Q rows of this warp, K rows (n-major B), V rows (k-major B).
+  const LaneOffsets<Config::kChunksQk> q_lane(warp * Config::kRowsPerWarp + lane % 16, lane / 16);
+  const LaneOffsets<Config::kChunksQk> k_lane((lane / 16) * 8 + lane % 8, (lane / 8) % 2);
+  const LaneOffsets<Config::kChunksV> v_lane(lane % 8 + ((lane / 8) % 2) * 8, lane / 16);
+
+  for (int entry_index = entries.begin; entry_index < entries.end; ++entry_index) {
+    const int iteration = entry_index - entries.begin;
+    const int stage = iteration % kStages;
+    wait_copies<kStages - 2>();
+    __syncthreads();  // tile `iteration` visible; the buffer refilled below is no longer read
+    if (entry_index + kStages - 1 < entries.end) {
+      load_keys_and_values(entry_index + kStages - 1, (iteration + kStages - 1) % kStages);
+    }
+    commit_copies();
+    const unsigned k_tile = k_tiles + stage * Config::kKBytes;
+    const unsigned v_tile = v_tiles + stage * Config::kVBytes;
+    const int entry = p.tile_entries[entry_index];
+    const int kv_start = entry_kv_tile(entry) * kBlockN;
+
+    // S = Q K^T: (rows, kBlockN) per warp.
+    float score[kTiles][kScoreTiles][4];
+#pragma unroll
+    for (int i = 0; i < kTiles; ++i) {
+#pragma unroll
+      for (int j = 0; j < kScoreTiles; ++j) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) score[i][j][e] = 0.0f;
+      }
+    }
+#pragma unroll
+    for (int step = 0; step < Config::kStepsQk; ++step) {
+      unsigned q_fragment[kTiles][4];
+#pragma unroll
+      for (int i = 0; i < kTiles; ++i) {
+        load_matrix_x4(q_fragment[i], q_tile + q_lane.at(step, i * 16));
+      }
+#pragma unroll
+      for (int pair = 0; pair < kScoreTiles / 2; ++pair) {
+        unsigned k_fragment[4];  // b0, b1 of key tile 2*pair, then of 2*pair + 1
+        load_matrix_x4(k_fragment, k_tile + k_lane.at(step, pair * 16));
+#pragma unroll
+        for (int i = 0; i < kTiles; ++i) {
+          mma_16x8x16(Tag{}, score[i][2 * pair], q_fragment[i], k_fragment[0], k_fragment[1]);
+          mma_16x8x16(Tag{}, score[i][2 * pair + 1], q_fragment[i], k_fragment[2],
+                      k_fragment[3]);
+        }
+      }
+    }
+
+    const int kv_first = kv_start + 2 * quad_lane;
+    if (entry_is_mixed(entry) || kv_start + kBlockN > span.kv_len) {
+      compute_logits<Modifier, true>(score, p, invariants, at, query, kv_first);
+    } else {
+      compute_logits<Modifier, false>(score, p, invariants, at, query, kv_first);
+    }
+
+    // Online softmax: new row max, P = exp2(S - max), and the factor that rescales what was
+    // accumulated under the old max (skipped when no row of the warp changed its max).
+    float correction[kTiles][2];
+    bool max_changed = false;
+#pragma unroll
+    for (int i = 0; i < kTiles; ++i) {
+#pragma unroll
+      for (int half = 0; half < 2; ++half) {
+        float tile_max = negative_infinity();
+#pragma unroll
+        for (int j = 0; j < kScoreTiles; ++j) {
+          tile_max = fmaxf(tile_max, fmaxf(score[i][j][2 * half], score[i][j][2 * half + 1]));
+        }
+        const float new_max = fmaxf(row_max[i][half], quad_max(tile_max));
+        const float subtract = safe_max(new_max);
+        correction[i][half] = fast_exp2(row_max[i][half] - subtract);
+        max_changed = max_changed || new_max != row_max[i][half];
+        row_max[i][half] = new_max;
+        float sum = row_sum[i][half] * correction[i][half];
+#pragma unroll
+        for (int j = 0; j < kScoreTiles; ++j) {
+#pragma unroll
+          for (int c = 0; c < 2; ++c) {
+            const float probability = fast_exp2(score[i][j][2 * half + c] - subtract);
+            score[i][j][2 * half + c] = probability;
+            sum += probability;
+          }
+        }
+        row_sum[i][half] = sum;
+      }
+    }
+    if (__any_sync(0xffffffffu, max_changed)) {
+#pragma unroll
+      for (int i = 0; i < kTiles; ++i) {
+#pragma unroll
+        for (int j = 0; j < kOutputTiles; ++j) {
+#pragma unroll
+          for (int e = 0; e < 4; ++e) output[i][j][e] *= correction[i][e / 2];
+        }
+      }
+    }
+
+    // O += P V: the S accumulators of two adjacent key tiles form one A fragment.
+#pragma unroll
+    for (int step = 0; step < kBlockN / 16; ++step) {
+      unsigned p_fragment[kTiles][4];
+#pragma unroll
+      for (int i = 0; i < kTiles; ++i) {
+        p_fragment[i][0] = pack_pair(Tag{}, score[i][2 * step][0], score[i][2 * step][1]);
+        p_fragment[i][1] = pack_pair(Tag{}, score[i][2 * step][2], score[i][2 * step][3]);
+        p_fragment[i][2] = pack_pair(Tag{}, score[i][2 * step + 1][0], score[i][2 * step + 1][1]);
+        p_fragment[i][3] = pack_pair(Tag{}, score[i][2 * step + 1][2], score[i][2 * step + 1][3]);
+      }
+#pragma unroll
+      for (int pair = 0; pair < Config::kStepsV; ++pair) {
+        unsigned v_fragment[4];  // b0, b1 of value columns 16*pair..+7, then of +8..+15
+        load_matrix_x4_transposed(v_fragment, v_tile + v_lane.at(pair, step * 16));
+#pragma unroll
+        for (int i = 0; i < kTiles; ++i) {
+          mma_16x8x16(Tag{}, output[i][2 * pair], p_fragment[i], v_fragment[0], v_fragment[1]);
+          mma_16x8x16(Tag{}, output[i][2 * pair + 1], p_fragment[i], v_fragment[2],
+                      v_fragment[3]);
+        }
+      }
+    }
+  }
+  wait_copies<0>();
+  __syncthreads();  // every warp is done with Q, K and V: the Q buffer now stages O
+
+  // Normalise, write the LSE, stage O (as storage type) in shared memory.
+#pragma unroll
+  for (int i = 0; i < kTiles; ++i) {
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+      const RowResult result = finish_row_log2(row_max[i][half], quad_sum(row_sum[i][half]));
+      const int row = warp * Config::kRowsPerWarp + i * 16 + group + half * 8;
+      if (p.lse != nullptr && quad_lane == 0 && q_start + row < span.q_len) {
+        *lse_address(p, batch, head, span.q_offset + q_start + row) = result.lse;
+      }
+#pragma unroll
+      for (int j = 0; j < kOutputTiles; ++j) {
+        const unsigned packed = pack_pair(Tag{}, output[i][j][2 * half] * result.inverse_sum,
+                                          output[i][j][2 * half + 1] * result.inverse_sum);
+        *reinterpret_cast<unsigned*>(shared + swizzled_offset<Config::kChunksV>(row, j) +
+                                     quad_lane * sizeof(unsigned)) = packed;
+      }
+    }
+  }
+  __syncthreads();
+
+  // Coalesced 16-byte stores of the rows inside the sequence.
+  unsigned short* o_destination =
+      view_row<unsigned short>(p.o, batch, span.q_offset + q_start, head);
+  constexpr int kStoreChunks = kBlockM * Config::kRealChunksV;
+  for (int index = thread; index < kStoreChunks; index += kThreads) {
+    const int row = index / Config::kRealChunksV;
+    const int chunk = index % Config::kRealChunksV;
+    if (q_start + row < span.q_len) {
+      *reinterpret_cast<SharedChunk*>(o_destination + row * p.o.token_stride +
+                                      chunk * kChunkElements) =
+          *reinterpret_cast<const SharedChunk*>(shared +
+                                                swizzled_offset<Config::kChunksV>(row, chunk));
+    }
+  }
+}
+
+}  // namespace flexattn_kernels

@@ -1,0 +1,224 @@
+#include "engines/cuda/tile_plan.hpp"
+
+#include <fmt/format.h>
+
+#include <algorithm>
+
+#include "flexattn/analysis.hpp"
+#include "flexattn/error.hpp"
+
+namespace flexattn::cuda {
+namespace {
+
+constexpr int kWarpSize = 32;
+// The tensor-core kernel keeps head dims in 16-byte chunks (8 values of 16 bits).
+constexpr int kChunkElements = 8;
+// Shared-memory rows are swizzled in groups of 8 chunks, so they are padded to 64 values.
+constexpr int kMmaRowMultiple = 64;
+// Registers: O needs head_dim_v / 8 * 4 fp32 accumulators per 16-row tile; two tiles per warp
+// (which halves the shared-memory reads per mma) fit up to head dim 128, one tile beyond.
+constexpr int kLargeHeadDim = 128;
+// The largest head dim either kernel holds (shared memory and registers).
+constexpr int kMaxHeadDim = 256;
+// 64 keys per tile: the S accumulators of a warp (tiles x 64 / 8 x 4 fp32) leave registers for
+// O; the same tile for the fp32 kernel, so both read one tile list.
+constexpr int kBlockN = 64;
+constexpr int kMmaWarps = 4;
+// Two stages overlap the copy of tile j+1 with tile j's math; a third does not fit beside
+// two blocks per multiprocessor at head dim 128 (96 KB each of 228 KB).
+constexpr int kMmaStages = 2;
+// The fp32 kernel: 4 warps of 4 rows (each K element read from shared memory serves 4 rows).
+constexpr int kSimtWarps = 4;
+constexpr int kSimtRowsPerWarp = 4;
+// The fp32 kernel's rows per classified block: 4 of its blocks share one class row.
+constexpr int kSimtClassBlockQ = 64;
+// Bound on the tile list (4 bytes an entry): 64 Mi entries, e.g. sequences of about 250k tokens.
+constexpr std::int64_t kMaxTileEntries = std::int64_t{1} << 26;
+
+int round_up(int value, int multiple) { return (value + multiple - 1) / multiple * multiple; }
+
+const char* element_tag(DType dtype) {
+  switch (dtype) {
+    case DType::kBF16:
+      return "flexattn_kernels::BFloat16Tag";
+    case DType::kF16:
+      return "flexattn_kernels::HalfTag";
+    case DType::kF32:
+      return "flexattn_kernels::Float32Tag";
+    case DType::kF64:
+    case DType::kI32:
+    case DType::kI64:
+      break;
+  }
+  throw_internal("cuda engine: no element type for " + std::string(to_string(dtype)));
+}
+
+// Every non-unit stride of q, k, v, o is a whole number of 16-byte chunks, so each row starts
+// 16-byte aligned when the data pointer is (checked at run time).
+bool strides_chunk_aligned(const Problem& problem) {
+  for (const char* which : {"q", "k", "v", "o"}) {
+    const TensorView view = problem.expected(which);
+    for (std::size_t i = 0; i + 1 < view.strides.size(); ++i) {
+      if (view.strides[i] % kChunkElements != 0) return false;
+    }
+  }
+  return true;
+}
+
+KernelChoice mma_choice(const Problem& problem) {
+  KernelChoice c;
+  c.kind = KernelKind::kMma;
+  c.dtype = problem.dtype();
+  c.head_dim_qk = static_cast<int>(problem.head_dim_qk());
+  c.head_dim_v = static_cast<int>(problem.head_dim_v());
+  c.padded_qk = round_up(c.head_dim_qk, kMmaRowMultiple);
+  c.padded_v = round_up(c.head_dim_v, kMmaRowMultiple);
+  const bool large = std::max(c.head_dim_qk, c.head_dim_v) > kLargeHeadDim;
+  c.tiles_per_warp = large ? 1 : 2;
+  c.warps = kMmaWarps;
+  c.block_m = 16 * c.tiles_per_warp * c.warps;
+  c.block_n = kBlockN;
+  c.stages = kMmaStages;
+  c.min_blocks = large ? 1 : 2;
+  c.class_block_q = c.block_m;
+  constexpr int kBytes = 2;  // bf16 / fp16
+  const int staging = std::max(c.padded_qk, c.padded_v);
+  c.shared_bytes = c.block_m * staging * kBytes +
+                   c.stages * c.block_n * (c.padded_qk + c.padded_v) * kBytes;
+  return c;
+}
+
+KernelChoice simt_choice(const Problem& problem) {
+  KernelChoice c;
+  c.kind = KernelKind::kSimt;
+  c.dtype = problem.dtype();
+  c.head_dim_qk = static_cast<int>(problem.head_dim_qk());
+  c.head_dim_v = static_cast<int>(problem.head_dim_v());
+  c.padded_qk = c.head_dim_qk;
+  c.padded_v = c.head_dim_v;
+  c.warps = kSimtWarps;
+  c.block_m = kSimtWarps * kSimtRowsPerWarp;
+  c.block_n = kBlockN;
+  c.class_block_q = kSimtClassBlockQ;
+  const int key_stride = c.head_dim_qk + 1;
+  c.shared_bytes = static_cast<int>(
+      (c.block_m * c.head_dim_qk + c.block_n * key_stride + c.block_n * c.head_dim_v) *
+      sizeof(float));
+  return c;
+}
+
+}  // namespace
+
+int KernelChoice::threads() const { return warps * kWarpSize; }
+
+std::string KernelChoice::config_type() const {
+  if (kind == KernelKind::kMma) {
+    return fmt::format("flexattn_kernels::MmaConfig<{}, {}, {}, {}, {}, {}, {}, {}, {}, {}>",
+                       element_tag(dtype), head_dim_qk, head_dim_v, padded_qk, padded_v,
+                       tiles_per_warp, warps, block_n, stages, min_blocks);
+  }
+  return fmt::format("flexattn_kernels::SimtConfig<{}, {}, {}>", element_tag(dtype), head_dim_qk,
+                     head_dim_v);
+}
+
+std::string KernelChoice::describe() const {
+  if (kind == KernelKind::kMma) {
+    return fmt::format(
+        "tensor-core (mma.sync) {}, {}x{} tiles, {} warps, {} stages, head dims {} (padded {}) "
+        "and {} (padded {}), {} KB shared",
+        to_string(dtype), block_m, block_n, warps, stages, head_dim_qk, padded_qk, head_dim_v,
+        padded_v, shared_bytes / 1024);
+  }
+  return fmt::format("fp32 units {}, {}x{} tiles, {} warps, head dims {} and {}, {} KB shared",
+                     to_string(dtype), block_m, block_n, warps, head_dim_qk, head_dim_v,
+                     shared_bytes / 1024);
+}
+
+KernelSelection choose_kernel(const Problem& problem) {
+  KernelSelection selection;
+  const DType dtype = problem.dtype();
+  if (dtype != DType::kBF16 && dtype != DType::kF16 && dtype != DType::kF32) {
+    selection.reason = fmt::format("storage {} is not served (bf16, fp16 and fp32 are)",
+                                   to_string(dtype));
+    return selection;
+  }
+  const std::int64_t largest = std::max(problem.head_dim_qk(), problem.head_dim_v());
+  if (largest > kMaxHeadDim) {
+    selection.reason =
+        fmt::format("head dim {} exceeds the largest the kernels hold ({})", largest, kMaxHeadDim);
+    return selection;
+  }
+  const bool sixteen_bit = dtype == DType::kBF16 || dtype == DType::kF16;
+  const bool whole_chunks = problem.head_dim_qk() % kChunkElements == 0 &&
+                            problem.head_dim_v() % kChunkElements == 0;
+  if (sixteen_bit && whole_chunks && strides_chunk_aligned(problem)) {
+    selection.choice = mma_choice(problem);
+  } else {
+    selection.choice = simt_choice(problem);
+  }
+  return selection;
+}
+
+TileList classify_tiles(const Problem& problem, int class_block_q, int block_n) {
+  TileList list;
+  list.class_block_q = class_block_q;
+  list.block_n = block_n;
+  const std::int64_t seq_q = problem.seq_len_q();
+  const std::int64_t seq_kv = problem.seq_len_kv();
+  const std::int64_t query_blocks = (seq_q + class_block_q - 1) / class_block_q;
+  const std::int64_t kv_tiles = (seq_kv + block_n - 1) / block_n;
+  list.tiles = query_blocks * kv_tiles;
+  if (list.tiles > kMaxTileEntries) {
+    throw_unsupported(fmt::format(
+        "{} x {} tiles exceed the tile list's bound of {} entries", query_blocks, kv_tiles,
+        kMaxTileEntries));
+  }
+  const Graph& mask = problem.mask_mod();
+  const bool constant = mask.is_literal();
+  const bool keep_all = constant && mask.node(mask.root()).literal != 0.0;
+  const LeafRanges ranges = problem.leaf_ranges();
+
+  std::vector<TileClass> classes(static_cast<std::size_t>(kv_tiles));
+  // Classifies kv tiles [first, last) of one query block: when the analysis decides the whole
+  // rectangle, that verdict holds for each of its tiles; otherwise it is halved, down to single
+  // tiles (a few calls per query block for causal-like masks instead of one per tile).
+  auto classify_range = [&](auto& self, std::int64_t q_begin, std::int64_t q_end,
+                            std::int64_t first, std::int64_t last) -> void {
+    const TileRect rect{q_begin, q_end, first * block_n, std::min(last * block_n, seq_kv)};
+    const TileClass verdict = classify_tile(mask, ranges, rect);
+    if (verdict != TileClass::kMixed || last - first == 1) {
+      std::fill(classes.begin() + first, classes.begin() + last, verdict);
+      return;
+    }
+    const std::int64_t middle = first + (last - first) / 2;
+    self(self, q_begin, q_end, first, middle);
+    self(self, q_begin, q_end, middle, last);
+  };
+
+  list.offsets.reserve(static_cast<std::size_t>(query_blocks + 1));
+  list.offsets.push_back(0);
+  for (std::int64_t block = 0; block < query_blocks; ++block) {
+    if (constant) {
+      std::fill(classes.begin(), classes.end(),
+                keep_all ? TileClass::kAllTrue : TileClass::kAllFalse);
+    } else {
+      const std::int64_t q_begin = block * class_block_q;
+      const std::int64_t q_end = std::min(q_begin + class_block_q, seq_q);
+      classify_range(classify_range, q_begin, q_end, 0, kv_tiles);
+    }
+    for (std::int64_t tile = 0; tile < kv_tiles; ++tile) {
+      const TileClass verdict = classes[static_cast<std::size_t>(tile)];
+      if (verdict == TileClass::kAllFalse) {
+        ++list.skipped;
+        continue;
+      }
+      const bool mixed = verdict == TileClass::kMixed;
+      list.mixed += mixed ? 1 : 0;
+      list.entries.push_back(static_cast<int>(tile << 1) | (mixed ? 1 : 0));
+    }
+    list.offsets.push_back(static_cast<int>(list.entries.size()));
+  }
+  return list;
+}
+
+}  // namespace flexattn::cuda

@@ -1,0 +1,32 @@
+// `cudnn`: cuDNN's fused attention through its backend C API, with the score modifier and the
+// mask lowered to cuDNN pointwise operations. cuDNN is opened at run time (libcudnn.so.9), so the
+// library builds and loads without it. Problems live on Device::kCuda.
+#pragma once
+
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "flexattn/engine.hpp"
+
+namespace flexattn {
+
+struct CudnnOptions {
+  // cuDNN engine names or tags never to run, as globs ("eng2", "eng1?_k*"); the patterns of
+  // FLEXATTN_CUDNN_EXCLUDE (comma-separated) are added to these.
+  std::vector<std::string> exclude;
+  // Accept engines that no device run has verified. For qualifying a new cuDNN release only:
+  // with it the post-planning check no longer rejects an engine the verified list lacks.
+  bool allow_unverified_engines = false;
+};
+
+std::shared_ptr<const Engine> make_cudnn_engine(CudnnOptions options = {});
+
+// The part of planning that needs libcudnn but no device: the constraints (for an sm_90 device),
+// the lowering of the modifiers, and the construction of every tensor and operation descriptor of
+// the forward (and backward) graph. Operation graphs, heuristics and plans need a device and are
+// not built. For tests on machines with cuDNN installed and no GPU; `summary` describes the
+// graphs built.
+Support check_cudnn_graphs_without_device(const Problem& problem, std::string& summary);
+
+}  // namespace flexattn

@@ -1,0 +1,398 @@
+// The `flexattn` tool, run as a user would (FLEXATTN_CLI_PATH) in a fresh temporary folder: the
+// documented flags work, and every bad input gives exactly one stderr line starting "error:", the
+// documented exit code (2 invalid input, 3 nothing can run, 1 otherwise) and no output file.
+#include <fmt/format.h>
+#include <gtest/gtest.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cstdlib>
+#include <filesystem>
+#include <fstream>
+#include <nlohmann/json.hpp>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include "flexattn/testing.hpp"
+#include "support/test_support.hpp"
+
+namespace flexattn {
+namespace {
+
+namespace fs = std::filesystem;
+
+constexpr int kExitInvalidInput = 2;
+constexpr int kExitUnsupported = 3;
+constexpr int kExitFailure = 1;
+// Two float64 computations of the same function that differ only in summation order.
+constexpr double kFloat64Tolerance = 1e-12;
+// A float32 engine against float64 on these small problems.
+constexpr double kFloat32Tolerance = 1e-4;
+
+struct CliResult {
+  int exit_code = -1;
+  std::string out, err;
+};
+
+std::string quote(const std::string& text) {
+  std::string quoted = "'";
+  for (char c : text) quoted += c == '\'' ? std::string("'\\''") : std::string(1, c);
+  return quoted + "'";
+}
+
+std::string read_text(const fs::path& path) {
+  std::ifstream file(path);
+  std::stringstream text;
+  text << file.rdbuf();
+  return text.str();
+}
+
+std::vector<std::string> lines_of(const std::string& text) {
+  std::vector<std::string> lines;
+  std::istringstream stream(text);
+  for (std::string line; std::getline(stream, line);) lines.push_back(line);
+  return lines;
+}
+
+class Cli : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    const auto* info = ::testing::UnitTest::GetInstance()->current_test_info();
+    dir_ = fs::temp_directory_path() /
+           fmt::format("flexattn_cli_{}_{}_{}", info->name(), ::getpid(), counter_++);
+    fs::remove_all(dir_);
+    fs::create_directories(dir_);
+  }
+  void TearDown() override { fs::remove_all(dir_); }
+
+  // Runs the tool in the temporary folder with a clean FLEXATTN_* environment plus `environment`
+  // ("NAME=VALUE" entries).
+  CliResult run(const std::vector<std::string>& args,
+                const std::vector<std::string>& environment = {}) const {
+    std::string command =
+        fmt::format("cd {} && env -u FLEXATTN_ENGINES -u FLEXATTN_LOG", quote(dir_.string()));
+    for (const std::string& entry : environment) command += " " + quote(entry);
+    command += " " + quote(FLEXATTN_CLI_PATH);
+    for (const std::string& arg : args) command += " " + quote(arg);
+    command += " >" + quote((dir_ / "stdout.txt").string()) + " 2>" +
+               quote((dir_ / "stderr.txt").string());
+    const int status = std::system(command.c_str());
+    CliResult result;
+    result.exit_code = WIFEXITED(status) ? WEXITSTATUS(status) : -1;
+    result.out = read_text(dir_ / "stdout.txt");
+    result.err = read_text(dir_ / "stderr.txt");
+    fs::remove(dir_ / "stdout.txt");
+    fs::remove(dir_ / "stderr.txt");
+    return result;
+  }
+
+  std::string path(const std::string& name) const { return (dir_ / name).string(); }
+  bool exists(const std::string& name) const { return fs::exists(dir_ / name); }
+
+  // The files in the folder (there must be no output and no temporary left after a failure).
+  std::vector<std::string> files() const {
+    std::vector<std::string> names;
+    for (const auto& entry : fs::directory_iterator(dir_)) {
+      names.push_back(entry.path().filename().string());
+    }
+    std::sort(names.begin(), names.end());
+    return names;
+  }
+
+  // q, k, v of `problem` written as .npy files (in its layout), plus the inputs themselves.
+  test::Inputs write_inputs(const Problem& problem, std::uint64_t seed) const {
+    test::Inputs inputs = test::random_inputs(problem, seed);
+    write_npy(path("q.npy"), inputs.q);
+    write_npy(path("k.npy"), inputs.k);
+    write_npy(path("v.npy"), inputs.v);
+    return inputs;
+  }
+
+  // Fails unless the run failed with `code`, one "error: " line, and left only `inputs` behind.
+  void expect_failure(const CliResult& result, int code, const std::string& part,
+                      const std::vector<std::string>& inputs = {}) const {
+    EXPECT_EQ(result.exit_code, code) << result.err;
+    const std::vector<std::string> lines = lines_of(result.err);
+    ASSERT_EQ(lines.size(), 1u) << result.err;
+    EXPECT_EQ(lines[0].rfind("error: ", 0), 0u) << lines[0];
+    EXPECT_NE(lines[0].find(part), std::string::npos) << lines[0];
+    std::vector<std::string> expected = inputs;
+    std::sort(expected.begin(), expected.end());
+    EXPECT_EQ(files(), expected) << "an output or temporary file was left behind";
+  }
+
+ private:
+  fs::path dir_;
+  static inline int counter_ = 0;
+};
+
+ProblemDesc small_desc(Layout layout, DType dtype) {
+  ProblemDesc desc;
+  desc.batch = 2;
+  desc.heads_q = 4;
+  desc.heads_kv = 2;
+  desc.seq_len_q = 17;
+  desc.seq_len_kv = 33;
+  desc.head_dim_qk = 16;
+  desc.layout = layout;
+  desc.dtype = dtype;
+  return desc;
+}
+
+// ---- documented flags ---------------------------------------------------------------------------
+
+TEST_F(Cli, HelpExitsZero) {
+  const CliResult result = run({"--help"});
+  EXPECT_EQ(result.exit_code, 0);
+  for (const char* command : {"demo", "engines", "explain", "run"}) {
+    EXPECT_NE(result.out.find(command), std::string::npos) << command;
+  }
+}
+
+TEST_F(Cli, EnginesListsEveryEngine) {
+  const CliResult result = run({"engines"});
+  ASSERT_EQ(result.exit_code, 0) << result.err;
+  EXPECT_NE(result.out.find("cpu_ref"), std::string::npos) << result.out;
+  for (const auto& engine : builtin_engines()) {
+    EXPECT_NE(result.out.find(std::string(engine->name())), std::string::npos) << engine->name();
+  }
+  const CliResult json = run({"engines", "--json"});
+  ASSERT_EQ(json.exit_code, 0) << json.err;
+  const nlohmann::json parsed = nlohmann::json::parse(json.out);
+  EXPECT_EQ(parsed.at("engines").size(), builtin_engines().size());
+}
+
+TEST_F(Cli, RunWithRandomInputsWritesOutputs) {
+  const CliResult result = run({"run",
+                                "--batch",
+                                "2",
+                                "--heads-q",
+                                "4",
+                                "--heads-kv",
+                                "2",
+                                "--seq-len-q",
+                                "17",
+                                "--seq-len-kv",
+                                "33",
+                                "--head-dim",
+                                "16",
+                                "--head-dim-v",
+                                "8",
+                                "--score-mod",
+                                "30 * tanh(score / 30)",
+                                "--mask-mod",
+                                "q >= kv",
+                                "--seed",
+                                "3",
+                                "--out",
+                                "out.npy",
+                                "--lse",
+                                "lse.npy",
+                                "--check"});
+  ASSERT_EQ(result.exit_code, 0) << result.err;
+  EXPECT_TRUE(result.err.empty()) << result.err;
+  EXPECT_NE(result.out.find("engine"), std::string::npos) << result.out;
+  EXPECT_NE(result.out.find("max abs error vs cpu_ref"), std::string::npos) << result.out;
+  const HostTensor out = read_npy(path("out.npy"));
+  EXPECT_EQ(out.dtype(), DType::kF32);
+  EXPECT_EQ(out.shape(), (std::vector<std::int64_t>{2, 17, 4, 8}));
+  const HostTensor lse = read_npy(path("lse.npy"));
+  EXPECT_EQ(lse.shape(), (std::vector<std::int64_t>{2, 4, 17}));
+}
+
+TEST_F(Cli, RunWithNpyInputsMatchesTheReference) {
+  ProblemDesc desc = small_desc(Layout::kBHSD, DType::kF64);
+  desc.score_mod = ir::parse("score + float(q - kv) / 8");
+  desc.mask_mod = ir::parse("q + (KV_LEN - Q_LEN) >= kv");
+  const Problem problem(desc);
+  const test::Inputs inputs = write_inputs(problem, 5);
+  const CliResult result =
+      run({"run", "--layout", "bhsd", "--q", "q.npy", "--k", "k.npy", "--v", "v.npy", "--score-mod",
+           "score + float(q - kv) / 8", "--mask-mod", "q + (KV_LEN - Q_LEN) >= kv", "--engine",
+           "cpu_ref", "--out", "out.npy", "--lse", "lse.npy"});
+  ASSERT_EQ(result.exit_code, 0) << result.err;
+  const test::Outputs expected =
+      test::run_engine(*test::builtin_engine("cpu_ref"), problem, inputs);
+  const HostTensor out = read_npy(path("out.npy"));
+  EXPECT_EQ(out.dtype(), DType::kF64);  // the dtype comes from the files
+  EXPECT_TRUE(test::within_tolerance(out, expected.out, kFloat64Tolerance));
+  EXPECT_TRUE(test::within_tolerance(read_npy(path("lse.npy")), expected.lse, kFloat64Tolerance));
+}
+
+TEST_F(Cli, RunJsonParsesAndReportsTheCheck) {
+  const CliResult result = run({"run", "--modifier", "softcap", "--modifier", "causal",
+                                "--seq-len-q", "40", "--check", "--json"});
+  ASSERT_EQ(result.exit_code, 0) << result.err;
+  const nlohmann::json summary = nlohmann::json::parse(result.out);
+  EXPECT_FALSE(summary.at("engine").get<std::string>().empty());
+  EXPECT_FALSE(summary.at("plan").get<std::string>().empty());
+  EXPECT_GT(summary.at("forward_ms").get<double>(), 0.0);
+  EXPECT_LE(summary.at("check").at("max_error").get<double>(), kFloat32Tolerance);
+  EXPECT_TRUE(summary.at("check").at("max_abs_error").contains("out"));
+}
+
+TEST_F(Cli, RunBackwardWritesGradientsOfInputsAndTensors) {
+  const CliResult result =
+      run({"run", "--modifier", "post_scale_bias", "--seq-len-q", "24", "--heads-q", "2",
+           "--backward", "--check", "--json", "--dq", "dq.npy", "--dk", "dk.npy", "--dv", "dv.npy",
+           "--dtensor", "bias=dbias.npy"});
+  ASSERT_EQ(result.exit_code, 0) << result.err;
+  const nlohmann::json summary = nlohmann::json::parse(result.out);
+  EXPECT_LE(summary.at("check").at("max_error").get<double>(), kFloat32Tolerance);
+  EXPECT_TRUE(summary.at("check").at("max_abs_error").contains("dbias"));
+  EXPECT_EQ(read_npy(path("dbias.npy")).shape(), (std::vector<std::int64_t>{2, 24, 24}));
+  for (const char* name : {"dq.npy", "dk.npy", "dv.npy"}) EXPECT_TRUE(exists(name)) << name;
+}
+
+TEST_F(Cli, RunThdWithOffsets) {
+  const CliResult result =
+      run({"run", "--layout", "thd", "--cu-seqlens-q", "0,5,17,20", "--mask-mod",
+           "q >= kv", "--out", "out.npy", "--check", "--json"});
+  ASSERT_EQ(result.exit_code, 0) << result.err;
+  EXPECT_EQ(read_npy(path("out.npy")).shape(), (std::vector<std::int64_t>{20, 4, 64}));
+  const nlohmann::json summary = nlohmann::json::parse(result.out);
+  EXPECT_LE(summary.at("check").at("max_error").get<double>(), kFloat32Tolerance);
+}
+
+TEST_F(Cli, LogInfoNamesTheSelection) {
+  const CliResult result = run({"run", "--seq-len-q", "8"}, {"FLEXATTN_LOG=info"});
+  ASSERT_EQ(result.exit_code, 0) << result.err;
+  EXPECT_NE(result.err.find("flexattn: selected"), std::string::npos) << result.err;
+}
+
+TEST_F(Cli, ExplainShowsModifierHashDerivativesAndEveryEngine) {
+  const CliResult result =
+      run({"explain", "--with-planted-faults", "--heads-q", "8", "--score-mod",
+           "score + bias[h, q, kv] * 2", "--tensor", "bias=bias.npy", "--seq-len-q", "16"});
+  // bias.npy does not exist yet: an input error.
+  expect_failure(result, kExitInvalidInput, "bias.npy");
+  HostTensor bias(DType::kF32, {8, 16, 16});
+  bias.fill_normal(1);
+  write_npy(path("bias.npy"), bias);
+  const CliResult explained =
+      run({"explain", "--with-planted-faults", "--heads-q", "8", "--score-mod",
+           "score + bias[h, q, kv] * 2", "--tensor", "bias=bias.npy", "--seq-len-q", "16"});
+  ASSERT_EQ(explained.exit_code, 0) << explained.err;
+  ProblemDesc desc;
+  desc.heads_q = 8;
+  desc.seq_len_q = 16;
+  desc.tensors["bias"] = TensorDecl{DType::kF32, {8, 16, 16}};
+  desc.score_mod = ir::parse("score + bias[h, q, kv] * 2", desc.scope());
+  const Problem problem(desc);
+  const std::string& text = explained.out;
+  EXPECT_NE(text.find(hash_to_hex(problem.modifier_hash())), std::string::npos) << text;
+  EXPECT_NE(text.find(problem.score_mod().to_string()), std::string::npos) << text;
+  EXPECT_NE(text.find("d score_mod / d score"), std::string::npos) << text;
+  EXPECT_NE(text.find("d score_mod / d bias[h, q, kv]"), std::string::npos) << text;
+  std::vector<std::shared_ptr<const Engine>> engines = builtin_engines();
+  for (const auto& engine : testing::planted_faulty_engines()) engines.push_back(engine);
+  for (const auto& engine : engines) {
+    EXPECT_NE(text.find(std::string(engine->name())), std::string::npos) << engine->name();
+  }
+  const CliResult json = run({"explain", "--json", "--score-mod", "30 * tanh(score / 30)"});
+  ASSERT_EQ(json.exit_code, 0) << json.err;
+  const nlohmann::json parsed = nlohmann::json::parse(json.out);
+  EXPECT_EQ(parsed.at("engines").size(), builtin_engines().size());
+  EXPECT_FALSE(parsed.at("derivative_wrt_score").get<std::string>().empty());
+}
+
+TEST_F(Cli, DemoRunsAndPassesItsCheck) {
+  const CliResult result = run({"demo", "--json"});
+  ASSERT_EQ(result.exit_code, 0) << result.err;
+  const nlohmann::json summary = nlohmann::json::parse(result.out);
+  EXPECT_TRUE(summary.at("check").at("passed").get<bool>());
+  EXPECT_GT(summary.at("gflops").get<double>(), 0.0);
+}
+
+// ---- bad inputs ---------------------------------------------------------------------------------
+
+TEST_F(Cli, MalformedExpression) {
+  expect_failure(run({"run", "--score-mod", "30 * tanh(score / ", "--out", "out.npy"}),
+                 kExitInvalidInput, "--score-mod");
+}
+
+TEST_F(Cli, UnknownTensorName) {
+  expect_failure(run({"run", "--score-mod", "score + nope[h]", "--out", "out.npy"}),
+                 kExitInvalidInput, "nope");
+}
+
+TEST_F(Cli, UnknownFlag) {
+  expect_failure(run({"run", "--bogus", "1", "--out", "out.npy"}), kExitInvalidInput, "--bogus");
+}
+
+TEST_F(Cli, ShapeMismatchBetweenInputs) {
+  const Problem problem(small_desc(Layout::kBSHD, DType::kF32));
+  write_inputs(problem, 1);
+  HostTensor narrow_k(DType::kF32, {2, 33, 2, 8});
+  write_npy(path("k.npy"), narrow_k);
+  expect_failure(run({"run", "--q", "q.npy", "--k", "k.npy", "--v", "v.npy", "--out", "out.npy"}),
+                 kExitInvalidInput, "shape mismatch", {"q.npy", "k.npy", "v.npy"});
+}
+
+TEST_F(Cli, FlagDisagreesWithInputFile) {
+  const Problem problem(small_desc(Layout::kBSHD, DType::kF32));
+  write_inputs(problem, 1);
+  expect_failure(run({"run", "--q", "q.npy", "--k", "k.npy", "--v", "v.npy", "--seq-len-q", "16",
+                      "--out", "out.npy"}),
+                 kExitInvalidInput, "--seq-len-q", {"q.npy", "k.npy", "v.npy"});
+}
+
+TEST_F(Cli, HeadsNotAMultiple) {
+  expect_failure(run({"run", "--heads-q", "6", "--heads-kv", "4", "--out", "out.npy"}),
+                 kExitInvalidInput, "multiple");
+}
+
+TEST_F(Cli, CorruptNpy) {
+  const Problem problem(small_desc(Layout::kBSHD, DType::kF32));
+  write_inputs(problem, 1);
+  std::ofstream(path("q.npy"), std::ios::binary | std::ios::trunc) << "\x93NUMPY garbage";
+  expect_failure(run({"run", "--q", "q.npy", "--k", "k.npy", "--v", "v.npy", "--out", "out.npy"}),
+                 kExitInvalidInput, "q.npy", {"q.npy", "k.npy", "v.npy"});
+}
+
+TEST_F(Cli, OutOfRangeTensorIndex) {
+  constexpr std::int64_t kHeads = 4, kSeqLen = 16;
+  HostTensor bias(DType::kF32, {kHeads, kSeqLen, kSeqLen});
+  write_npy(path("bias.npy"), bias);
+  expect_failure(run({"run", "--heads-q", "4", "--seq-len-q", "16", "--tensor", "bias=bias.npy",
+                      "--score-mod", "score + bias[h, q, kv + 1]", "--out", "out.npy"}),
+                 kExitInvalidInput, "bias", {"bias.npy"});
+}
+
+TEST_F(Cli, UnknownEngineForced) {
+  expect_failure(run({"run", "--engine", "warp_drive", "--out", "out.npy"}), kExitInvalidInput,
+                 "unknown engine 'warp_drive'");
+}
+
+TEST_F(Cli, NoEngineCanRun) {
+  const CliResult result = run({"run", "--out", "out.npy"}, {"FLEXATTN_ENGINES=-cpu*"});
+  expect_failure(result, kExitUnsupported, "no engine can run this problem");
+  EXPECT_NE(result.err.find("cpu_ref: denied by policy FLEXATTN_ENGINES=-cpu*"), std::string::npos)
+      << result.err;
+}
+
+TEST_F(Cli, PlantedFaultIsRefusedByThePlanProof) {
+  const CliResult result = run({"run", "--with-planted-faults", "--engine", "faulty_drop_mod",
+                                "--score-mod", "30*tanh(score/30)", "--out", "out.npy"});
+  expect_failure(result, kExitFailure,
+                 "refusing to run a plan that does not implement the requested modifier");
+  EXPECT_NE(result.err.find("faulty_drop_mod"), std::string::npos) << result.err;
+}
+
+TEST_F(Cli, GradientOutputWithoutBackward) {
+  expect_failure(run({"run", "--dq", "dq.npy"}), kExitInvalidInput, "--backward");
+}
+
+TEST_F(Cli, MissingInputFile) {
+  expect_failure(run({"run", "--q", "no.npy", "--k", "no.npy", "--v", "no.npy", "--out", "o.npy"}),
+                 kExitInvalidInput, "no.npy");
+}
+
+TEST_F(Cli, OutputFolderMissing) {
+  expect_failure(run({"run", "--out", "missing/out.npy"}), kExitInvalidInput, "missing");
+}
+
+}  // namespace
+}  // namespace flexattn

@@ -1,0 +1,425 @@
+// The cuda engine on a GPU (ctest label `gpu`; skipped where no device is available):
+// - the conformance matrix's forward cases (full tier) and the benchmark shapes against cpu_ref
+//   under DESIGN.md's tolerance rule;
+// - every golden case in every layout and dtype against PyTorch FlexAttention's float64 output,
+//   with the tolerance set by a plain same-precision implementation;
+// - the plan proof, the kernel caches (memory, disk, corrupt entries) and argument checks.
+#include <fmt/format.h>
+#include <gtest/gtest.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdlib>
+#include <filesystem>
+#include <fstream>
+#include <limits>
+#include <string>
+#include <tuple>
+#include <vector>
+
+#include "flexattn/conformance.hpp"
+#include "support/test_support.hpp"
+
+namespace flexattn::test {
+namespace {
+
+namespace fs = std::filesystem;
+
+std::shared_ptr<const Engine> device_engine() {
+  const std::shared_ptr<const Engine> engine = builtin_engine("cuda");
+  if (engine == nullptr || !engine->available()) return nullptr;
+  return engine;
+}
+
+#define SKIP_WITHOUT_DEVICE()                                                            \
+  do {                                                                                   \
+    if (device_engine() == nullptr) GTEST_SKIP() << "no usable CUDA device";            \
+  } while (false)
+
+// ---- device buffers ---------------------------------------------------------------------------
+
+// A device copy of a host tensor (or an output filled with NaN bytes, so unwritten elements fail).
+class DeviceTensor {
+ public:
+  DeviceTensor(const DeviceMemory& memory, const HostTensor& host, bool poison = false)
+      : memory_(memory), host_(host.to(host.dtype())) {
+    pointer_ = memory_.allocate(host_.bytes());
+    if (poison) {
+      std::vector<unsigned char> nan_bytes(host_.bytes(), 0xff);  // NaN in every float dtype
+      memory_.copy_to_device(pointer_, nan_bytes.data(), nan_bytes.size());
+    } else {
+      memory_.copy_to_device(pointer_, host_.data(), host_.bytes());
+    }
+  }
+  ~DeviceTensor() { memory_.release(pointer_); }
+  DeviceTensor(const DeviceTensor&) = delete;
+  DeviceTensor& operator=(const DeviceTensor&) = delete;
+
+  TensorView view() const {
+    TensorView view = host_.view();
+    view.data = pointer_;
+    view.device = Device::kCuda;
+    return view;
+  }
+  HostTensor download() {
+    memory_.synchronize();
+    memory_.copy_to_host(host_.data(), pointer_, host_.bytes());
+    return host_.to(host_.dtype());
+  }
+
+ private:
+  const DeviceMemory& memory_;
+  HostTensor host_;
+  void* pointer_ = nullptr;
+};
+
+struct DeviceOutputs {
+  HostTensor out, lse;
+};
+
+DeviceOutputs run_on_device(const Engine& engine, const Problem& problem, const HostTensor& q,
+                            const HostTensor& k, const HostTensor& v,
+                            const std::map<std::string, HostTensor>& tensors) {
+  const DeviceMemory& memory = *engine.memory();
+  const TensorView expected_out = problem.expected("o");
+  const TensorView expected_lse = problem.expected("lse");
+  DeviceTensor dq(memory, q), dk(memory, k), dv(memory, v);
+  DeviceTensor out(memory, HostTensor(expected_out.dtype, expected_out.shape), true);
+  DeviceTensor lse(memory, HostTensor(expected_lse.dtype, expected_lse.shape), true);
+  std::vector<std::unique_ptr<DeviceTensor>> extra;
+  ForwardArgs args;
+  args.q = dq.view();
+  args.k = dk.view();
+  args.v = dv.view();
+  args.out = out.view();
+  args.lse = lse.view();
+  for (const auto& [name, tensor] : tensors) {
+    extra.push_back(std::make_unique<DeviceTensor>(memory, tensor));
+    args.tensors[name] = extra.back()->view();
+  }
+  const std::unique_ptr<Plan> plan = engine.plan(problem);
+  plan->forward(args);
+  return DeviceOutputs{out.download(), lse.download()};
+}
+
+// ---- conformance matrix -------------------------------------------------------------------------
+
+std::vector<conformance::Case> forward_cases() {
+  std::vector<conformance::Case> result;
+  for (const conformance::Case& c : conformance::cases(conformance::Tier::kFull)) {
+    if (!c.backward) result.push_back(c);
+  }
+  // The benchmark's shapes and modifiers at a length the reference computes quickly.
+  for (const auto& [modifier, mask] : std::vector<std::pair<std::string, std::string>>{
+           {"none", "none"}, {"none", "causal"}, {"softcap30", "none"},
+           {"softcap30", "causal"}, {"alibi", "none"}, {"bias", "causal"}}) {
+    for (std::int64_t head_dim : {64, 128}) {
+      conformance::Case c;
+      c.modifier = modifier;
+      c.mask = mask;
+      c.shape = conformance::Shape{1, 4, 4, 1024, 1024, head_dim, head_dim};
+      c.layout = Layout::kBHSD;
+      c.dtype = DType::kBF16;
+      c.name = fmt::format("bench_bf16_bhsd_d{}/{}_{}", head_dim, modifier, mask);
+      result.push_back(c);
+    }
+  }
+  return result;
+}
+
+class CudaConformance : public ::testing::TestWithParam<conformance::Case> {};
+
+TEST_P(CudaConformance, ForwardMatchesReference) {
+  SKIP_WITHOUT_DEVICE();
+  const conformance::Case& c = GetParam();
+  const conformance::Outcome outcome = conformance::run_case(*device_engine(), c);
+  ASSERT_EQ(outcome.status, conformance::Status::kPass)
+      << c.name << ": " << conformance::to_string(outcome.status) << ": " << outcome.reason
+      << " (max error " << outcome.max_error() << ", allowed " << outcome.allowed() << ")";
+}
+
+std::string case_name(const ::testing::TestParamInfo<conformance::Case>& info) {
+  std::string name = info.param.name;
+  std::replace_if(name.begin(), name.end(), [](char c) { return !std::isalnum(c); }, '_');
+  return name;
+}
+
+INSTANTIATE_TEST_SUITE_P(Matrix, CudaConformance, ::testing::ValuesIn(forward_cases()),
+                         case_name);
+
+// ---- golden cases -------------------------------------------------------------------------------
+
+float round_to(DType dtype, float value) {
+  if (dtype == DType::kBF16) return to_float(to_bfloat16(value));
+  if (dtype == DType::kF16) return to_float(to_half(value));
+  return value;
+}
+
+// Plain attention in the storage precision (fp32 math, P and O rounded to the dtype), on bhsd
+// arrays: the implementation whose error sets the tolerance.
+DeviceOutputs plain_forward(const GoldenCase& golden, const Problem& problem, DType dtype,
+                            const std::map<std::string, HostTensor>& tensors) {
+  const HostTensor q = golden.array("q").to(dtype), k = golden.array("k").to(dtype);
+  const HostTensor v = golden.array("v").to(dtype);
+  const std::int64_t B = golden.batch, H = golden.heads_q, Sq = golden.seq_len_q;
+  const std::int64_t Skv = golden.seq_len_kv, D = golden.head_dim_qk, Dv = golden.head_dim_v;
+  const std::int64_t group = H / golden.heads_kv;
+  HostTensor out(DType::kF64, {B, H, Sq, Dv});
+  HostTensor lse(DType::kF64, {B, H, Sq});
+  Bindings bindings;
+  bindings.params = problem.desc().params;
+  for (const auto& [name, tensor] : tensors) bindings.tensors[name] = tensor.view();
+  const auto scale = static_cast<float>(problem.scale());
+  std::vector<float> scores(static_cast<std::size_t>(Skv));
+  for (std::int64_t b = 0; b < B; ++b) {
+    for (std::int64_t h = 0; h < H; ++h) {
+      const std::int64_t kv_head = (b * golden.heads_kv + h / group);
+      for (std::int64_t i = 0; i < Sq; ++i) {
+        float row_max = -std::numeric_limits<float>::infinity();
+        for (std::int64_t j = 0; j < Skv; ++j) {
+          float dot = 0.0f;
+          for (std::int64_t d = 0; d < D; ++d) {
+            dot += static_cast<float>(q.at(((b * H + h) * Sq + i) * D + d)) *
+                   static_cast<float>(k.at((kv_head * Skv + j) * D + d));
+          }
+          EvalPoint at{scale * dot, b, h, i, j, Sq, Skv};
+          float score = static_cast<float>(evaluate(problem.score_mod(), at, bindings));
+          if (evaluate(problem.mask_mod(), at, bindings) == 0.0) {
+            score = -std::numeric_limits<float>::infinity();
+          }
+          scores[static_cast<std::size_t>(j)] = score;
+          row_max = std::max(row_max, score);
+        }
+        float sum = 0.0f;
+        for (float& score : scores) {
+          score = row_max == -std::numeric_limits<float>::infinity() ? 0.0f
+                                                                      : std::exp(score - row_max);
+          sum += score;
+        }
+        lse.set((b * H + h) * Sq + i, sum > 0.0f ? row_max + std::log(sum)
+                                                 : -std::numeric_limits<double>::infinity());
+        for (std::int64_t d = 0; d < Dv; ++d) {
+          float value = 0.0f;
+          for (std::int64_t j = 0; j < Skv && sum > 0.0f; ++j) {
+            value += round_to(dtype, scores[static_cast<std::size_t>(j)] / sum) *
+                     static_cast<float>(v.at((kv_head * Skv + j) * Dv + d));
+          }
+          out.set(((b * H + h) * Sq + i) * Dv + d, round_to(dtype, value));
+        }
+      }
+    }
+  }
+  return DeviceOutputs{std::move(out), std::move(lse)};
+}
+
+// thd LSE (Hq, B * Sq) as (B, Hq, Sq).
+HostTensor lse_as_bhs(const HostTensor& lse, Layout layout, const GoldenCase& golden) {
+  if (layout != Layout::kTHD) return lse.to(DType::kF64);
+  HostTensor result(DType::kF64, {golden.batch, golden.heads_q, golden.seq_len_q});
+  for (std::int64_t b = 0; b < golden.batch; ++b) {
+    for (std::int64_t h = 0; h < golden.heads_q; ++h) {
+      for (std::int64_t q = 0; q < golden.seq_len_q; ++q) {
+        result.set((b * golden.heads_q + h) * golden.seq_len_q + q,
+                   lse.at(h * golden.batch * golden.seq_len_q + b * golden.seq_len_q + q));
+      }
+    }
+  }
+  return result;
+}
+
+double epsilon(DType dtype) {
+  if (dtype == DType::kBF16) return 0x1p-7;
+  if (dtype == DType::kF16) return 0x1p-10;
+  return std::numeric_limits<float>::epsilon();
+}
+
+using GoldenParam = std::tuple<std::string, Layout, DType>;
+class CudaGolden : public ::testing::TestWithParam<GoldenParam> {};
+
+TEST_P(CudaGolden, ForwardMatchesFlexAttention) {
+  FLEXATTN_SKIP_WITHOUT_GOLDEN();
+  SKIP_WITHOUT_DEVICE();
+  const auto& [name, layout, dtype] = GetParam();
+  const GoldenCase golden = load_golden_case(name);
+  ProblemDesc desc = golden.desc(layout, dtype, Direction::kForward);
+  desc.device = Device::kCuda;
+  const Problem problem(desc);
+  std::map<std::string, HostTensor> tensors;
+  for (const std::string& tensor : golden.tensors) tensors[tensor] = golden.array(tensor);
+
+  const DeviceOutputs result = run_on_device(
+      *device_engine(), problem, from_bhsd(golden.array("q").to(dtype), layout),
+      from_bhsd(golden.array("k").to(dtype), layout),
+      from_bhsd(golden.array("v").to(dtype), layout), tensors);
+  const DeviceOutputs plain = plain_forward(golden, problem, dtype, tensors);
+
+  const HostTensor expected_out = golden.array("out");
+  const HostTensor expected_lse = golden.array("lse");
+  const HostTensor out = to_bhsd(result.out, layout, golden.batch).to(DType::kF64);
+  const HostTensor lse = lse_as_bhs(result.lse, layout, golden);
+  const double out_floor = epsilon(dtype) * std::max(1.0, max_abs_value(expected_out));
+  const double lse_floor = epsilon(DType::kF32) * std::max(1.0, max_abs_value(expected_lse));
+  EXPECT_TRUE(within_tolerance(
+      out, expected_out, allowed_error(max_abs_error(plain.out, expected_out), out_floor)))
+      << "out";
+  EXPECT_TRUE(within_tolerance(
+      lse, expected_lse, allowed_error(max_abs_error(plain.lse, expected_lse), lse_floor)))
+      << "lse";
+}
+
+std::vector<GoldenParam> golden_params() {
+  std::vector<std::string> names = golden_case_names();
+  if (names.empty()) names.push_back("missing");
+  std::vector<GoldenParam> params;
+  for (const std::string& name : names) {
+    for (Layout layout : {Layout::kBSHD, Layout::kSBHD, Layout::kBHSD, Layout::kTHD}) {
+      for (DType dtype : {DType::kF32, DType::kF16, DType::kBF16}) {
+        params.emplace_back(name, layout, dtype);
+      }
+    }
+  }
+  return params;
+}
+
+std::string golden_name(const ::testing::TestParamInfo<GoldenParam>& info) {
+  return std::get<0>(info.param) + "_" + std::string(to_string(std::get<1>(info.param))) + "_" +
+         std::string(to_string(std::get<2>(info.param)));
+}
+
+INSTANTIATE_TEST_SUITE_P(Cases, CudaGolden, ::testing::ValuesIn(golden_params()), golden_name);
+
+// ---- plans, caches, arguments -------------------------------------------------------------------
+
+ProblemDesc small_desc(const std::string& score_mod) {
+  ProblemDesc desc;
+  desc.batch = 2;
+  desc.heads_q = 4;
+  desc.heads_kv = 2;
+  desc.seq_len_q = 100;
+  desc.seq_len_kv = 77;
+  desc.head_dim_qk = 64;
+  desc.dtype = DType::kBF16;
+  desc.device = Device::kCuda;
+  desc.params["cap"] = 0.0;
+  desc.score_mod = ir::parse(score_mod, desc.scope());
+  desc.mask_mod = ir::parse("q >= kv", desc.scope());
+  return desc;
+}
+
+TEST(CudaPlan, ProvesTheModifierItLowered) {
+  SKIP_WITHOUT_DEVICE();
+  const Problem problem(small_desc("20 * tanh(score / 20)"));
+  const std::unique_ptr<Plan> plan = device_engine()->plan(problem);
+  EXPECT_EQ(plan->info().engine, "cuda");
+  EXPECT_EQ(plan->info().lowered_hash, problem.modifier_hash());
+  EXPECT_EQ(plan->info().signature, problem.signature());
+}
+
+TEST(CudaPlan, RefusesBackwardWithAReason) {
+  SKIP_WITHOUT_DEVICE();
+  ProblemDesc desc = small_desc("score");
+  desc.direction = Direction::kForwardBackward;
+  const Support support = device_engine()->supports(Problem(desc));
+  EXPECT_FALSE(support);
+  EXPECT_NE(support.reason().find("forward"), std::string::npos) << support.reason();
+}
+
+// Every plan in this test sees a fresh cache folder through FLEXATTN_CACHE_DIR.
+class CudaKernelCache : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    directory_ = fs::temp_directory_path() /
+                 fmt::format("flexattn_cache_test_{}", static_cast<long>(::getpid()));
+    fs::remove_all(directory_);
+    fs::create_directories(directory_);
+    ::setenv("FLEXATTN_CACHE_DIR", directory_.c_str(), 1);
+  }
+  void TearDown() override {
+    ::unsetenv("FLEXATTN_CACHE_DIR");
+    fs::remove_all(directory_);
+  }
+  // A fresh engine instance: an empty memory cache.
+  static std::shared_ptr<const Engine> fresh_engine() {
+    for (const auto& engine : builtin_engines()) {
+      if (engine->name() == "cuda") return engine;
+    }
+    return nullptr;
+  }
+  std::vector<fs::path> entries() const {
+    std::vector<fs::path> found;
+    for (const auto& entry : fs::directory_iterator(directory_)) {
+      if (entry.path().extension() == ".cubin") found.push_back(entry.path());
+    }
+    return found;
+  }
+  fs::path directory_;
+};
+
+TEST_F(CudaKernelCache, CompilesOnceThenHitsMemoryThenDisk) {
+  SKIP_WITHOUT_DEVICE();
+  const Problem problem(small_desc("score * 0.75 + 0.125"));
+  const auto engine = fresh_engine();
+  const std::string cold = engine->plan(problem)->info().description;
+  EXPECT_NE(cold.find("compiled (NVRTC)"), std::string::npos) << cold;
+  ASSERT_EQ(entries().size(), 1u);
+  const std::string memory = engine->plan(problem)->info().description;
+  EXPECT_NE(memory.find("memory cache"), std::string::npos) << memory;
+  const std::string disk = fresh_engine()->plan(problem)->info().description;
+  EXPECT_NE(disk.find("disk cache"), std::string::npos) << disk;
+  ASSERT_EQ(entries().size(), 1u);  // no temporary file left behind
+}
+
+TEST_F(CudaKernelCache, CorruptEntryIsRecompiled) {
+  SKIP_WITHOUT_DEVICE();
+  const Problem problem(small_desc("score * 0.5 - 0.25"));
+  fresh_engine()->plan(problem);
+  const std::vector<fs::path> files = entries();
+  ASSERT_EQ(files.size(), 1u);
+  {  // Flip one byte of the cubin (after the header).
+    std::fstream file(files[0], std::ios::in | std::ios::out | std::ios::binary);
+    file.seekg(-1, std::ios::end);
+    const char last = static_cast<char>(file.get());
+    file.seekp(-1, std::ios::end);
+    file.put(static_cast<char>(last ^ 0x5a));
+  }
+  const std::string again = fresh_engine()->plan(problem)->info().description;
+  EXPECT_NE(again.find("compiled (NVRTC)"), std::string::npos) << again;
+  fs::resize_file(files[0], 10);  // truncated
+  const std::string truncated = fresh_engine()->plan(problem)->info().description;
+  EXPECT_NE(truncated.find("compiled (NVRTC)"), std::string::npos) << truncated;
+  EXPECT_NE(fresh_engine()->plan(problem)->info().description.find("disk cache"),
+            std::string::npos);
+}
+
+TEST(CudaArguments, MisalignedDataIsRefused) {
+  SKIP_WITHOUT_DEVICE();
+  const auto engine = device_engine();
+  const Problem problem(small_desc("score"));
+  const DeviceMemory& memory = *engine->memory();
+  const std::unique_ptr<Plan> plan = engine->plan(problem);
+  const auto bytes = [&](std::string_view which) {
+    const TensorView view = problem.expected(which);
+    return static_cast<std::size_t>(view.numel()) * size_of(view.dtype) + 16;
+  };
+  std::vector<void*> buffers;
+  ForwardArgs args;
+  for (auto [which, view] : {std::pair{"q", &args.q}, std::pair{"k", &args.k},
+                             std::pair{"v", &args.v}, std::pair{"o", &args.out}}) {
+    buffers.push_back(memory.allocate(bytes(which)));
+    *view = problem.expected(which);
+    view->data = buffers.back();
+  }
+  args.q.data = static_cast<char*>(args.q.data) + 2;  // element-aligned, not 16-byte aligned
+  try {
+    plan->forward(args);
+    ADD_FAILURE() << "a misaligned q was accepted";
+  } catch (const Error& error) {
+    EXPECT_EQ(error.code(), ErrorCode::kInvalidArgument);
+    EXPECT_NE(std::string(error.what()).find("aligned"), std::string::npos) << error.what();
+  }
+  for (void* buffer : buffers) memory.release(buffer);
+}
+
+}  // namespace
+}  // namespace flexattn::test

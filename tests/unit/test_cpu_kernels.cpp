@@ -1,0 +1,253 @@
+// The `cpu` engine's building blocks: the tile kernels (AVX2 against the portable set and a
+// float64 reference) and the modifier tape (every IR op against `evaluate`).
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <limits>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "engines/cpu/kernels.hpp"
+#include "engines/cpu/tape.hpp"
+#include "flexattn/flexattn.hpp"
+
+namespace flexattn::cpu {
+namespace {
+
+constexpr float kInfinity = std::numeric_limits<float>::infinity();
+// Float32 products of k terms of size ~1: a few roundings per term (relative to sqrt(k) growth
+// this is generous but catches any indexing error, which is off by O(1)).
+constexpr double kProductTolerance = 1e-5;
+// exp/tanh/sigmoid of the vector kernels: Cephes-style polynomials, a few ulp.
+constexpr double kTranscendentalTolerance = 4e-7;
+
+std::vector<const Kernels*> kernel_sets() {
+  std::vector<const Kernels*> sets{&generic_kernels()};
+  if (avx2_kernels() != nullptr) sets.push_back(avx2_kernels());
+  return sets;
+}
+
+std::vector<float> random_values(std::size_t count, std::uint32_t seed, float lo = -1.0f,
+                                 float hi = 1.0f) {
+  std::mt19937 generator(seed);
+  std::uniform_real_distribution<float> distribution(lo, hi);
+  std::vector<float> values(count);
+  for (float& value : values) value = distribution(generator);
+  return values;
+}
+
+TEST(CpuKernels, GemmMatchesFloat64ForEveryShapeAndOrientation) {
+  for (const Kernels* set : kernel_sets()) {
+    for (std::int64_t m : {1, 5, 6, 13}) {
+      for (std::int64_t n : {8, 16, 24, 40}) {
+        for (std::int64_t k : {1, 7, 64}) {
+          for (bool transposed : {false, true}) {
+            for (bool accumulate : {false, true}) {
+              const std::int64_t lda = transposed ? m + 3 : k + 2;  // padded leading dimensions
+              const std::int64_t ldb = n + 8, ldc = n + 16;
+              const auto a = random_values(static_cast<std::size_t>(lda * std::max(m, k)), 1);
+              const auto b = random_values(static_cast<std::size_t>(ldb * k), 2);
+              auto c = random_values(static_cast<std::size_t>(ldc * m), 3);
+              const std::vector<float> initial = c;
+              const std::int64_t row = transposed ? 1 : lda, column = transposed ? lda : 1;
+              set->gemm({m, n, k, a.data(), row, column, b.data(), ldb, c.data(), ldc, accumulate});
+              for (std::int64_t i = 0; i < m; ++i) {
+                for (std::int64_t j = 0; j < n; ++j) {
+                  double expected =
+                      accumulate ? initial[static_cast<std::size_t>(i * ldc + j)] : 0.0;
+                  for (std::int64_t p = 0; p < k; ++p) {
+                    expected +=
+                        static_cast<double>(a[static_cast<std::size_t>(i * row + p * column)]) *
+                        b[static_cast<std::size_t>(p * ldb + j)];
+                  }
+                  ASSERT_NEAR(c[static_cast<std::size_t>(i * ldc + j)], expected, kProductTolerance)
+                      << set->isa << " m=" << m << " n=" << n << " k=" << k << " at " << i << ","
+                      << j;
+                }
+                // Columns past n are untouched.
+                for (std::int64_t j = n; j < ldc; ++j) {
+                  ASSERT_EQ(c[static_cast<std::size_t>(i * ldc + j)],
+                            initial[static_cast<std::size_t>(i * ldc + j)]);
+                }
+              }
+            }
+          }
+        }
+      }
+    }
+  }
+}
+
+TEST(CpuKernels, TranscendentalsAreAccurateAndHandleSpecialValues) {
+  std::vector<float> inputs = random_values(1000, 4, -20.0f, 20.0f);
+  const std::vector<float> specials = {0.0f,       -0.0f,
+                                       1e-8f,      -1e-8f,
+                                       0.6249f,    0.6251f,
+                                       -0.625f,    88.0f,
+                                       -87.0f,     -100.0f,
+                                       100.0f,     kInfinity,
+                                       -kInfinity, std::numeric_limits<float>::quiet_NaN()};
+  inputs.insert(inputs.end(), specials.begin(), specials.end());
+  const auto count = static_cast<std::int64_t>(inputs.size());
+  for (const Kernels* set : kernel_sets()) {
+    std::vector<float> out(inputs.size());
+    // Against the float64 function rounded to float32 (so overflow is inf); results below the
+    // smallest normal float may be flushed to zero (attention never needs them).
+    const auto check = [&](const char* name, double (*reference)(double)) {
+      constexpr double kSmallestNormal = std::numeric_limits<float>::min();
+      for (std::size_t i = 0; i < inputs.size(); ++i) {
+        const double expected = static_cast<float>(reference(inputs[i]));
+        const std::string what =
+            std::string(set->isa) + " " + name + "(" + std::to_string(inputs[i]) + ")";
+        if (std::isnan(expected)) {
+          EXPECT_TRUE(std::isnan(out[i])) << what;
+        } else if (std::isinf(expected) || expected == 0.0) {
+          EXPECT_EQ(out[i], expected) << what;
+        } else if (std::fabs(expected) < kSmallestNormal) {
+          EXPECT_LE(std::fabs(out[i] - expected), kSmallestNormal) << what;
+        } else {
+          EXPECT_NEAR(out[i] / expected, 1.0, kTranscendentalTolerance) << what;
+        }
+      }
+    };
+    set->exp(inputs.data(), out.data(), count);
+    check("exp", [](double x) { return std::exp(x); });
+    set->tanh(inputs.data(), out.data(), count);
+    check("tanh", [](double x) { return std::tanh(x); });
+    set->sigmoid(inputs.data(), out.data(), count);
+    check("sigmoid", [](double x) { return 1.0 / (1.0 + std::exp(-x)); });
+  }
+}
+
+TEST(CpuKernels, SoftmaxStepAndGradientAgreeAcrossKernelSets) {
+  constexpr std::int64_t kRows = 5, kWidth = 16, kLd = 24;
+  const std::vector<float> tile = [] {
+    std::vector<float> values = random_values(kRows * kLd, 5, -4.0f, 4.0f);
+    values[3] = -kInfinity;  // masked entries, and a column masked in every row
+    for (std::int64_t r = 0; r < kRows; ++r)
+      values[static_cast<std::size_t>(r * kLd + 7)] = -kInfinity;
+    return values;
+  }();
+  std::vector<std::vector<float>> results;
+  for (const Kernels* set : kernel_sets()) {
+    std::vector<float> probs = tile, row_max(kWidth, -kInfinity), row_sum(kWidth, 0.0f),
+                       alpha(kWidth);
+    row_max[1] = 10.0f;  // a running max above the tile: alpha == 1 there
+    row_sum[1] = 2.0f;
+    EXPECT_TRUE(set->softmax_step(probs.data(), kRows, kWidth, kLd, row_max.data(), row_sum.data(),
+                                  alpha.data()));
+    EXPECT_EQ(row_max[7], -kInfinity);
+    EXPECT_EQ(row_sum[7], 0.0f);
+    EXPECT_EQ(alpha[1], 1.0f);
+    for (std::int64_t r = 0; r < kRows; ++r)
+      EXPECT_EQ(probs[static_cast<std::size_t>(r * kLd + 7)], 0.0f);
+    const std::vector<float> dmod = random_values(kRows * kLd, 6);
+    std::vector<float> ds = random_values(kRows * kLd, 7), ds_raw(kRows * kLd);
+    const std::vector<float> delta = random_values(kWidth, 8);
+    set->softmax_gradient(probs.data(), dmod.data(), ds.data(), ds_raw.data(), kRows, kWidth, kLd,
+                          delta.data());
+    EXPECT_EQ(ds[3], 0.0f);
+    EXPECT_EQ(ds_raw[3], 0.0f);
+    std::vector<float> all = probs;
+    all.insert(all.end(), row_sum.begin(), row_sum.end());
+    all.insert(all.end(), ds.begin(), ds.end());
+    all.insert(all.end(), ds_raw.begin(), ds_raw.end());
+    results.push_back(all);
+  }
+  for (std::size_t s = 1; s < results.size(); ++s) {
+    for (std::size_t i = 0; i < results[0].size(); ++i) {
+      EXPECT_NEAR(results[s][i], results[0][i], 1e-6 * (1.0 + std::fabs(results[0][i]))) << i;
+    }
+  }
+}
+
+// ---- the tape ---------------------------------------------------------------------------------
+
+constexpr std::int64_t kTensorRows = 4, kTensorColumns = 8, kIds = 16;
+// f32 results: float32 evaluation of a few ops against float64.
+constexpr double kTapeTolerance = 2e-6;
+
+class TapeTest : public ::testing::TestWithParam<std::string> {};
+
+TEST_P(TapeTest, MatchesEvaluateOnEveryLane) {
+  ir::Scope scope;
+  scope.params = {"p0"};
+  scope.tensors["tf"] = {Type::kF32, 2};
+  scope.tensors["ti"] = {Type::kI32, 1};
+  const Graph graph(ir::parse(GetParam(), scope));
+
+  HostTensor tf(DType::kF32, {kTensorRows, kTensorColumns});
+  tf.fill_normal(9);
+  HostTensor ti(DType::kI64, {kIds});
+  for (std::int64_t i = 0; i < kIds; ++i) ti.set(i, static_cast<double>((i * 7) % 5 - 2));
+  TapeInputs inputs;
+  inputs.params["p0"] = 0.75;
+  inputs.tensors["tf"] = tf.view();
+  inputs.tensors["ti"] = ti.view();
+  Bindings bindings;
+  bindings.params = inputs.params;
+  bindings.tensors = inputs.tensors;
+
+  constexpr std::int64_t kWidth = 16, kQueryLength = 12, kKeyLength = 9;
+  const Tape tape({&graph});
+  TapeRunner runner(tape, inputs, kWidth);
+  std::mt19937 generator(10);
+  std::uniform_int_distribution<int> eighths(-24, 24);  // exact in float32 and float64
+  for (std::int64_t head = 0; head < 2; ++head) {
+    runner.set_head(1, head, kQueryLength, kKeyLength);
+    for (std::int64_t first : {0, 5}) {
+      const std::int64_t count = std::min<std::int64_t>(kWidth, kQueryLength - first);
+      runner.set_queries(first, count);
+      for (std::int64_t key = 0; key < kKeyLength; ++key) {
+        std::vector<float> scores(kWidth);
+        for (float& score : scores) score = static_cast<float>(eighths(generator)) / 8.0f;
+        runner.run(key, scores.data());
+        for (std::int64_t lane = 0; lane < count; ++lane) {
+          EvalPoint point;
+          point.score = scores[static_cast<std::size_t>(lane)];
+          point.batch = 1;
+          point.head = head;
+          point.query = first + lane;
+          point.key = key;
+          point.query_length = kQueryLength;
+          point.key_length = kKeyLength;
+          const double expected = evaluate(graph, point, bindings);
+          const Slot out = tape.output(0);
+          const double actual = out.is_float ? static_cast<double>(runner.floats(out)[lane])
+                                             : static_cast<double>(runner.ints(out)[lane]);
+          if (std::isnan(expected)) {
+            EXPECT_TRUE(std::isnan(actual)) << GetParam();
+          } else if (!out.is_float || std::isinf(expected)) {
+            ASSERT_EQ(actual, expected) << GetParam() << " q=" << point.query << " kv=" << key;
+          } else {
+            ASSERT_NEAR(actual, expected, kTapeTolerance * std::max(1.0, std::fabs(expected)))
+                << GetParam() << " q=" << point.query << " kv=" << key << " score=" << point.score;
+          }
+        }
+      }
+    }
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    EveryOp, TapeTest,
+    ::testing::Values(
+        "score * 2 + p0", "score - float(q) / 7", "float(q % 5 - kv % 3) * score",
+        "where(q >= kv, score, -score)", "float((q - kv) / 3) + float((kv - q) % 4)",
+        "float(q / (kv - kv) + kv % (q - q))", "score % 0.375 + float(q) % -2.5",
+        "min(score, 0.5) + max(score, -0.25)", "clamp(score, -1, 1)",
+        "float(clamp(kv - q, -3, 3) + min(q, kv) - max(q, 2))", "abs(score) + float(abs(q - kv))",
+        "exp(score) + exp2(score)", "log(abs(score) + 1) + log2(abs(score) + 2)",
+        "sqrt(abs(score)) + rsqrt(abs(score) + 1)", "tanh(score * 3) + sigmoid(score * 2)",
+        "floor(score * 3)", "float(int(score * 1000)) + float(int(score * 1e12))",
+        "float(int(-score * 1e12)) * 1e-9", "float(int(log(score - score))) * 1e-9",
+        "tf[clamp(q, 0, 3), clamp(kv, 0, 7)] * score", "float(ti[clamp(q + kv, 0, 15)]) + score",
+        "where(!(q == kv) && (q < kv || kv > 3), 1.0, 0.0) * score", "-score + float(-q)",
+        "where(q != kv, 1.0, 0.0) + where(q <= kv, 2.0, 0.0) + where(q > kv && score < 0.5, 4, 8)",
+        "float(b * 100 + h * 10 + Q_LEN - KV_LEN) + score", "where(score > 0, score, -inf)",
+        "log(score)", "q >= kv && kv != 2", "(q < 3 || kv >= 5) && !(score >= 1)",
+        "where(kv > 4, q, kv * 2) == 3", "tf[h, kv % 8] + tf[h + 1, (q + kv) % 8]"));
+
+}  // namespace
+}  // namespace flexattn::cpu

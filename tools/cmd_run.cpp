@@ -1,0 +1,194 @@
+// `flexattn run`: one problem through the selected engine, with inputs from .npy files or random,
+// optional comparison with cpu_ref, and outputs written (atomically, after everything succeeded).
+#include <fmt/format.h>
+#include <fmt/ranges.h>
+
+#include <algorithm>
+#include <cmath>
+#include <nlohmann/json.hpp>
+#include <set>
+
+#include "cli.hpp"
+
+namespace flexattn::cli {
+
+namespace {
+
+constexpr double kSecondsToMilliseconds = 1e3;
+constexpr double kFlopsToGiga = 1e-9;
+
+struct NamedOutput {
+  std::string name;  // "out", "lse", "dq", ..., "d<tensor>"
+  std::string path;  // empty: not written
+  const HostTensor* tensor;
+  const HostTensor* reference = nullptr;
+};
+
+std::vector<NamedOutput> named_outputs(const RunFlags& flags, const Problem& problem,
+                                       const Outputs& outputs, const Outputs* reference,
+                                       const std::map<std::string, std::string>& dtensors) {
+  std::vector<NamedOutput> result;
+  const auto add = [&](std::string name, std::string path, const HostTensor& tensor,
+                       const HostTensor* expected) {
+    result.push_back({std::move(name), std::move(path), &tensor, expected});
+  };
+  add("out", flags.out_file, outputs.out, reference ? &reference->out : nullptr);
+  add("lse", flags.lse_file, outputs.lse, reference ? &reference->lse : nullptr);
+  if (!problem.wants_backward()) return result;
+  add("dq", flags.dq_file, outputs.dq, reference ? &reference->dq : nullptr);
+  add("dk", flags.dk_file, outputs.dk, reference ? &reference->dk : nullptr);
+  add("dv", flags.dv_file, outputs.dv, reference ? &reference->dv : nullptr);
+  for (const auto& [name, gradient] : outputs.tensor_grads) {
+    const auto path = dtensors.find(name);
+    add("d" + name, path == dtensors.end() ? "" : path->second, gradient,
+        reference ? &reference->tensor_grads.at(name) : nullptr);
+  }
+  return result;
+}
+
+// --dtensor NAME=FILE for each float tensor the modifiers read; anything else is an input error.
+std::map<std::string, std::string> gradient_files(const RunFlags& flags, const Problem& problem) {
+  std::map<std::string, std::string> files;
+  std::set<std::string> readable;
+  for (const Graph* graph : {&problem.score_mod(), &problem.mask_mod()}) {
+    for (const std::string& name : graph->tensors()) {
+      if (is_floating(problem.desc().tensors.at(name).dtype)) readable.insert(name);
+    }
+  }
+  for (const std::string& assignment : flags.dtensor_files) {
+    auto [name, path] = split_assignment(assignment, "--dtensor");
+    if (!readable.contains(name)) {
+      throw_invalid(fmt::format(
+          "--dtensor '{}': the modifiers read no floating-point tensor '{}' (they read: {})",
+          assignment, name,
+          readable.empty() ? "none" : fmt::format("{}", fmt::join(readable, ", "))));
+    }
+    if (!files.emplace(name, path).second) {
+      throw_invalid(fmt::format("--dtensor '{}' is given twice", name));
+    }
+  }
+  return files;
+}
+
+void check_flag_combinations(const ProblemFlags& problem, const RunFlags& flags) {
+  if (!problem.backward) {
+    for (const auto& [flag, value] :
+         {std::pair<const char*, const std::string*>{"--dout", &flags.dout_file},
+          {"--dq", &flags.dq_file},
+          {"--dk", &flags.dk_file},
+          {"--dv", &flags.dv_file}}) {
+      if (!value->empty()) throw_invalid(fmt::format("{} needs --backward", flag));
+    }
+    if (!flags.dtensor_files.empty()) throw_invalid("--dtensor needs --backward");
+  }
+  if (flags.repeat < 1)
+    throw_invalid(fmt::format("--repeat must be at least 1, not {}", flags.repeat));
+  std::vector<std::string> paths = {flags.out_file, flags.lse_file, flags.dq_file, flags.dk_file,
+                                    flags.dv_file};
+  for (const std::string& assignment : flags.dtensor_files) {
+    paths.push_back(split_assignment(assignment, "--dtensor").second);
+  }
+  check_output_paths(paths);
+  std::set<std::string> distinct;
+  for (const std::string& path : paths) {
+    if (!path.empty() && !distinct.insert(path).second) {
+      throw_invalid(fmt::format("output file '{}' is named twice", path));
+    }
+  }
+}
+
+}  // namespace
+
+void add_run_command(CLI::App& app, ProblemFlags& problem, RunFlags& flags) {
+  CLI::App* run = app.add_subcommand("run", "run one attention problem and write its outputs");
+  add_problem_flags(*run, problem);
+  run->add_option("--out", flags.out_file, "output .npy (float64 for fp64, else float32)");
+  run->add_option("--lse", flags.lse_file, "log-sum-exp .npy");
+  run->add_option("--dout", flags.dout_file,
+                  "backward: gradient of the output .npy (default random)");
+  run->add_option("--dq", flags.dq_file, "backward: dQ .npy");
+  run->add_option("--dk", flags.dk_file, "backward: dK .npy");
+  run->add_option("--dv", flags.dv_file, "backward: dV .npy");
+  run->add_option("--dtensor", flags.dtensor_files,
+                  "backward: gradient of a tensor the score modifier reads, NAME=FILE.npy");
+  run->add_flag("--check", flags.check, "compare every output with cpu_ref in float64");
+  run->add_flag("--json", flags.json, "print a machine-readable summary");
+  run->add_option("--repeat", flags.repeat, "runs to time (median; default 1)");
+}
+
+int run_command(const ProblemFlags& problem_flags, const RunFlags& flags) {
+  check_flag_combinations(problem_flags, flags);
+  Setup setup = build_setup(problem_flags);
+  const std::map<std::string, std::string> dtensors =
+      gradient_files(flags, problem_on(setup.desc, Device::kCpu));
+  Context context(context_options(problem_flags.engine, problem_flags.planted_faults));
+  const Selection selection = select_plan(context, setup.desc);
+  const Problem& problem = selection.problem;
+  const Inputs inputs = make_inputs(problem, setup, problem_flags.seed, flags.dout_file);
+  const Outputs outputs = run_plan(selection, inputs, flags.repeat);
+  std::optional<Outputs> reference;
+  if (flags.check) reference = run_reference(problem, inputs);
+
+  const std::vector<NamedOutput> named =
+      named_outputs(flags, problem, outputs, reference ? &*reference : nullptr, dtensors);
+  const DType file_dtype = problem.dtype() == DType::kF64 ? DType::kF64 : DType::kF32;
+  std::vector<std::string> written;
+  for (const NamedOutput& output : named) {
+    if (output.path.empty()) continue;
+    write_npy(output.path, output.tensor->to(file_dtype));
+    written.push_back(output.path);
+  }
+
+  const double kept = kept_fraction(problem);
+  const double seconds = outputs.forward_seconds + outputs.backward_seconds;
+  const double gflops = attention_flops(problem, kept) * kFlopsToGiga / seconds;
+  const PlanInfo& info = selection.plan->info();
+  std::vector<std::pair<std::string, double>> errors;
+  double worst = 0.0;
+  if (reference) {
+    for (const NamedOutput& output : named) {
+      const double error = max_abs_error(*output.tensor, *output.reference);
+      errors.emplace_back(output.name, error);
+      worst = std::isnan(error) || std::isnan(worst) ? std::nan("") : std::max(worst, error);
+    }
+  }
+  if (flags.json) {
+    nlohmann::ordered_json summary = {
+        {"engine", info.engine},
+        {"plan", info.description},
+        {"problem", problem_summary(problem)},
+        {"modifier_hash", hash_to_hex(problem.modifier_hash())},
+        {"forward_ms", outputs.forward_seconds * kSecondsToMilliseconds},
+    };
+    if (problem.wants_backward()) {
+      summary["backward_ms"] = outputs.backward_seconds * kSecondsToMilliseconds;
+    }
+    summary["gflops"] = gflops;
+    summary["kept_fraction"] = kept;
+    if (reference) {
+      nlohmann::ordered_json by_output = nlohmann::ordered_json::object();
+      for (const auto& [name, error] : errors) by_output[name] = error;
+      summary["check"] = {
+          {"reference", "cpu_ref"}, {"max_abs_error", by_output}, {"max_error", worst}};
+    }
+    summary["outputs"] = written;
+    fmt::print("{}\n", summary.dump(2));
+    return 0;
+  }
+  fmt::print("engine    {}\nplan      {}\nproblem   {}\n", info.engine, info.description,
+             problem_summary(problem));
+  fmt::print("forward   {:.3f} ms\n", outputs.forward_seconds * kSecondsToMilliseconds);
+  if (problem.wants_backward()) {
+    fmt::print("backward  {:.3f} ms\n", outputs.backward_seconds * kSecondsToMilliseconds);
+  }
+  fmt::print("rate      {:.2f} GFLOP/s ({:.0f}% of (q, kv) pairs kept)\n", gflops, 100.0 * kept);
+  if (reference) {
+    std::vector<std::string> parts;
+    for (const auto& [name, error] : errors) parts.push_back(fmt::format("{} {:.3g}", name, error));
+    fmt::print("check     max abs error vs cpu_ref (float64): {}\n", fmt::join(parts, ", "));
+  }
+  if (!written.empty()) fmt::print("wrote     {}\n", fmt::join(written, ", "));
+  return 0;
+}
+
+}  // namespace flexattn::cli
