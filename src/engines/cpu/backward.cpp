@@ -139,7 +139,7 @@ void BackwardContext::recompute(TileClass tile_class, std::int64_t k0, std::int6
                           block_q, s.delta.data());
 }
 
-std::vector<float> BackwardContext::row_deltas() const {
+std::vector<float> BackwardContext::row_deltas(const TensorView& out) const {
   // D = rowsum(dO * O), per (batch, head, query), indexed like the LSE.
   std::vector<float> delta(to_size(p.heads_q() * p.total_tokens_q()), 0.0f);
   const std::int64_t heads = p.heads_q();
@@ -148,11 +148,11 @@ std::vector<float> BackwardContext::row_deltas() const {
     const std::int64_t b = task / heads, h = task % heads, q_len = p.seq_len_q_of(b);
     float* outs = rows.data();                     // (block_q, dim_v)
     float* douts = rows.data() + block_q * dim_v;  // (block_q, dim_v)
-    const SequenceRows out_rows = sequence_rows(p, args.out, true, b, h);
+    const SequenceRows out_rows = sequence_rows(p, out, true, b, h);
     const SequenceRows dout_rows = sequence_rows(p, args.dout, true, b, h);
     for (std::int64_t q0 = 0; q0 < q_len; q0 += block_q) {
       const std::int64_t nq = std::min(block_q, q_len - q0);
-      read_rows(args.out, {out_rows, q0, nq, dim_v}, outs, dim_v, nq, dim_v);
+      read_rows(out, {out_rows, q0, nq, dim_v}, outs, dim_v, nq, dim_v);
       read_rows(args.dout, {dout_rows, q0, nq, dim_v}, douts, dim_v, nq, dim_v);
       for (std::int64_t r = 0; r < nq; ++r) {
         float sum = 0.0f;
@@ -166,7 +166,23 @@ std::vector<float> BackwardContext::row_deltas() const {
 
 void CpuPlan::run_backward(const BackwardArgs& args) const {
   const BackwardContext context(problem_, lowering_, tiles_, args);
-  const std::vector<float> delta = context.row_deltas();
+  // D = rowsum(dO * O) equals rowsum(P * dP) only for the exact O. fp16/bf16 storage rounds O
+  // by up to 2^-11 / 2^-8 relative, an error every dS inherits and that sums up in the gradient
+  // of a per-head tensor (a learned ALiBi slope collects dS * (kv - q) over every pair). So for
+  // those dtypes the forward runs again into a float32 O first: one more forward's cost for a
+  // D as accurate as float32 allows.
+  std::vector<float> out32;
+  TensorView out = args.out;
+  if (problem_.dtype() != DType::kF32) {
+    out = problem_.expected("o");
+    out.dtype = DType::kF32;
+    out.strides = contiguous_strides(out.shape);
+    out32.resize(to_size(out.numel()));
+    out.data = out32.data();
+    ForwardArgs forward{args.q, args.k, args.v, out, {}, args.tensors, args.stream};
+    run_forward(forward);
+  }
+  const std::vector<float> delta = context.row_deltas(out);
   // Fused (5 products) when there are enough (batch, kv head) items to keep every thread busy
   // and no tensor gradient is wanted; else the key pass and the query pass (7 products, every
   // key tile its own item). Both sum every output in the same order with the same kernels, so

@@ -53,7 +53,7 @@ struct BackwardContext {
   void recompute(TileClass tile_class, std::int64_t k0, std::int64_t nk, std::int64_t lanes,
                  const RowsView& keys, const RowsView& values, BackwardState& s) const;
   // D = rowsum(dO * O) for every (batch, head, query), indexed like the LSE.
-  std::vector<float> row_deltas() const;
+  std::vector<float> row_deltas(const TensorView& out) const;
 
   const Problem& p;
   const Lowering& low;

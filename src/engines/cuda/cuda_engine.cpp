@@ -2,10 +2,10 @@
 
 #include <fmt/format.h>
 
-#include <cmath>
+#include <array>
 #include <limits>
-#include <mutex>
 #include <numbers>
+#include <utility>
 
 #include "engines/cuda/codegen.hpp"
 #include "engines/cuda/driver.hpp"
