@@ -4,7 +4,8 @@
 //   flexattn_bench_cpu [--iters N] [--seq S] [--heads H] [--dim D] [--skip-ref] [--skip-memory]
 //
 // Prints, for softcap 30 and softcap 30 + causal (fp32, batch 1, bshd): forward and
-// forward+backward medians (ms, GFLOP/s, ratio to OpenBLAS sgemm), the speed-up over cpu_ref
+// forward+backward medians (ms, GFLOP/s, ratio to the OpenBLAS sgemm rate measured before and
+// after them), the speed-up over cpu_ref
 // (timed on a slice and extrapolated, which it says), the tile-product rate of the engine's own
 // micro-kernel against OpenBLAS on the same tile, and the peak resident memory of forwards at
 // two lengths (each in a child process).
@@ -21,6 +22,7 @@
 #include <functional>
 #include <string>
 #include <string_view>
+#include <tuple>
 #include <vector>
 
 #include "engines/cpu/cpu.hpp"
@@ -73,7 +75,7 @@ ProblemDesc bench_desc(const Options& options, std::int64_t seq, std::string_vie
   return desc;
 }
 
-// Inputs and outputs of one problem, and closures running forward / forward+backward.
+// Inputs and outputs of one problem (the backward's only when the problem wants backward).
 struct Workload {
   explicit Workload(const Problem& problem, DType dtype) {
     const auto make = [&](std::string_view which, std::uint64_t seed) {
@@ -81,9 +83,11 @@ struct Workload {
       if (seed != 0) tensor.fill_normal(seed);
       return tensor;
     };
-    q = make("q", 1), k = make("k", 2), v = make("v", 3), dout = make("o", 4);
-    out = make("o", 0), dq = make("q", 0), dk = make("k", 0), dv = make("v", 0);
+    q = make("q", 1), k = make("k", 2), v = make("v", 3), out = make("o", 0);
     lse = HostTensor(problem.expected("lse").dtype, problem.expected("lse").shape);
+    if (problem.wants_backward()) {
+      dout = make("o", 4), dq = make("q", 0), dk = make("k", 0), dv = make("v", 0);
+    }
   }
   flexattn::ForwardArgs forward_args() const {
     return {q.view(), k.view(), v.view(), out.view(), lse.view(), {}, nullptr};
@@ -98,20 +102,37 @@ struct Workload {
   HostTensor q, k, v, dout, out, lse, dq, dk, dv;
 };
 
-// OpenBLAS sgemm (all threads) on M = N = seq, K chosen so the FLOPs equal the forward's.
-double sgemm_gflops(const Options& options, double forward_flops) {
-  const auto m = static_cast<int>(options.seq);
-  const int k = std::max(1, static_cast<int>(forward_flops / (2.0 * m * m)));
-  std::vector<float> a(static_cast<std::size_t>(m) * k, 0.5f), b(a.size(), 0.25f);
-  std::vector<float> c(static_cast<std::size_t>(m) * m, 0.0f);
-  const double ms = median_ms(options.iters, [&] {
-    cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, m, m, k, 1.0f, a.data(), k, b.data(), m,
-                0.0f, c.data(), m);
-  });
-  fmt::print("OpenBLAS sgemm {}x{}x{} ({} threads): {:.2f} ms, {:.1f} GFLOP/s\n", m, m, k,
-             openblas_get_num_threads(), ms, gflops(2.0 * m * m * k, ms));
-  return gflops(2.0 * m * m * k, ms);
-}
+// OpenBLAS sgemm (all threads) on M = N = seq, K chosen so the FLOPs equal the forward's: the
+// machine's single-precision GEMM rate, the yardstick of every attention number.
+class Sgemm {
+ public:
+  Sgemm(const Options& options, double forward_flops)
+      : m_(static_cast<int>(options.seq)),
+        k_(std::max(1, static_cast<int>(forward_flops / (2.0 * m_ * m_)))),
+        a_(static_cast<std::size_t>(m_) * static_cast<std::size_t>(k_), 0.5f),
+        b_(a_.size(), 0.25f),
+        c_(static_cast<std::size_t>(m_) * static_cast<std::size_t>(m_), 0.0f) {}
+
+  double flops() const { return 2.0 * m_ * m_ * k_; }
+  void run() {
+    cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, m_, m_, k_, 1.0f, a_.data(), k_,
+                b_.data(), m_, 0.0f, c_.data(), m_);
+  }
+  std::string describe() const {
+    return fmt::format("OpenBLAS sgemm {}x{}x{}, {} threads", m_, m_, k_,
+                       openblas_get_num_threads());
+  }
+
+ private:
+  int m_, k_;
+  std::vector<float> a_, b_, c_;
+};
+
+// One measured attention pass: its median time and its FLOPs.
+struct Measurement {
+  std::string name;
+  double ms, flops;
+};
 
 // The engine's tile product against OpenBLAS on the same 64 x 64 x 64 tile, one thread, data in
 // cache: the measurement behind the engine's choice of its own micro-kernel.
@@ -143,27 +164,25 @@ void tile_product_rates() {
 }
 
 void bench_variant(const Options& options, std::string_view modifier, double kept_fraction,
-                   double sgemm_rate) {
+                   std::vector<Measurement>& measurements) {
   const auto engine = flexattn::make_cpu_engine();
   const Problem forward(bench_desc(options, options.seq, modifier, flexattn::Direction::kForward));
   const Problem both(
       bench_desc(options, options.seq, modifier, flexattn::Direction::kForwardBackward));
   const auto forward_plan = engine->plan(forward);
   const auto both_plan = engine->plan(both);
-  const Workload work(forward, DType::kF32);
+  const Workload work(both, DType::kF32);
   const double forward_ms =
       median_ms(options.iters, [&] { forward_plan->forward(work.forward_args()); });
   const double both_ms = median_ms(options.iters, [&] {
     both_plan->forward(work.forward_args());
     both_plan->backward(work.backward_args());
   });
-  const double forward_rate = gflops(flexattn::attention_flops(forward, kept_fraction), forward_ms);
-  const double both_rate = gflops(flexattn::attention_flops(both, kept_fraction), both_ms);
   fmt::print("{}: {}\n", modifier, forward_plan->info().description);
-  fmt::print("  forward          {:9.2f} ms {:7.1f} GFLOP/s  {:5.1f}% of sgemm\n", forward_ms,
-             forward_rate, 100.0 * forward_rate / sgemm_rate);
-  fmt::print("  forward+backward {:9.2f} ms {:7.1f} GFLOP/s  {:5.1f}% of sgemm\n", both_ms,
-             both_rate, 100.0 * both_rate / sgemm_rate);
+  measurements.push_back({fmt::format("{} forward", modifier), forward_ms,
+                          flexattn::attention_flops(forward, kept_fraction)});
+  measurements.push_back({fmt::format("{} forward+backward", modifier), both_ms,
+                          flexattn::attention_flops(both, kept_fraction)});
   if (!options.reference) return;
   // cpu_ref on a slice (a quarter of the length: 1/16 of the pairs), extrapolated by FLOPs.
   constexpr std::int64_t kSliceDivisor = 4;
@@ -204,14 +223,22 @@ long child_peak_kib(const char* self, std::int64_t seq, const Options& options) 
 
 void memory_check(const char* self, const Options& options) {
   constexpr std::int64_t kShort = 8192, kLong = 16384;
-  constexpr double kKibPerMib = 1024.0;
-  const auto short_kib = static_cast<double>(child_peak_kib(self, kShort, options));
-  const auto long_kib = static_cast<double>(child_peak_kib(self, kLong, options));
+  constexpr double kBytesPerMib = 1024.0 * 1024.0, kBytesPerKib = 1024.0;
+  // Q, K, V, O (fp32) and the LSE: what any forward must hold, linear in the length.
+  const auto tensors_mib = [&](std::int64_t seq) {
+    const double elements = static_cast<double>(seq * options.heads * (4 * options.dim + 1));
+    return elements * sizeof(float) / kBytesPerMib;
+  };
+  const double short_mib =
+      static_cast<double>(child_peak_kib(self, kShort, options)) * kBytesPerKib / kBytesPerMib;
+  const double long_mib =
+      static_cast<double>(child_peak_kib(self, kLong, options)) * kBytesPerKib / kBytesPerMib;
   fmt::print(
-      "peak RSS of a forward (softcap, heads {}, dim {}): seq {} {:.1f} MiB, seq {} {:.1f} "
-      "MiB, ratio {:.2f} (quadratic would be about 4)\n",
-      options.heads, options.dim, kShort, short_kib / kKibPerMib, kLong, long_kib / kKibPerMib,
-      long_kib / short_kib);
+      "peak RSS of a forward (softcap, heads {}, dim {}): seq {} {:.1f} MiB, seq {} {:.1f} MiB, "
+      "ratio {:.2f} (a score matrix would make it about 4); beyond the inputs and outputs: "
+      "{:.1f} MiB and {:.1f} MiB\n",
+      options.heads, options.dim, kShort, short_mib, kLong, long_mib, long_mib / short_mib,
+      short_mib - tensors_mib(kShort), long_mib - tensors_mib(kLong));
 }
 
 int memory_child(const Options& options) {
@@ -261,11 +288,26 @@ int main(int argc, char** argv) {
     fmt::print("fp32, batch 1, heads {}, seq {}, head dim {}, bshd; median of {} after warm-up\n",
                options.heads, options.seq, options.dim, options.iters);
     const Problem dense(bench_desc(options, options.seq, "softcap", flexattn::Direction::kForward));
-    const double sgemm_rate = sgemm_gflops(options, flexattn::attention_flops(dense, 1.0));
+    Sgemm sgemm(options, flexattn::attention_flops(dense, 1.0));
+    const auto sgemm_rate = [&] {
+      return gflops(sgemm.flops(), median_ms(options.iters, [&] { sgemm.run(); }));
+    };
+    const double sgemm_before = sgemm_rate();
     tile_product_rates();
     constexpr double kCausalKept = 0.5;  // DESIGN.md section 6: halve for causal
-    bench_variant(options, "softcap", 1.0, sgemm_rate);
-    bench_variant(options, "softcap_causal", kCausalKept, sgemm_rate);
+    std::vector<Measurement> measurements;
+    bench_variant(options, "softcap", 1.0, measurements);
+    bench_variant(options, "softcap_causal", kCausalKept, measurements);
+    // The yardstick: the better of two sgemm medians, before and after the attention runs (a
+    // shared machine's load drifts; the better rate makes the ratios conservative).
+    const double sgemm_after = sgemm_rate();
+    const double yardstick = std::max(sgemm_before, sgemm_after);
+    fmt::print("{}: {:.1f} GFLOP/s before, {:.1f} after\n", sgemm.describe(), sgemm_before,
+               sgemm_after);
+    for (const Measurement& m : measurements) {
+      fmt::print("  {:<32} {:9.2f} ms {:7.1f} GFLOP/s  {:5.1f}% of sgemm\n", m.name, m.ms,
+                 gflops(m.flops, m.ms), 100.0 * gflops(m.flops, m.ms) / yardstick);
+    }
     if (options.memory) memory_check(argv[0], options);
     return 0;
   } catch (const std::exception& error) {

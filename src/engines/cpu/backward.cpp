@@ -1,10 +1,13 @@
 // The backward pass (flash-attention-2 style): scores are recomputed tile by tile from Q, K and
-// the saved LSE, never stored whole. Two passes, each writing disjoint outputs, so the result is
-// bit-identical for any number of threads:
-// - the key pass, parallel over (batch, kv head, key tile), accumulates dK and dV of its tile over
-//   every query head of the group and every query tile, in a fixed order;
-// - the query pass, parallel over (batch, query tile, head), accumulates dQ over the key tiles and
-//   the gradients of the tensors the score modifier reads (tensor_gradients.cpp).
+// the forward's row statistics, never stored whole. Every output element is summed in a fixed
+// order by one work item, so the result is bit-identical for any number of threads:
+// - fused (5 products): parallel over (batch, kv head); for each key tile, dK and dV over every
+//   query head of the group and every query tile, and dQ of those tiles added up in place;
+// - or, when there are too few (batch, kv head) items for the threads or tensor gradients are
+//   wanted, a key pass parallel over (batch, kv head, key tile) for dK and dV, then a query pass
+//   (query_pass.cpp) parallel over (batch, query tile, head) for dQ and the tensor gradients
+//   (7 products: S and dP are computed twice). The two sum dQ identically.
+// - A statistics pass first, when P and D must be consistent to a few ulp (see run_backward).
 // Like the forward pass, tiles are transposed (keys x queries) so per-query statistics are vectors.
 #include "engines/cpu/backward.hpp"
 
@@ -40,10 +43,13 @@ BackwardContext::BackwardContext(const Problem& problem, const Lowering& lowerin
       low(lowering),
       block_q(tiles.block_q),
       block_k(tiles.block_k),
+      ld(tiles.ld),
       dim_qk(problem.head_dim_qk()),
       dim_v(problem.head_dim_v()),
       dim_qk_padded(round_up(problem.head_dim_qk(), kVectorWidth)),
       dim_v_padded(round_up(problem.head_dim_v(), kVectorWidth)),
+      queries_ld(dim_qk_padded + kLanePadding),
+      douts_ld(dim_v_padded + kLanePadding),
       group(problem.heads_q() / problem.heads_kv()),
       scale(static_cast<float>(problem.scale())),
       kernel(kernels()),
@@ -55,16 +61,16 @@ BackwardState BackwardContext::make_state(bool with_gradients) const {
   if (!low.identity_score) s.runner.emplace(low.backward_tape, inputs, block_q);
   if (!low.keep_all) s.mask_runner.emplace(low.mask_tape, inputs, block_q);
   if (with_gradients) s.gradient_runner.emplace(low.gradient_tape, inputs, block_q);
-  s.queries.resize(to_size(block_q * dim_qk_padded));
-  s.queries_t.resize(to_size(dim_qk * block_q));
-  s.douts.resize(to_size(block_q * dim_v_padded));
-  s.douts_t.resize(to_size(dim_v * block_q));
+  s.queries.resize(to_size(block_q * queries_ld));
+  s.queries_t.resize(to_size(dim_qk * ld));
+  s.douts.resize(to_size(block_q * douts_ld));
+  s.douts_t.resize(to_size(dim_v * ld));
   s.keys.resize(to_size(block_k * dim_qk));
   s.values.resize(to_size(block_k * dim_v));
   for (auto* tile : {&s.raw, &s.probs, &s.dmod, &s.ds, &s.ds_raw}) {
-    tile->resize(to_size(block_k * block_q));
+    tile->resize(to_size(block_k * ld));
   }
-  for (auto* vector : {&s.lse_shift, &s.delta, &s.column_sums}) vector->resize(to_size(block_q));
+  for (auto* vector : {&s.lse_shift, &s.row_scale, &s.delta}) vector->resize(to_size(block_q));
   return s;
 }
 
@@ -73,21 +79,24 @@ void BackwardContext::load_query_tile(std::int64_t b, std::int64_t h, std::int64
                                       BackwardState& s) const {
   const std::int64_t lanes = round_up(nq, kVectorWidth);
   const RowBlock q_block{sequence_rows(p, args.q, true, b, h), q0, nq, dim_qk};
-  read_rows(args.q, q_block, s.queries.data(), dim_qk_padded, lanes, dim_qk_padded);
-  transpose(s.queries.data(), dim_qk_padded, lanes, dim_qk, scale, s.queries_t.data(), block_q);
+  read_rows(args.q, q_block, s.queries.data(), queries_ld, lanes, dim_qk_padded);
+  transpose(s.queries.data(), queries_ld, lanes, dim_qk, scale, s.queries_t.data(), ld);
   const RowBlock dout_block{sequence_rows(p, args.dout, true, b, h), q0, nq, dim_v};
-  read_rows(args.dout, dout_block, s.douts.data(), dim_v_padded, lanes, dim_v_padded);
-  transpose(s.douts.data(), dim_v_padded, lanes, dim_v, 1.0f, s.douts_t.data(), block_q);
+  read_rows(args.dout, dout_block, s.douts.data(), douts_ld, lanes, dim_v_padded);
+  transpose(s.douts.data(), douts_ld, lanes, dim_v, 1.0f, s.douts_t.data(), ld);
   const auto* lse = static_cast<const float*>(args.lse.data);
   for (std::int64_t r = 0; r < lanes; ++r) {
     if (r >= nq) {  // padding lanes: P = exp(s - inf) = 0, so they contribute nothing
       s.lse_shift[r] = kInfinity;
+      s.row_scale[r] = 0.0f;
       s.delta[r] = 0.0f;
       continue;
     }
     const std::int64_t at = statistic_offset(p, b, h, q0 + r);
-    // A row with no kept key has LSE = -inf and P = 0: shifting by +inf gives exactly that.
-    s.lse_shift[r] = lse[at] == kNegativeInfinity ? kInfinity : lse[at];
+    // A row with no kept key has P = 0: shifting by +inf gives exactly that.
+    const float shift = statistics != nullptr ? statistics->max[to_size(at)] : lse[at];
+    s.lse_shift[r] = shift == kNegativeInfinity ? kInfinity : shift;
+    s.row_scale[r] = statistics != nullptr ? statistics->inverse_sum[to_size(at)] : 1.0f;
     s.delta[r] = delta[to_size(at)];
   }
   if (s.runner) s.runner->set_queries(q0, nq);
@@ -105,17 +114,16 @@ void BackwardContext::set_head(std::int64_t b, std::int64_t h, BackwardState& s)
 void BackwardContext::recompute(TileClass tile_class, std::int64_t k0, std::int64_t nk,
                                 std::int64_t lanes, const RowsView& keys, const RowsView& values,
                                 BackwardState& s) const {
-  float* raw = s.raw.data();      // (nk, lanes) of (block_k, block_q): scale * K Q^T
+  float* raw = s.raw.data();      // (nk, lanes) of (block_k, ld): scale * K Q^T
   float* probs = s.probs.data();  // modified scores, then P^T
   float* dmod = s.dmod.data();    // d score_mod / d score
   // S^T = K (scale Q)^T
-  kernel.gemm(
-      {nk, lanes, dim_qk, keys.rows, keys.ld, 1, s.queries_t.data(), block_q, raw, block_q, false});
+  kernel.gemm({nk, lanes, dim_qk, keys.rows, keys.ld, 1, s.queries_t.data(), ld, raw, ld, false});
   for (std::int64_t c = 0; c < nk; ++c) {
-    float* raw_row = raw + c * block_q;
-    float* prob_row = probs + c * block_q;
+    float* raw_row = raw + c * ld;
+    float* prob_row = probs + c * ld;
     if (s.runner) {
-      float* const destinations[] = {prob_row, dmod + c * block_q};
+      float* const destinations[] = {prob_row, dmod + c * ld};
       s.runner->run(k0 + c, raw_row, destinations);
     } else {
       std::copy_n(raw_row, lanes, prob_row);
@@ -128,15 +136,15 @@ void BackwardContext::recompute(TileClass tile_class, std::int64_t k0, std::int6
       }
     }
   }
-  // P^T = exp(S'^T - LSE)
-  std::fill_n(s.column_sums.begin(), lanes, 0.0f);
-  kernel.exp_shifted(probs, nk, lanes, block_q, s.lse_shift.data(), s.column_sums.data());
+  // P^T = exp(S'^T - LSE), or exp(S'^T - max) / sum from the statistics pass
+  kernel.exp_shifted(probs, nk, lanes, ld, s.lse_shift.data(),
+                     statistics != nullptr ? s.row_scale.data() : nullptr);
   // dP^T = V dO^T, then dS = P (dP - D) (d loss / d modified score) and dS * d score_mod / d
   // score (d loss / d raw score).
-  kernel.gemm({nk, lanes, dim_v, values.rows, values.ld, 1, s.douts_t.data(), block_q, s.ds.data(),
-               block_q, false});
+  kernel.gemm(
+      {nk, lanes, dim_v, values.rows, values.ld, 1, s.douts_t.data(), ld, s.ds.data(), ld, false});
   kernel.softmax_gradient(probs, s.runner ? dmod : nullptr, s.ds.data(), s.ds_raw.data(), nk, lanes,
-                          block_q, s.delta.data());
+                          ld, s.delta.data());
 }
 
 std::vector<float> BackwardContext::row_deltas(const TensorView& out) const {
@@ -165,34 +173,38 @@ std::vector<float> BackwardContext::row_deltas(const TensorView& out) const {
 }
 
 void CpuPlan::run_backward(const BackwardArgs& args) const {
-  const BackwardContext context(problem_, lowering_, tiles_, args);
-  // D = rowsum(dO * O) equals rowsum(P * dP) only for the exact O. fp16/bf16 storage rounds O
-  // by up to 2^-11 / 2^-8 relative, an error every dS inherits and that sums up in the gradient
-  // of a per-head tensor (a learned ALiBi slope collects dS * (kv - q) over every pair). So for
-  // those dtypes the forward runs again into a float32 O first: one more forward's cost for a
-  // D as accurate as float32 allows.
-  std::vector<float> out32;
-  TensorView out = args.out;
-  if (problem_.dtype() != DType::kF32) {
-    out = problem_.expected("o");
-    out.dtype = DType::kF32;
-    out.strides = contiguous_strides(out.shape);
-    out32.resize(to_size(out.numel()));
-    out.data = out32.data();
-    ForwardArgs forward{args.q, args.k, args.v, out, {}, args.tensors, args.stream};
-    run_forward(forward);
-  }
-  const std::vector<float> delta = context.row_deltas(out);
-  // Fused (5 products) when there are enough (batch, kv head) items to keep every thread busy
-  // and no tensor gradient is wanted; else the key pass and the query pass (7 products, every
-  // key tile its own item). Both sum every output in the same order with the same kernels, so
-  // they give bit-identical results and the choice may depend on the thread count.
   bool tensor_gradients = false;
   for (const auto& [name, view] : args.tensor_grads) {
     for (const LoadDerivative& load : lowering_.load_derivatives) {
       tensor_gradients = tensor_gradients || load.tensor == name;
     }
   }
+  // P = exp(S' - LSE) carries the rounding of the fp32 LSE (|LSE| * 2^-24 relative), and
+  // D = rowsum(dO * O) the rounding of the stored O (2^-11 relative for fp16, 2^-8 for bf16) and
+  // of a different summation than the backward's own P and dP. dS inherits both, and the
+  // gradient of a per-head tensor (a learned ALiBi slope collects dS * (kv - q) over every pair)
+  // sums them up. So when such a gradient is wanted, or O is stored in 16 bits, a statistics
+  // pass (a forward with dP = dO V^T in place of P V) first computes the running max, the
+  // reciprocal sum and D = sum P dP, consistent with the P of the backward to a few ulp.
+  RowStatistics statistics;
+  std::vector<float> delta;
+  BackwardContext context(problem_, lowering_, tiles_, args);
+  if (problem_.dtype() != DType::kF32 || tensor_gradients) {
+    const auto rows = to_size(problem_.heads_q() * problem_.total_tokens_q());
+    statistics.max.resize(rows);
+    statistics.inverse_sum.resize(rows);
+    statistics.delta.resize(rows);
+    forward_pass({args.q, args.k, args.v, {}, {}, args.tensors, args.stream}, &args.dout,
+                 &statistics);
+    context.statistics = &statistics;
+    delta = std::move(statistics.delta);
+  } else {
+    delta = context.row_deltas(args.out);
+  }
+  // Fused (5 products) when there are enough (batch, kv head) items to keep every thread busy
+  // and no tensor gradient is wanted; else the key pass and the query pass (7 products, every
+  // key tile its own item). Both sum every output in the same order with the same kernels, so
+  // they give bit-identical results and the choice may depend on the thread count.
   const std::int64_t items = problem_.batch() * problem_.heads_kv();
   if (!tensor_gradients && items >= kFusedItemsPerThread * omp_get_max_threads()) {
     fused_pass(context, delta);
@@ -226,7 +238,7 @@ void CpuPlan::key_tile(const BackwardContext& x, const std::vector<float>& delta
   const RowsView values = float_rows(x.args.v, v_block, s.values.data());
   std::fill(state.dk.begin(), state.dk.end(), 0.0f);
   std::fill(state.dv.begin(), state.dv.end(), 0.0f);
-  const std::int64_t dq_block = x.dim_qk * x.block_q;
+  const std::int64_t dq_block = x.dim_qk * x.ld;
   for (std::int64_t g = 0; g < x.group; ++g) {
     const std::int64_t h = h_kv * x.group + g;
     x.set_head(b, h, s);
@@ -238,14 +250,14 @@ void CpuPlan::key_tile(const BackwardContext& x, const std::vector<float>& delta
       x.load_query_tile(b, h, q0, nq, delta, s);
       x.recompute(tile_class, k0, nk, lanes, keys, values, s);
       // dV += P^T dO;  dK += dS^T Q (the scale is applied once, at the end)
-      x.kernel.gemm({nk, x.dim_v_padded, lanes, s.probs.data(), x.block_q, 1, s.douts.data(),
-                     x.dim_v_padded, state.dv.data(), x.dim_v_padded, true});
-      x.kernel.gemm({nk, x.dim_qk_padded, lanes, s.ds_raw.data(), x.block_q, 1, s.queries.data(),
-                     x.dim_qk_padded, state.dk.data(), x.dim_qk_padded, true});
+      x.kernel.gemm({nk, x.dim_v_padded, lanes, s.probs.data(), x.ld, 1, s.douts.data(), x.douts_ld,
+                     state.dv.data(), x.dim_v_padded, true});
+      x.kernel.gemm({nk, x.dim_qk_padded, lanes, s.ds_raw.data(), x.ld, 1, s.queries.data(),
+                     x.queries_ld, state.dk.data(), x.dim_qk_padded, true});
       if (dq_blocks != nullptr) {  // dQ^T += K^T dS^T, exactly as the query pass adds it
         float* dq_t = dq_blocks + (g * tile_grid.query_tiles + qt) * dq_block;
-        x.kernel.gemm({x.dim_qk, lanes, nk, keys.rows, 1, keys.ld, s.ds_raw.data(), x.block_q, dq_t,
-                       x.block_q, true});
+        x.kernel.gemm(
+            {x.dim_qk, lanes, nk, keys.rows, 1, keys.ld, s.ds_raw.data(), x.ld, dq_t, x.ld, true});
       }
     }
   }
@@ -279,8 +291,8 @@ void CpuPlan::fused_pass(const BackwardContext& x, const std::vector<float>& del
       [&](std::int64_t index, KeyTileState& state) {
         const std::int64_t b = index / heads_kv, h_kv = index % heads_kv;
         const TileGrid& tile_grid = grid(b);
-        const std::int64_t dq_block = x.dim_qk * x.block_q;
-        // dQ^T of every query tile of the group's heads: (group, query_tiles, dim_qk, block_q)
+        const std::int64_t dq_block = x.dim_qk * x.ld;
+        // dQ^T of every query tile of the group's heads: (group, query_tiles, dim_qk, ld)
         state.dq.assign(to_size(x.group * tile_grid.query_tiles * dq_block), 0.0f);
         for (std::int64_t kt = 0; kt < tile_grid.key_tiles; ++kt) {
           key_tile(x, delta, b, h_kv, kt, state, state.dq.data());
@@ -293,7 +305,7 @@ void CpuPlan::fused_pass(const BackwardContext& x, const std::vector<float>& del
             const RowBlock dq_rows{sequence_rows(p, x.args.dq, true, b, h), q0, nq, x.dim_qk};
             write_rows_transposed(x.args.dq, dq_rows,
                                   &state.dq[to_size((g * tile_grid.query_tiles + qt) * dq_block)],
-                                  x.block_q, x.scale, state.tiles.queries.data());
+                                  x.ld, x.scale, state.tiles.queries.data());
           }
         }
       });

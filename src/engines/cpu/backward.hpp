@@ -12,22 +12,23 @@
 
 namespace flexattn::cpu {
 
-// One thread's buffers. Tiles are (block_k keys, block_q queries), row-major.
+// One thread's buffers. Tiles are (block_k keys, block_q queries), row-major with leading
+// dimension ld (block_q padded, see TileSizes).
 struct BackwardState {
-  std::optional<TapeRunner> runner;           // backward tape: score_mod and its derivative
-  std::optional<TapeRunner> mask_runner;      // mask tape
-  std::optional<TapeRunner> gradient_runner;  // tensor-gradient tape (query pass only)
-  std::vector<float> queries;                 // (block_q, dim_qk_padded): Q rows, zero padded
-  std::vector<float> queries_t;               // (dim_qk, block_q): scale * Q^T
-  std::vector<float> douts;                   // (block_q, dim_v_padded): dO rows, zero padded
-  std::vector<float> douts_t;                 // (dim_v, block_q): dO^T
-  std::vector<float> keys, values;            // converted K / V tiles when not stored as fp32
-  std::vector<float> raw;                     // S^T before the modifier
-  std::vector<float> probs;                   // P^T
-  std::vector<float> dmod;                    // d score_mod / d score
-  std::vector<float> ds;                      // dS^T w.r.t. the modified score
-  std::vector<float> ds_raw;                  // dS^T w.r.t. the raw score
-  std::vector<float> lse_shift, delta, column_sums;  // (block_q,)
+  std::optional<TapeRunner> runner;                // backward tape: score_mod and its derivative
+  std::optional<TapeRunner> mask_runner;           // mask tape
+  std::optional<TapeRunner> gradient_runner;       // tensor-gradient tape (query pass only)
+  std::vector<float> queries;                      // (block_q, queries_ld): Q rows, zero padded
+  std::vector<float> queries_t;                    // (dim_qk, ld): scale * Q^T
+  std::vector<float> douts;                        // (block_q, douts_ld): dO rows, zero padded
+  std::vector<float> douts_t;                      // (dim_v, ld): dO^T
+  std::vector<float> keys, values;                 // converted K / V tiles when not stored as fp32
+  std::vector<float> raw;                          // S^T before the modifier
+  std::vector<float> probs;                        // P^T
+  std::vector<float> dmod;                         // d score_mod / d score
+  std::vector<float> ds;                           // dS^T w.r.t. the modified score
+  std::vector<float> ds_raw;                       // dS^T w.r.t. the raw score
+  std::vector<float> lse_shift, row_scale, delta;  // (block_q,): P = exp(S' - shift) * scale
 };
 
 // The key pass's per-thread state: tile buffers and the dK / dV accumulators of one key tile,
@@ -35,7 +36,7 @@ struct BackwardState {
 struct KeyTileState {
   BackwardState tiles;
   std::vector<float> dk, dv;  // (block_k, dim_qk_padded), (block_k, dim_v_padded)
-  std::vector<float> dq;      // (group, query_tiles, dim_qk, block_q), fused pass only
+  std::vector<float> dq;      // (group, query_tiles, dim_qk, ld), fused pass only
 };
 
 // What both passes read: the problem, the lowering, the arguments and the tile geometry.
@@ -57,11 +58,14 @@ struct BackwardContext {
 
   const Problem& p;
   const Lowering& low;
-  std::int64_t block_q, block_k, dim_qk, dim_v, dim_qk_padded, dim_v_padded, group;
+  std::int64_t block_q, block_k, ld, dim_qk, dim_v, dim_qk_padded, dim_v_padded;
+  std::int64_t queries_ld, douts_ld;  // padded like ld (see kLanePadding)
+  std::int64_t group;
   float scale;
   const Kernels& kernel;
   const BackwardArgs& args;
   TapeInputs inputs;
+  const RowStatistics* statistics = nullptr;  // from a statistics pass; null: use the LSE
 };
 
 }  // namespace flexattn::cpu

@@ -16,11 +16,12 @@ namespace {
 
 constexpr std::string_view kEngineName = "cpu";
 
-// 64 queries x 64 keys: the working set of one step (K and V tiles, the transposed Q tile, the
-// score tile and the output accumulator, 16 KiB each at head dim 64) stays in a core's L2 with
-// the score tile and one B panel of the products in L1; 64 queries are 8 vectors, enough lanes
-// to hide the latency of the exponential; and tiles this size keep causal masks' partially
-// masked diagonal small. See docs/performance.md for the measurements behind the choice.
+// 128 queries x 64 keys, measured on the bench problem (docs/performance.md) against 32/64/192/
+// 256 x 32/64/128. Wider query tiles amortise packing the K and V tile (once per step) and the
+// per-row cost of the modifier tape over more lanes; 128 keys per step double the partially
+// masked diagonal of a causal mask (causal forward -20%), 32 halve the products' k depth. The
+// step's working set (score and probability tiles of 32 KiB, Q^T and O^T of 32 KiB at head dim
+// 64, K and V of 16 KiB) stays in a core's L2, each product's B panel in L1.
 constexpr std::int64_t kBlockQ = 128;
 constexpr std::int64_t kBlockK = 64;
 
@@ -39,7 +40,9 @@ std::int64_t count_tiles(const std::vector<TileGrid>& grids, TileClass which) {
 
 }  // namespace
 
-TileSizes choose_tile_sizes(const Problem& /*problem*/) { return {kBlockQ, kBlockK}; }
+TileSizes choose_tile_sizes(const Problem& /*problem*/) {
+  return {kBlockQ, kBlockK, kBlockQ + kLanePadding};
+}
 
 std::vector<TileGrid> classify_tiles(const Problem& problem, const Graph& mask, bool keep_all,
                                      const TileSizes& tiles) {

@@ -23,22 +23,26 @@ constexpr float kNegativeInfinity = -std::numeric_limits<float>::infinity();
 // One thread's buffers, sized for a tile.
 struct ForwardState {
   std::optional<TapeRunner> score_runner, mask_runner;
-  std::vector<float> queries_t;  // (head_dim_qk, block_q): scale * Q^T
+  std::vector<float> queries_t;  // (head_dim_qk, ld): scale * Q^T (ld: padded block_q)
   std::vector<float> keys;       // (block_k, head_dim_qk) when K is not stored as fp32
   std::vector<float> values;     // (block_k, head_dim_v) when V is not stored as fp32
-  std::vector<float> scores;     // (block_k, block_q): S^T
-  std::vector<float> probs;      // (block_k, block_q): S'^T, then P^T
-  std::vector<float> out_t;      // (head_dim_v, block_q): unnormalised O^T
+  std::vector<float> scores;     // (block_k, ld): S^T
+  std::vector<float> probs;      // (block_k, ld): S'^T, then P^T
+  std::vector<float> out_t;      // (head_dim_v, ld): unnormalised O^T (or dO^T)
   std::vector<float> row_max, row_sum, alpha;  // (block_q,) each
+  std::vector<float> row_delta;                // (block_q,): statistics pass, unnormalised D
   std::vector<float> scratch;                  // (block_q, max(head_dim_qk, head_dim_v))
 };
 
 }  // namespace
 
-void CpuPlan::run_forward(const ForwardArgs& args) const {
+void CpuPlan::run_forward(const ForwardArgs& args) const { forward_pass(args, nullptr, nullptr); }
+
+void CpuPlan::forward_pass(const ForwardArgs& args, const TensorView* dout,
+                           RowStatistics* statistics) const {
   const Problem& p = problem_;
   const Lowering& low = lowering_;
-  const std::int64_t block_q = tiles_.block_q, block_k = tiles_.block_k;
+  const std::int64_t block_q = tiles_.block_q, block_k = tiles_.block_k, ld = tiles_.ld;
   const std::int64_t dim_qk = p.head_dim_qk(), dim_v = p.head_dim_v();
   const std::int64_t heads = p.heads_q(), group = p.heads_q() / p.heads_kv();
   const auto scale = static_cast<float>(p.scale());
@@ -52,18 +56,19 @@ void CpuPlan::run_forward(const ForwardArgs& args) const {
     for (std::int64_t qt = 0; qt < grid(b).query_tiles; ++qt) query_tiles.emplace_back(b, qt);
   }
   float* lse = static_cast<float*>(args.lse.data);
+  const bool with_output = !args.out.empty();
 
   const auto make_state = [&] {
     ForwardState s;
     if (!low.identity_score) s.score_runner.emplace(low.score_tape, inputs, block_q);
     if (!low.keep_all) s.mask_runner.emplace(low.mask_tape, inputs, block_q);
-    s.queries_t.resize(to_size(dim_qk * block_q));
+    s.queries_t.resize(to_size(dim_qk * ld));
     s.keys.resize(to_size(block_k * dim_qk));
     s.values.resize(to_size(block_k * dim_v));
-    s.scores.resize(to_size(block_k * block_q));
-    s.probs.resize(to_size(block_k * block_q));
-    s.out_t.resize(to_size(dim_v * block_q));
-    for (auto* vector : {&s.row_max, &s.row_sum, &s.alpha}) {
+    s.scores.resize(to_size(block_k * ld));
+    s.probs.resize(to_size(block_k * ld));
+    s.out_t.resize(to_size(dim_v * ld));
+    for (auto* vector : {&s.row_max, &s.row_sum, &s.alpha, &s.row_delta}) {
       vector->resize(to_size(block_q));
     }
     s.scratch.resize(to_size(block_q * std::max(dim_qk, dim_v)));
@@ -79,14 +84,19 @@ void CpuPlan::run_forward(const ForwardArgs& args) const {
     const TileGrid& tile_grid = grid(b);
 
     const RowBlock q_block{sequence_rows(p, args.q, true, b, h), q0, nq, dim_qk};
-    read_rows_transposed(args.q, q_block, scale, s.queries_t.data(), block_q, lanes,
-                         s.scratch.data());
+    read_rows_transposed(args.q, q_block, scale, s.queries_t.data(), ld, lanes, s.scratch.data());
     const SequenceRows k_rows = sequence_rows(p, args.k, false, b, h_kv);
     const SequenceRows v_rows = sequence_rows(p, args.v, false, b, h_kv);
     std::fill_n(s.row_max.begin(), lanes, kNegativeInfinity);
     std::fill_n(s.row_sum.begin(), lanes, 0.0f);
-    for (std::int64_t j = 0; j < dim_v; ++j)
-      std::fill_n(&s.out_t[to_size(j * block_q)], lanes, 0.0f);
+    std::fill_n(s.row_delta.begin(), lanes, 0.0f);
+    if (dout != nullptr) {  // dO^T, in the output accumulator's place
+      const RowBlock dout_block{sequence_rows(p, *dout, true, b, h), q0, nq, dim_v};
+      read_rows_transposed(*dout, dout_block, 1.0f, s.out_t.data(), ld, lanes, s.scratch.data());
+    }
+    for (std::int64_t j = 0; with_output && j < dim_v; ++j) {
+      std::fill_n(&s.out_t[to_size(j * ld)], lanes, 0.0f);
+    }
     if (s.score_runner) {
       s.score_runner->set_head(b, h, q_len, kv_len);
       s.score_runner->set_queries(q0, nq);
@@ -102,21 +112,21 @@ void CpuPlan::run_forward(const ForwardArgs& args) const {
       const std::int64_t k0 = kt * block_k, nk = std::min(block_k, kv_len - k0);
       const RowsView keys = float_rows(args.k, {k_rows, k0, nk, dim_qk}, s.keys.data());
       const RowsView values = float_rows(args.v, {v_rows, k0, nk, dim_v}, s.values.data());
-      float* scores = s.scores.data();  // (nk, lanes) of (block_k, block_q): S^T
+      float* scores = s.scores.data();  // (nk, lanes) of (block_k, ld): S^T
       float* probs = s.probs.data();    // S'^T, then P^T
 
       // S^T = K (scale Q)^T, then S' = score_mod(S) row by row, written straight into probs.
-      kernel.gemm({nk, lanes, dim_qk, keys.rows, keys.ld, 1, s.queries_t.data(), block_q,
-                   s.score_runner ? scores : probs, block_q, false});
+      kernel.gemm({nk, lanes, dim_qk, keys.rows, keys.ld, 1, s.queries_t.data(), ld,
+                   s.score_runner ? scores : probs, ld, false});
       for (std::int64_t c = 0; s.score_runner && c < nk; ++c) {
-        float* destination = probs + c * block_q;
-        s.score_runner->run(k0 + c, scores + c * block_q, {&destination, 1});
+        float* destination = probs + c * ld;
+        s.score_runner->run(k0 + c, scores + c * ld, {&destination, 1});
       }
       if (tile_class == TileClass::kMixed) {  // kAllTrue tiles skip the mask
         const std::int32_t* keep = s.mask_runner->ints(low.mask_tape.output(0));
         for (std::int64_t c = 0; c < nk; ++c) {
           s.mask_runner->run(k0 + c, nullptr);
-          float* row = probs + c * block_q;
+          float* row = probs + c * ld;
           for (std::int64_t r = 0; r < lanes; ++r) {
             row[r] = keep[r] != 0 ? row[r] : kNegativeInfinity;
           }
@@ -125,29 +135,42 @@ void CpuPlan::run_forward(const ForwardArgs& args) const {
 
       // Online softmax: P^T in place, the running max and sum, and O^T rescaled when the max
       // moved; then O^T += V^T P^T.
-      if (kernel.softmax_step(probs, nk, lanes, block_q, s.row_max.data(), s.row_sum.data(),
-                              s.alpha.data())) {
-        kernel.scale_columns(s.out_t.data(), dim_v, lanes, block_q, s.alpha.data());
+      const bool rescale = kernel.softmax_step(probs, nk, lanes, ld, s.row_max.data(),
+                                               s.row_sum.data(), s.alpha.data());
+      if (with_output) {
+        if (rescale) kernel.scale_columns(s.out_t.data(), dim_v, lanes, ld, s.alpha.data());
+        kernel.gemm(
+            {dim_v, lanes, nk, values.rows, 1, values.ld, probs, ld, s.out_t.data(), ld, true});
       }
-      kernel.gemm({dim_v, lanes, nk, values.rows, 1, values.ld, probs, block_q, s.out_t.data(),
-                   block_q, true});
+      if (dout != nullptr) {  // D += P . dP, rescaled like the sum: dP^T = V dO^T in `scores`
+        if (rescale) kernel.scale_columns(s.row_delta.data(), 1, lanes, ld, s.alpha.data());
+        kernel.gemm(
+            {nk, lanes, dim_v, values.rows, values.ld, 1, s.out_t.data(), ld, scores, ld, false});
+        kernel.column_dot(probs, scores, nk, lanes, ld, s.row_delta.data());
+      }
     }
 
     // Normalise; a row with no kept key has O = 0 and LSE = -inf.
     for (std::int64_t r = 0; r < nq; ++r) {
       const bool empty = s.row_sum[r] == 0.0f;
       s.alpha[r] = empty ? 0.0f : 1.0f / s.row_sum[r];
+      const std::int64_t at = statistic_offset(p, b, h, q0 + r);
       if (lse != nullptr) {
-        lse[statistic_offset(p, b, h, q0 + r)] =
-            empty ? kNegativeInfinity : s.row_max[r] + std::log(s.row_sum[r]);
+        lse[at] = empty ? kNegativeInfinity : s.row_max[r] + std::log(s.row_sum[r]);
+      }
+      if (statistics != nullptr) {
+        statistics->max[to_size(at)] = s.row_max[r];
+        statistics->inverse_sum[to_size(at)] = s.alpha[r];
+        statistics->delta[to_size(at)] = s.row_delta[r] * s.alpha[r];
       }
     }
+    if (!with_output) return;
     for (std::int64_t j = 0; j < dim_v; ++j) {
-      float* out_row = &s.out_t[to_size(j * block_q)];
+      float* out_row = &s.out_t[to_size(j * ld)];
       for (std::int64_t r = 0; r < nq; ++r) out_row[r] *= s.alpha[r];
     }
     const RowBlock o_block{sequence_rows(p, args.out, true, b, h), q0, nq, dim_v};
-    write_rows_transposed(args.out, o_block, s.out_t.data(), block_q, 1.0f, s.scratch.data());
+    write_rows_transposed(args.out, o_block, s.out_t.data(), ld, 1.0f, s.scratch.data());
   };
 
   parallel_for(static_cast<std::int64_t>(query_tiles.size()) * heads, make_state, task);

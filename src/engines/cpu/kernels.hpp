@@ -31,10 +31,10 @@ struct GemmOperands {
 using GemmFunction = void (*)(const GemmOperands& operands);
 // out[i] = f(in[i]) for i < count; in and out may be the same array.
 using UnaryFunction = void (*)(const float* in, float* out, std::int64_t count);
-// tile[r * ld + c] = exp(tile[r * ld + c] - shift[c]) for r < rows, c < width (width a multiple
-// of kVectorWidth), and column_sums[c] += the new values of column c.
+// tile[r * ld + c] = exp(tile[r * ld + c] - shift[c]) * scale[c] for r < rows, c < width (a
+// multiple of kVectorWidth); scale null: 1.
 using ExpShiftedFunction = void (*)(float* tile, std::int64_t rows, std::int64_t width,
-                                    std::int64_t ld, const float* shift, float* column_sums);
+                                    std::int64_t ld, const float* shift, const float* scale);
 // One online-softmax step over a score tile (rows x width, width a multiple of kVectorWidth), for
 // every column c (one query): new_max = max(row_max[c], max over r of tile[r][c]); shift =
 // new_max, or 0 while nothing is kept (-inf) so exp gives 0 rather than NaN; alpha[c] =
@@ -46,6 +46,10 @@ using SoftmaxStepFunction = bool (*)(float* tile, std::int64_t rows, std::int64_
 // tile[r * ld + c] *= scale[c] for r < rows, c < width (a multiple of kVectorWidth).
 using ScaleColumnsFunction = void (*)(float* tile, std::int64_t rows, std::int64_t width,
                                       std::int64_t ld, const float* scale);
+// out[c] += sum over r < rows of a[r * ld + c] * b[r * ld + c], for c < width (a multiple of
+// kVectorWidth).
+using ColumnDotFunction = void (*)(const float* a, const float* b, std::int64_t rows,
+                                   std::int64_t width, std::int64_t ld, float* out);
 // The softmax backward of a tile: with p = probs[r][c], on entry ds holds dP; on exit
 // ds[r][c] = p (dP - delta[c]) and ds_raw[r][c] = ds[r][c] * dmod[r][c] (dmod null: 1), both
 // exactly 0 where p == 0 whatever dP or dmod hold there.
@@ -62,6 +66,7 @@ struct Kernels {
   ExpShiftedFunction exp_shifted;
   SoftmaxStepFunction softmax_step;
   ScaleColumnsFunction scale_columns;
+  ColumnDotFunction column_dot;
   SoftmaxGradientFunction softmax_gradient;
   HalfToFloatFunction half_to_float;
 };

@@ -183,17 +183,16 @@ FLEXATTN_AVX2 void sigmoid_avx2(const float* in, float* out, std::int64_t count)
 }
 
 FLEXATTN_AVX2 void exp_shifted_avx2(float* tile, std::int64_t rows, std::int64_t width,
-                                    std::int64_t ld, const float* shift, float* column_sums) {
+                                    std::int64_t ld, const float* shift, const float* scale) {
   for (std::int64_t c = 0; c < width; c += 8) {
     const __m256 shift_vector = _mm256_loadu_ps(shift + c);
-    __m256 sum = _mm256_loadu_ps(column_sums + c);
+    const __m256 scale_vector =
+        scale == nullptr ? _mm256_set1_ps(1.0f) : _mm256_loadu_ps(scale + c);
     for (std::int64_t r = 0; r < rows; ++r) {
       float* at = tile + r * ld + c;
       const __m256 value = exp8(_mm256_sub_ps(_mm256_loadu_ps(at), shift_vector));
-      _mm256_storeu_ps(at, value);
-      sum = _mm256_add_ps(sum, value);
+      _mm256_storeu_ps(at, _mm256_mul_ps(value, scale_vector));
     }
-    _mm256_storeu_ps(column_sums + c, sum);
   }
 }
 
@@ -237,6 +236,17 @@ FLEXATTN_AVX2 void scale_columns_avx2(float* tile, std::int64_t rows, std::int64
   }
 }
 
+FLEXATTN_AVX2 void column_dot_avx2(const float* a, const float* b, std::int64_t rows,
+                                   std::int64_t width, std::int64_t ld, float* out) {
+  for (std::int64_t c = 0; c < width; c += 8) {
+    __m256 sum = _mm256_loadu_ps(out + c);
+    for (std::int64_t r = 0; r < rows; ++r) {
+      sum = _mm256_fmadd_ps(_mm256_loadu_ps(a + r * ld + c), _mm256_loadu_ps(b + r * ld + c), sum);
+    }
+    _mm256_storeu_ps(out + c, sum);
+  }
+}
+
 FLEXATTN_AVX2 void softmax_gradient_avx2(const float* probs, const float* dmod, float* ds,
                                          float* ds_raw, std::int64_t rows, std::int64_t width,
                                          std::int64_t ld, const float* delta) {
@@ -272,9 +282,11 @@ const Kernels* avx2_kernels() {
     return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
            __builtin_cpu_supports("f16c");
   }();
-  static const Kernels kAvx2{"avx2+fma",        gemm_avx2,          exp_avx2,
-                             tanh_avx2,         sigmoid_avx2,       exp_shifted_avx2,
-                             softmax_step_avx2, scale_columns_avx2, softmax_gradient_avx2,
+  static const Kernels kAvx2{"avx2+fma",        gemm_avx2,
+                             exp_avx2,          tanh_avx2,
+                             sigmoid_avx2,      exp_shifted_avx2,
+                             softmax_step_avx2, scale_columns_avx2,
+                             column_dot_avx2,   softmax_gradient_avx2,
                              half_to_float_avx2};
   return kSupported ? &kAvx2 : nullptr;
 }

@@ -36,12 +36,12 @@ void sigmoid_generic(const float* in, float* out, std::int64_t count) {
 }
 
 void exp_shifted_generic(float* tile, std::int64_t rows, std::int64_t width, std::int64_t ld,
-                         const float* shift, float* column_sums) {
+                         const float* shift, const float* scale) {
   for (std::int64_t r = 0; r < rows; ++r) {
     float* row = tile + r * ld;  // (width,)
     for (std::int64_t c = 0; c < width; ++c) {
       row[c] = std::exp(row[c] - shift[c]);
-      column_sums[c] += row[c];
+      if (scale != nullptr) row[c] *= scale[c];
     }
   }
 }
@@ -74,6 +74,13 @@ void scale_columns_generic(float* tile, std::int64_t rows, std::int64_t width, s
   }
 }
 
+void column_dot_generic(const float* a, const float* b, std::int64_t rows, std::int64_t width,
+                        std::int64_t ld, float* out) {
+  for (std::int64_t r = 0; r < rows; ++r) {
+    for (std::int64_t c = 0; c < width; ++c) out[c] += a[r * ld + c] * b[r * ld + c];
+  }
+}
+
 void softmax_gradient_generic(const float* probs, const float* dmod, float* ds, float* ds_raw,
                               std::int64_t rows, std::int64_t width, std::int64_t ld,
                               const float* delta) {
@@ -103,6 +110,7 @@ const Kernels& generic_kernels() {
                                 exp_shifted_generic,
                                 softmax_step_generic,
                                 scale_columns_generic,
+                                column_dot_generic,
                                 softmax_gradient_generic,
                                 half_to_float_generic};
   return kGeneric;

@@ -22,8 +22,15 @@ namespace flexattn::cpu {
 struct TileSizes {
   std::int64_t block_q = 0;
   std::int64_t block_k = 0;
+  std::int64_t ld = 0;  // leading dimension of (x, block_q) tile buffers: block_q padded
 };
 TileSizes choose_tile_sizes(const Problem& problem);
+
+// Rows of tile buffers are padded by one cache line (16 floats): with a power-of-two row stride,
+// a product's B panel (64 bytes of each of k rows) falls on 1/8 of the L1 sets and evicts
+// itself; one extra line per row spreads it over all of them (measured: about 15% on the
+// forward, docs/performance.md).
+inline constexpr std::int64_t kLanePadding = 16;
 
 // What lowering the problem produced; built once per plan.
 struct Lowering {
@@ -54,6 +61,12 @@ struct TileGrid {
   }
 };
 
+// Per-row statistics of a forward for the backward, indexed like the LSE: the final running max,
+// the reciprocal of the final sum (0 for a row with no kept key), and D = sum over kv of P dP.
+struct RowStatistics {
+  std::vector<float> max, inverse_sum, delta;
+};
+
 class CpuPlan final : public Plan {
  public:
   CpuPlan(PlanInfo info, Problem problem, Lowering lowering, TileSizes tiles,
@@ -69,6 +82,10 @@ class CpuPlan final : public Plan {
   const TileGrid& grid(std::int64_t batch) const {
     return grids_.size() == 1 ? grids_.front() : grids_[static_cast<std::size_t>(batch)];
   }
+  // The forward (forward.cpp). With `dout`, it also accumulates D = sum P dP into statistics;
+  // an empty args.out skips the output.
+  void forward_pass(const ForwardArgs& args, const TensorView* dout,
+                    RowStatistics* statistics) const;
   // Backward passes (backward.cpp, query_pass.cpp). A key tile's dK and dV over every query
   // head of its group and every query tile, adding dQ^T into dq_blocks when not null.
   KeyTileState make_key_tile_state(const BackwardContext& context) const;

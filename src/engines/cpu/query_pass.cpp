@@ -81,11 +81,11 @@ void CpuPlan::query_pass(const BackwardContext& x, const std::vector<float>& del
 
   struct State {
     BackwardState tiles;
-    std::vector<float> dq_t;  // (dim_qk, block_q)
+    std::vector<float> dq_t;  // (dim_qk, ld)
   };
   const auto make_state = [&] {
     State s{x.make_state(any_load), {}};
-    s.dq_t.resize(to_size(x.dim_qk * x.block_q));
+    s.dq_t.resize(to_size(x.dim_qk * x.ld));
     return s;
   };
 
@@ -139,9 +139,9 @@ void CpuPlan::query_pass(const BackwardContext& x, const std::vector<float>& del
                            std::vector<GradientWindow>& windows) {
     TapeRunner& runner = *s.gradient_runner;
     for (std::int64_t c = 0; c < nk; ++c) {
-      const float* ds_row = &s.ds[to_size(c * x.block_q)];
+      const float* ds_row = &s.ds[to_size(c * x.ld)];
       if (std::none_of(ds_row, ds_row + nq, [](float ds) { return ds != 0.0f; })) continue;
-      runner.run(k0 + c, &s.raw[to_size(c * x.block_q)]);
+      runner.run(k0 + c, &s.raw[to_size(c * x.ld)]);
       for (std::size_t t = 0; t < targets.size(); ++t) {
         const GradientTarget& target = targets[t];
         GradientWindow& window = windows[t];
@@ -184,7 +184,7 @@ void CpuPlan::query_pass(const BackwardContext& x, const std::vector<float>& del
     x.set_head(b, h, s);
     x.load_query_tile(b, h, q0, nq, delta, s);
     for (std::int64_t j = 0; j < x.dim_qk; ++j) {
-      std::fill_n(&state.dq_t[to_size(j * x.block_q)], lanes, 0.0f);
+      std::fill_n(&state.dq_t[to_size(j * x.ld)], lanes, 0.0f);
     }
     const SequenceRows k_rows = sequence_rows(p, x.args.k, false, b, h_kv);
     const SequenceRows v_rows = sequence_rows(p, x.args.v, false, b, h_kv);
@@ -196,13 +196,12 @@ void CpuPlan::query_pass(const BackwardContext& x, const std::vector<float>& del
       const RowsView values = float_rows(x.args.v, {v_rows, k0, nk, x.dim_v}, s.values.data());
       x.recompute(tile_class, k0, nk, lanes, keys, values, s);
       // dQ^T += K^T dS^T
-      x.kernel.gemm({x.dim_qk, lanes, nk, keys.rows, 1, keys.ld, s.ds_raw.data(), x.block_q,
-                     state.dq_t.data(), x.block_q, true});
+      x.kernel.gemm({x.dim_qk, lanes, nk, keys.rows, 1, keys.ld, s.ds_raw.data(), x.ld,
+                     state.dq_t.data(), x.ld, true});
       if (windows != nullptr) scatter(s, k0, nk, nq, *windows);
     }
     const RowBlock dq_block{sequence_rows(p, x.args.dq, true, b, h), q0, nq, x.dim_qk};
-    write_rows_transposed(x.args.dq, dq_block, state.dq_t.data(), x.block_q, x.scale,
-                          s.queries.data());
+    write_rows_transposed(x.args.dq, dq_block, state.dq_t.data(), x.ld, x.scale, s.queries.data());
   };
 
   std::vector<std::vector<double>> totals;
