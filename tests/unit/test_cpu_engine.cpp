@@ -135,37 +135,54 @@ void expect_relative(const HostTensor& result, const HostTensor& reference, cons
   EXPECT_TRUE(within_tolerance(result, reference, allowed)) << what;
 }
 
-TEST(CpuFp32, WithinOneInAHundredThousandOfFloat64) {
-  for (const ProblemDesc& desc32 : {learned_tensors_desc(), [] {
-                                      ProblemDesc desc = base_desc(130, 130);
-                                      desc.score_mod = ir::parse("30 * tanh(score / 30)");
-                                      desc.mask_mod = ir::parse("q >= kv && q - kv < 70");
-                                      return desc;
-                                    }()}) {
-    const Problem problem32(desc32);
-    ProblemDesc desc64 = desc32;
-    desc64.dtype = DType::kF64;
-    const Problem problem64(desc64);
-    const Inputs inputs32 = random_inputs(problem32, 3);
-    Inputs inputs64;
-    inputs64.q = inputs32.q.to(DType::kF64);
-    inputs64.k = inputs32.k.to(DType::kF64);
-    inputs64.v = inputs32.v.to(DType::kF64);
-    inputs64.dout = inputs32.dout.to(DType::kF64);
-    for (const auto& [name, tensor] : inputs32.tensors) {
-      inputs64.tensors.emplace(name, tensor.to(tensor.dtype()));
-    }
-    const Outputs ours = run_engine(*make_cpu_engine(), problem32, inputs32);
-    const Outputs reference = run_engine(*make_cpu_ref_engine(), problem64, inputs64);
-    expect_relative(ours.out, reference.out, "out");
-    expect_relative(ours.lse, reference.lse, "lse");
-    expect_relative(ours.dq, reference.dq, "dq");
-    expect_relative(ours.dk, reference.dk, "dk");
-    expect_relative(ours.dv, reference.dv, "dv");
-    for (const auto& [name, gradient] : reference.tensor_grads) {
-      expect_relative(ours.tensor_grads.at(name), gradient, name.c_str());
-    }
+// cpu and cpu_ref on the same fp32 inputs (cpu_ref in float64), every output within
+// kFp32Relative.
+void expect_matches_float64(const ProblemDesc& desc32, std::uint64_t seed) {
+  const Problem problem32(desc32);
+  ProblemDesc desc64 = desc32;
+  desc64.dtype = DType::kF64;
+  const Problem problem64(desc64);
+  const Inputs inputs32 = random_inputs(problem32, seed);
+  Inputs inputs64;
+  inputs64.q = inputs32.q.to(DType::kF64);
+  inputs64.k = inputs32.k.to(DType::kF64);
+  inputs64.v = inputs32.v.to(DType::kF64);
+  inputs64.dout = inputs32.dout.to(DType::kF64);
+  for (const auto& [name, tensor] : inputs32.tensors) {
+    inputs64.tensors.emplace(name, tensor.to(tensor.dtype()));
   }
+  const Outputs ours = run_engine(*make_cpu_engine(), problem32, inputs32);
+  const Outputs reference = run_engine(*make_cpu_ref_engine(), problem64, inputs64);
+  expect_relative(ours.out, reference.out, "out");
+  expect_relative(ours.lse, reference.lse, "lse");
+  if (!problem32.wants_backward()) return;
+  expect_relative(ours.dq, reference.dq, "dq");
+  expect_relative(ours.dk, reference.dk, "dk");
+  expect_relative(ours.dv, reference.dv, "dv");
+  for (const auto& [name, gradient] : reference.tensor_grads) {
+    expect_relative(ours.tensor_grads.at(name), gradient, name.c_str());
+  }
+}
+
+TEST(CpuFp32, WithinOneInAHundredThousandOfFloat64) {
+  expect_matches_float64(learned_tensors_desc(), 3);
+  ProblemDesc windowed = base_desc(130, 130);
+  windowed.score_mod = ir::parse("30 * tanh(score / 30)");
+  windowed.mask_mod = ir::parse("q >= kv && q - kv < 70");
+  expect_matches_float64(windowed, 3);
+}
+
+// Ragged thd batches, including a sequence with no queries and one with no keys (its queries
+// keep nothing: O = 0, LSE = -inf, no gradient).
+TEST(CpuFp32, RaggedThdWithEmptySequences) {
+  ProblemDesc desc = base_desc(0, 0);
+  desc.batch = 3;
+  desc.layout = Layout::kTHD;
+  desc.cu_seqlens_q = {0, 70, 70, 79};
+  desc.cu_seqlens_kv = {0, 4, 7, 7};
+  desc.score_mod = ir::parse("score * 0.5 + float(kv - Q_LEN) * 0.125");
+  desc.mask_mod = ir::parse("kv <= q");
+  expect_matches_float64(desc, 13);
 }
 
 // ---- determinism ------------------------------------------------------------------------------

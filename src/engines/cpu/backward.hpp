@@ -1,4 +1,4 @@
-// Shared pieces of the two backward passes (backward.cpp, query_pass.cpp): the per-thread tile
+// Shared pieces of the backward passes (backward.cpp, query_pass.cpp): the per-thread tile
 // buffers and the recomputation of P and dS for one (key tile x query tile) pair.
 #pragma once
 
@@ -22,7 +22,7 @@ struct BackwardState {
   std::vector<float> queries_t;                    // (dim_qk, ld): scale * Q^T
   std::vector<float> douts;                        // (block_q, douts_ld): dO rows, zero padded
   std::vector<float> douts_t;                      // (dim_v, ld): dO^T
-  std::vector<float> keys, values;                 // converted K / V tiles when not stored as fp32
+  std::vector<float> keys, values;                 // K / V tiles packed to fp32 (see float_rows)
   std::vector<float> raw;                          // S^T before the modifier
   std::vector<float> probs;                        // P^T
   std::vector<float> dmod;                         // d score_mod / d score

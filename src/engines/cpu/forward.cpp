@@ -4,8 +4,10 @@
 // Everything is held transposed, with queries along the vector lanes: the score tile is
 // S^T = K Q^T (keys x queries), the output accumulator is O^T (head_dim_v x queries), and the
 // running max and sum are vectors over queries, so the softmax never reduces across lanes.
-// Both products use the same kernel: S^T = K (Q^T) reads K rows as they are stored, and
-// O^T += V^T P^T reads V transposed through the kernel's strides; no K or V tile is transposed.
+// Both products use the same kernel: S^T = K (Q^T) reads the packed K rows, and O^T += V^T P^T
+// reads the packed V rows transposed through the kernel's strides; no tile is transposed.
+// With `dout`, the same loop is the backward's statistics pass: dP^T = V dO^T replaces the
+// output product and D = sum P dP is accumulated, rescaled like the sum.
 #include <algorithm>
 #include <cmath>
 #include <limits>
@@ -24,8 +26,8 @@ constexpr float kNegativeInfinity = -std::numeric_limits<float>::infinity();
 struct ForwardState {
   std::optional<TapeRunner> score_runner, mask_runner;
   std::vector<float> queries_t;  // (head_dim_qk, ld): scale * Q^T (ld: padded block_q)
-  std::vector<float> keys;       // (block_k, head_dim_qk) when K is not stored as fp32
-  std::vector<float> values;     // (block_k, head_dim_v) when V is not stored as fp32
+  std::vector<float> keys;       // (block_k, head_dim_qk): the K tile packed to fp32
+  std::vector<float> values;     // (block_k, head_dim_v): the V tile packed to fp32
   std::vector<float> scores;     // (block_k, ld): S^T
   std::vector<float> probs;      // (block_k, ld): S'^T, then P^T
   std::vector<float> out_t;      // (head_dim_v, ld): unnormalised O^T (or dO^T)

@@ -22,6 +22,7 @@
 namespace flexattn::cpu {
 namespace {
 
+constexpr int kFloats = 8;        // floats per ymm register
 constexpr int kBlockRows = 6;     // rows of C per micro-kernel (see the file comment)
 constexpr int kBlockVectors = 2;  // vectors of C per row per micro-kernel (16 floats)
 
@@ -33,18 +34,18 @@ FLEXATTN_AVX2 inline void micro_kernel(const GemmOperands& g, std::int64_t i0, s
   const float* a = g.a + i0 * a_row;
   const float* b = g.b + j0;
   float* c = g.c + i0 * ldc + j0;
-  __m256 acc[kRows][kVectors];  // C[i0 : i0 + kRows, j0 : j0 + 8 kVectors]
+  __m256 acc[kRows][kVectors];  // C[i0 : i0 + kRows, j0 : j0 + kFloats kVectors]
 #pragma GCC unroll 8
   for (int r = 0; r < kRows; ++r) {
 #pragma GCC unroll 2
     for (int v = 0; v < kVectors; ++v) {
-      acc[r][v] = g.accumulate ? _mm256_loadu_ps(c + r * ldc + 8 * v) : _mm256_setzero_ps();
+      acc[r][v] = g.accumulate ? _mm256_loadu_ps(c + r * ldc + kFloats * v) : _mm256_setzero_ps();
     }
   }
   for (std::int64_t p = 0; p < k; ++p) {
     __m256 b_row[kVectors];
 #pragma GCC unroll 2
-    for (int v = 0; v < kVectors; ++v) b_row[v] = _mm256_loadu_ps(b + p * ldb + 8 * v);
+    for (int v = 0; v < kVectors; ++v) b_row[v] = _mm256_loadu_ps(b + p * ldb + kFloats * v);
     const float* a_column_p = a + p * a_column;
 #pragma GCC unroll 8
     for (int r = 0; r < kRows; ++r) {
@@ -56,7 +57,7 @@ FLEXATTN_AVX2 inline void micro_kernel(const GemmOperands& g, std::int64_t i0, s
 #pragma GCC unroll 8
   for (int r = 0; r < kRows; ++r) {
 #pragma GCC unroll 2
-    for (int v = 0; v < kVectors; ++v) _mm256_storeu_ps(c + r * ldc + 8 * v, acc[r][v]);
+    for (int v = 0; v < kVectors; ++v) _mm256_storeu_ps(c + r * ldc + kFloats * v, acc[r][v]);
   }
 }
 
@@ -88,8 +89,9 @@ FLEXATTN_AVX2 void row_blocks(const GemmOperands& g, std::int64_t j0) {
 // Column panels outermost: one panel of B (k x 16) stays in L1 while every row block uses it.
 FLEXATTN_AVX2 void gemm_avx2(const GemmOperands& g) {
   std::int64_t j = 0;
-  for (; j + 8 * kBlockVectors <= g.n; j += 8 * kBlockVectors) row_blocks<kBlockVectors>(g, j);
-  for (; j < g.n; j += 8) row_blocks<1>(g, j);
+  for (; j + kFloats * kBlockVectors <= g.n; j += kFloats * kBlockVectors)
+    row_blocks<kBlockVectors>(g, j);
+  for (; j < g.n; j += kFloats) row_blocks<1>(g, j);
 }
 
 // exp(x) for 8 floats: Cody-Waite range reduction x = n ln2 + r, |r| <= ln2 / 2, and the
@@ -163,9 +165,10 @@ FLEXATTN_AVX2 inline __m256 sigmoid8(__m256 x) {
 template <__m256 (*kFunction)(__m256)>
 FLEXATTN_AVX2 void apply_unary(const float* in, float* out, std::int64_t count) {
   std::int64_t i = 0;
-  for (; i + 8 <= count; i += 8) _mm256_storeu_ps(out + i, kFunction(_mm256_loadu_ps(in + i)));
+  for (; i + kFloats <= count; i += kFloats)
+    _mm256_storeu_ps(out + i, kFunction(_mm256_loadu_ps(in + i)));
   if (i < count) {  // the tail through one padded vector, so it rounds like the rest
-    alignas(32) float buffer[8] = {};
+    alignas(32) float buffer[kFloats] = {};
     for (std::int64_t t = i; t < count; ++t) buffer[t - i] = in[t];
     _mm256_store_ps(buffer, kFunction(_mm256_load_ps(buffer)));
     for (std::int64_t t = i; t < count; ++t) out[t] = buffer[t - i];
@@ -184,7 +187,7 @@ FLEXATTN_AVX2 void sigmoid_avx2(const float* in, float* out, std::int64_t count)
 
 FLEXATTN_AVX2 void exp_shifted_avx2(float* tile, std::int64_t rows, std::int64_t width,
                                     std::int64_t ld, const float* shift, const float* scale) {
-  for (std::int64_t c = 0; c < width; c += 8) {
+  for (std::int64_t c = 0; c < width; c += kFloats) {
     const __m256 shift_vector = _mm256_loadu_ps(shift + c);
     const __m256 scale_vector =
         scale == nullptr ? _mm256_set1_ps(1.0f) : _mm256_loadu_ps(scale + c);
@@ -202,7 +205,7 @@ FLEXATTN_AVX2 bool softmax_step_avx2(float* tile, std::int64_t rows, std::int64_
   const __m256 negative_infinity = _mm256_set1_ps(-INFINITY);
   const __m256 one = _mm256_set1_ps(1.0f);
   __m256 any_rescale = _mm256_setzero_ps();
-  for (std::int64_t c = 0; c < width; c += 8) {
+  for (std::int64_t c = 0; c < width; c += kFloats) {
     const __m256 old_max = _mm256_loadu_ps(row_max + c);
     __m256 new_max = old_max;
     for (std::int64_t r = 0; r < rows; ++r) {
@@ -229,7 +232,7 @@ FLEXATTN_AVX2 bool softmax_step_avx2(float* tile, std::int64_t rows, std::int64_
 FLEXATTN_AVX2 void scale_columns_avx2(float* tile, std::int64_t rows, std::int64_t width,
                                       std::int64_t ld, const float* scale) {
   for (std::int64_t r = 0; r < rows; ++r) {
-    for (std::int64_t c = 0; c < width; c += 8) {
+    for (std::int64_t c = 0; c < width; c += kFloats) {
       float* at = tile + r * ld + c;
       _mm256_storeu_ps(at, _mm256_mul_ps(_mm256_loadu_ps(at), _mm256_loadu_ps(scale + c)));
     }
@@ -238,7 +241,7 @@ FLEXATTN_AVX2 void scale_columns_avx2(float* tile, std::int64_t rows, std::int64
 
 FLEXATTN_AVX2 void column_dot_avx2(const float* a, const float* b, std::int64_t rows,
                                    std::int64_t width, std::int64_t ld, float* out) {
-  for (std::int64_t c = 0; c < width; c += 8) {
+  for (std::int64_t c = 0; c < width; c += kFloats) {
     __m256 sum = _mm256_loadu_ps(out + c);
     for (std::int64_t r = 0; r < rows; ++r) {
       sum = _mm256_fmadd_ps(_mm256_loadu_ps(a + r * ld + c), _mm256_loadu_ps(b + r * ld + c), sum);
@@ -252,7 +255,7 @@ FLEXATTN_AVX2 void softmax_gradient_avx2(const float* probs, const float* dmod, 
                                          std::int64_t ld, const float* delta) {
   const __m256 zero = _mm256_setzero_ps();
   for (std::int64_t r = 0; r < rows; ++r) {
-    for (std::int64_t c = 0; c < width; c += 8) {
+    for (std::int64_t c = 0; c < width; c += kFloats) {
       const std::int64_t at = r * ld + c;
       const __m256 p = _mm256_loadu_ps(probs + at);
       const __m256 kept = _mm256_cmp_ps(p, zero, _CMP_NEQ_UQ);
@@ -267,7 +270,7 @@ FLEXATTN_AVX2 void softmax_gradient_avx2(const float* probs, const float* dmod, 
 
 FLEXATTN_AVX2 void half_to_float_avx2(const std::uint16_t* in, float* out, std::int64_t count) {
   std::int64_t i = 0;
-  for (; i + 8 <= count; i += 8) {
+  for (; i + kFloats <= count; i += kFloats) {
     const __m128i bits = _mm_loadu_si128(reinterpret_cast<const __m128i*>(in + i));
     _mm256_storeu_ps(out + i, _mm256_cvtph_ps(bits));
   }

@@ -1,6 +1,6 @@
 // The `cpu` engine's plan: the modifiers lowered to tapes, the tile sizes, the per-tile mask
 // classes from the interval analysis, and the forward and backward passes (forward.cpp,
-// backward.cpp).
+// backward.cpp, query_pass.cpp).
 #pragma once
 
 #include <cstdint>
@@ -46,13 +46,15 @@ struct Lowering {
   Tape gradient_tape;
 };
 
-// Mask classes of the tiles of one batch entry's (query tile, key tile) grid.
 struct BackwardContext;
 struct KeyTileState;
 
-// The fused backward needs this many (batch, kv head) items per thread (see run_backward).
+// The fused backward runs one work item per (batch, kv head); it is chosen when there are at
+// least this many items per thread, so that dynamic scheduling can still even out items of
+// unequal work (ragged thd sequences, masks) instead of leaving a thread idle at the end.
 inline constexpr std::int64_t kFusedItemsPerThread = 2;
 
+// Mask classes of the tiles of one batch entry's (query tile, key tile) grid.
 struct TileGrid {
   std::int64_t query_tiles = 0, key_tiles = 0;
   std::vector<TileClass> classes;  // (query_tiles, key_tiles), row-major
