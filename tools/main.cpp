@@ -1,4 +1,4 @@
-// `flexattn`: the command-line tool. Subcommands: demo, engines, explain, run, check (see --help).
+// `flexattn`: the command-line tool. Subcommands: demo, engines, explain, run, check, bench (see --help).
 // Errors: one line on stderr starting with "error: "; exit code 2 for invalid input (including
 // bad flags), 3 when no engine can run the problem, 1 for anything else.
 #include <fmt/format.h>
@@ -9,6 +9,7 @@
 #include <sstream>
 
 #include "cli.hpp"
+#include "cmd_bench.hpp"
 #include "cmd_check.hpp"
 
 namespace {
@@ -72,11 +73,14 @@ int main(int argc, char** argv) {
   ProblemFlags run_problem;
   RunFlags run;
   CheckFlags check;
+  ProblemFlags bench_problem;
+  BenchFlags bench;
   add_demo_command(app, demo);
   add_engines_command(app, engines_json, engines_planted);
   add_explain_command(app, explain_problem, explain_json);
   add_run_command(app, run_problem, run);
   add_check_command(app, check);
+  add_bench_command(app, bench_problem, bench);
 
   try {
     app.parse(argc, argv);
@@ -96,6 +100,7 @@ int main(int argc, char** argv) {
     if (app.got_subcommand("explain")) return explain_command(explain_problem, explain_json);
     if (app.got_subcommand("run")) return run_command(run_problem, run);
     if (app.got_subcommand("check")) return check_command(check);
+    if (app.got_subcommand("bench")) return bench_command(bench_problem, bench);
     return fail(kExitInvalidInput, "no subcommand (see flexattn --help)");
   } catch (const flexattn::Error& error) {
     return fail(exit_code(error.code()), error.what());

@@ -234,6 +234,18 @@ TEST_F(Cli, RunJsonParsesAndReportsTheCheck) {
   EXPECT_TRUE(summary.at("check").at("max_abs_error").contains("out"));
 }
 
+TEST_F(Cli, BenchReportsTimesRatesAndTheSgemmYardstick) {
+  const CliResult result = run({"bench", "--engine", "cpu", "--modifier", "softcap",
+                                "--seq-len-q", "64", "--backward", "--iters", "2", "--json"});
+  ASSERT_EQ(result.exit_code, 0) << result.err;
+  const nlohmann::json summary = nlohmann::json::parse(result.out);
+  EXPECT_EQ(summary.at("engine").get<std::string>(), "cpu");
+  EXPECT_GT(summary.at("forward_gflops").get<double>(), 0.0);
+  EXPECT_GT(summary.at("forward_backward_ms").get<double>(), summary.at("forward_ms").get<double>());
+  EXPECT_GE(summary.at("sgemm_gflops").get<double>(), 0.0);
+  expect_failure(run({"bench", "--iters", "0"}), 2, "--iters");
+}
+
 TEST_F(Cli, RunBackwardWritesGradientsOfInputsAndTensors) {
   const CliResult result =
       run({"run", "--modifier", "post_scale_bias", "--seq-len-q", "24", "--heads-q", "2",
