@@ -66,9 +66,11 @@ struct Outcome {
   Status status = Status::kSkipped;
   std::string reason;  // skip reason (the engine's), or what failed
   std::vector<OutputCheck> checks;
-  double max_error() const;
-  double allowed() const;  // of the worst check
-  double fraction_outside() const;
+  // The output closest to (or furthest past) its tolerance: largest max_error / allowed.
+  const OutputCheck* worst() const;
+  double max_error() const;  // of worst()
+  double allowed() const;    // of worst()
+  double fraction_outside() const;  // largest over all outputs
 };
 
 // Runs the case on `engine` and on cpu_ref (float64) with the same inputs, plus the plain

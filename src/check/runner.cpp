@@ -174,23 +174,29 @@ HostTensor host_output(const TensorView& expected, DType dtype) {
 
 }  // namespace
 
+const OutputCheck* Outcome::worst() const {
+  const OutputCheck* worst_check = nullptr;
+  double worst_ratio = -1.0;
+  for (const OutputCheck& check : checks) {
+    const double ratio = check.allowed > 0.0 ? check.max_error / check.allowed
+                         : check.max_error > 0.0 ? std::numeric_limits<double>::infinity()
+                                                 : 0.0;
+    if (ratio > worst_ratio) {
+      worst_ratio = ratio;
+      worst_check = &check;
+    }
+  }
+  return worst_check;
+}
+
 double Outcome::max_error() const {
-  double worst = 0.0;
-  for (const OutputCheck& check : checks) worst = std::max(worst, check.max_error);
-  return worst;
+  const OutputCheck* check = worst();
+  return check == nullptr ? 0.0 : check->max_error;
 }
 
 double Outcome::allowed() const {
-  double worst_ratio = -1.0;
-  double allowed_of_worst = 0.0;
-  for (const OutputCheck& check : checks) {
-    const double ratio = check.allowed > 0.0 ? check.max_error / check.allowed : check.max_error;
-    if (ratio > worst_ratio) {
-      worst_ratio = ratio;
-      allowed_of_worst = check.allowed;
-    }
-  }
-  return allowed_of_worst;
+  const OutputCheck* check = worst();
+  return check == nullptr ? 0.0 : check->allowed;
 }
 
 double Outcome::fraction_outside() const {

@@ -91,6 +91,19 @@ TEST(PlantedFaults, LyingEngineFailsOnMostElements) {
   EXPECT_GE(failed, 6);
 }
 
+// The table's "max err" and "allowed" must describe the same output: a large but tolerated error
+// of O next to a tight LSE tolerance once read as 3000x over.
+TEST(Outcome, WorstOutputPairsItsErrorWithItsOwnTolerance) {
+  Outcome outcome;
+  outcome.checks.push_back({"out", 3e-3, 3e-2, 0.0, true});
+  outcome.checks.push_back({"lse", 5e-7, 1e-6, 0.0, true});
+  ASSERT_NE(outcome.worst(), nullptr);
+  EXPECT_EQ(outcome.worst()->output, "lse");
+  EXPECT_DOUBLE_EQ(outcome.max_error(), 5e-7);
+  EXPECT_DOUBLE_EQ(outcome.allowed(), 1e-6);
+  EXPECT_LE(outcome.max_error() / outcome.allowed(), 1.0);
+}
+
 TEST(Catalogue, QuickTierCoversEveryFeature) {
   const std::vector<Case> quick = cases(Tier::kQuick);
   std::set<std::string> modifiers, masks, layouts, dtypes;
