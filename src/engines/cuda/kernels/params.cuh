@@ -46,4 +46,44 @@ struct ForwardParams {
   float params[kMaxParams];
 };
 
+// ---- backward -------------------------------------------------------------------------------
+
+// Tensor gradients are summed in 64-bit fixed point (value * 2^32, rounded to nearest): integer
+// addition is associative, so the atomics that scatter them give bit-identical results in any
+// order. Range +-2^31, resolution 2^-32.
+constexpr float kGradFixedScale = 4294967296.0f;         // 2^32
+constexpr double kGradFixedInverse = 1.0 / 4294967296.0;  // 2^-32
+
+// Launch geometry of the delta kernel: grid (ceil(seq_len_q / kDeltaRows), heads_q, batch).
+constexpr int kDeltaRows = 32;
+constexpr int kDeltaThreads = 128;
+// Launch geometry of the finalize kernel: grid (ceil(count / kFinalizeThreads)).
+constexpr int kFinalizeThreads = 256;
+
+struct BackwardParams {
+  // q, k, v, o (o is read by the delta kernel), lse (read), the modifier's tensors and params,
+  // lengths, scale, and the q-major tile list built for (block_q, block_kv) of the backward
+  // kernels: tile_entries are kv tiles of block_kv keys, class_block_q == block_q.
+  ForwardParams fwd;
+  SequenceView dout;        // read; the layout of o
+  SequenceView dq, dk, dv;  // written; the layouts of q, k, v
+  float* delta;             // scratch: rowsum(dO * O) per (b, h, q), indexed like lse
+  // The kv-major transpose of the tile list: for kv tile t, kv_tile_entries[kv_tile_offsets[t]
+  // .. kv_tile_offsets[t + 1]) are the q blocks that visit it, ascending, each
+  // q_block << 1 | mixed.
+  const int* kv_tile_offsets;
+  const int* kv_tile_entries;
+  // Per tensor slot (as fwd.tensors): the fixed-point accumulator of its gradient (one long long
+  // per element, zeroed before the launch), or null where no gradient is wanted.
+  unsigned long long* grad_fixed[kMaxTensors];
+};
+
+// Converts one fixed-point accumulator to the gradient tensor (fp32 or fp64, contiguous).
+struct FinalizeParams {
+  const long long* fixed;
+  void* out;
+  long long count;
+  int out_is_f64;  // 0: float, 1: double
+};
+
 }  // namespace flexattn_kernels

@@ -1,0 +1,117 @@
+// What every backward kernel shares: the delta pre-pass (rowsum(dO * O)), the per-element
+// gradient of the logit, the fixed-point accumulation of tensor gradients, and the finalize pass
+// that turns those accumulators into the gradient tensors.
+//
+// The backward adds to the generated Modifier (codegen.cpp) when the problem wants gradients:
+//   static constexpr bool kIdentityDerivative;  // d score_mod / d score is the constant 1
+//   static constexpr bool kHasTensorGrads;      // some float tensor load has a derivative
+//   static constexpr int kLocalGradSlots;       // >= 1: per-thread accumulators (see below)
+//   static float score_grad(const Invariants&, const ForwardParams&, const Coordinates&,
+//                           float score, int q, int kv);
+//   static void tensor_grads(const Invariants&, const BackwardParams&, const Coordinates&,
+//                            float score, int q, int kv, float dlogit,
+//                            long long (&local)[kLocalGradSlots]);
+//   static void flush_tensor_grads(const Invariants&, const BackwardParams&, const Coordinates&,
+//                                  long long (&local)[kLocalGradSlots]);
+// tensor_grads adds dlogit * d score_mod / d load for every float tensor load whose gradient is
+// wanted (grad_fixed[slot] != null): a load whose index depends only on (b, h) goes into
+// `local` (fixed point, summed per thread), the others straight into grad_fixed by atomicAdd.
+// flush_tensor_grads is called once by every thread of the block at the end (for one (b, h)):
+// it sums `local` over the warp and lane 0 adds it at the load's index. `score` is the score
+// before the modifier (scale * q.k), `q` and `kv` positions inside the sequence.
+#pragma once
+
+#include "forward_common.cuh"
+#include "params.cuh"
+#include "tile_ops.cuh"
+
+namespace flexattn_kernels {
+
+__device__ __forceinline__ float* delta_address(const BackwardParams& p, int batch, int head,
+                                                int token) {
+  return p.delta + batch * p.fwd.lse_batch_stride + head * p.fwd.lse_head_stride + token;
+}
+__device__ __forceinline__ const float* lse_row(const BackwardParams& p, int batch, int head,
+                                                int token) {
+  return p.fwd.lse + batch * p.fwd.lse_batch_stride + head * p.fwd.lse_head_stride + token;
+}
+
+// One gradient contribution in fixed point (saturates beyond +-2^31; NaN becomes INT64_MIN).
+__device__ __forceinline__ long long to_fixed(float value) {
+  return __float2ll_rn(value * kGradFixedScale);
+}
+__device__ __forceinline__ void add_fixed(unsigned long long* address, long long value) {
+  if (value != 0) atomicAdd(address, static_cast<unsigned long long>(value));
+}
+// Sum over the warp (integer: the order does not matter).
+__device__ __forceinline__ long long warp_sum_fixed(long long value) {
+#pragma unroll
+  for (int offset = kWarpSize / 2; offset > 0; offset /= 2) {
+    value += __shfl_xor_sync(0xffffffffu, value, offset);
+  }
+  return value;
+}
+
+// P = exp(logit - lse) in the log2 domain: logit2 = logit * log2(e), lse2 = lse * log2(e).
+// 0 where the element is masked (logit -inf) or the row kept no key (lse -inf).
+__device__ __forceinline__ float probability_log2(float logit2, float lse2) {
+  return lse2 == negative_infinity() ? 0.0f : fast_exp2(logit2 - lse2);
+}
+
+// The gradient of the loss with respect to the score (before the modifier) of one kept
+// element, from the probability P, dP = dO . V and delta = rowsum(dO * O):
+//   dlogit = P (dP - delta),  dscore = dlogit * d score_mod / d score.
+template <class Modifier>
+__device__ __forceinline__ float score_gradient(float dlogit,
+                                                const typename Modifier::Invariants& invariants,
+                                                const ForwardParams& p, const Coordinates& at,
+                                                float score, int q, int kv) {
+  if constexpr (Modifier::kIdentityDerivative) {
+    return dlogit;
+  } else {
+    return dlogit * Modifier::score_grad(invariants, p, at, score, q, kv);
+  }
+}
+
+// delta[b, h, q] = sum_d dO[b, q, h, d] * O[b, q, h, d] in fp32 (O and dO as stored). One warp
+// per row at a time; grid (ceil(seq_len_q / kDeltaRows), heads_q, batch), kDeltaThreads threads.
+template <class Tag, int kHeadDimV>
+__device__ __forceinline__ void backward_delta(const BackwardParams& p) {
+  const int warp = threadIdx.x / kWarpSize;
+  const int lane = threadIdx.x % kWarpSize;
+  const int head = blockIdx.y;
+  const int batch = blockIdx.z;
+  const SequenceSpan span = sequence_span(p.fwd, batch);
+  constexpr int kWarps = kDeltaThreads / kWarpSize;
+  for (int row = warp; row < kDeltaRows; row += kWarps) {
+    const int token = blockIdx.x * kDeltaRows + row;
+    if (token >= span.q_len) break;
+    const long long o_base = batch * p.fwd.o.batch_stride +
+                             (span.q_offset + token) * p.fwd.o.token_stride +
+                             head * p.fwd.o.head_stride;
+    const long long do_base = batch * p.dout.batch_stride +
+                              (span.q_offset + token) * p.dout.token_stride +
+                              head * p.dout.head_stride;
+    float sum = 0.0f;
+    for (int d = lane; d < kHeadDimV; d += kWarpSize) {
+      sum += load_as_float(Tag{}, p.fwd.o.data, o_base + d) *
+             load_as_float(Tag{}, p.dout.data, do_base + d);
+    }
+    sum = warp_sum(sum);
+    if (lane == 0) *delta_address(p, batch, head, span.q_offset + token) = sum;
+  }
+}
+
+// gradient[i] = fixed[i] * 2^-32, as float or double. Grid (ceil(count / kFinalizeThreads)).
+__device__ __forceinline__ void backward_finalize(const FinalizeParams& p) {
+  const long long index = static_cast<long long>(blockIdx.x) * kFinalizeThreads + threadIdx.x;
+  if (index >= p.count) return;
+  const double value = static_cast<double>(p.fixed[index]) * kGradFixedInverse;
+  if (p.out_is_f64 != 0) {
+    static_cast<double*>(p.out)[index] = value;
+  } else {
+    static_cast<float*>(p.out)[index] = static_cast<float>(value);
+  }
+}
+
+}  // namespace flexattn_kernels
