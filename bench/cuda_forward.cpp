@@ -1,18 +1,28 @@
-// Times the cuda engine's forward pass on the GPU with CUDA events (warm-up, then the median of
-// repeated launches) and reports TFLOP/s with DESIGN.md's count (4 B H Sq Skv D, halved for
-// causal masks, as the peers count). Also measures plan time: cold (NVRTC compile into an empty
-// disk cache) and warm (a fresh engine instance whose kernel comes from the disk cache).
+// Times a GPU engine (`cuda`, or `cudnn` where this build registers it) on the GPU with CUDA
+// events (warm-up, then the median of repeated launches): the forward pass, and forward+backward
+// (a forward, then the backward that reads its output and LSE, timed together). TFLOP/s are
+// counted as FlashAttention and the peers count them: forward 4 B H Sq Skv D, halved for causal
+// masks; backward 2.5x the forward; forward+backward 3.5x. Also measures plan time: cold (a fresh
+// engine instance; for cuda an NVRTC compile into an empty disk cache) and, for cuda, warm
+// (another fresh instance, whose kernel comes from the disk cache).
 //
-//   bench_cuda_forward [--quick] [--json out.json]
+//   bench_cuda_forward [--quick] [--pass fwd|fwdbwd|both] [--engine cuda|cudnn] [--json out.json]
+//
+// An engine this build lacks or this machine cannot run, and a problem the engine refuses, are
+// reported as skip lines (with the engine's reason), not errors. A problem the engine fails on is
+// an error line (and row); the other problems are still timed, and the exit status is 1.
 #include <cuda_runtime.h>
 #include <fmt/format.h>
 #include <unistd.h>
 
 #include <algorithm>
 #include <chrono>
+#include <cmath>
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
+#include <map>
+#include <memory>
 #include <string>
 #include <vector>
 
@@ -25,6 +35,9 @@ using flexattn::ProblemDesc;
 
 constexpr int kWarmupLaunches = 5;
 constexpr int kTimedLaunches = 20;
+// FlashAttention's count: the backward does five products of the forward's size where the
+// forward does two.
+constexpr double kBackwardFlopsRatio = 2.5;
 
 void check(cudaError_t status, const char* call) {
   if (status != cudaSuccess) {
@@ -32,41 +45,55 @@ void check(cudaError_t status, const char* call) {
   }
 }
 
+enum class Pass { kForward, kForwardBackward };
+
+const char* pass_name(Pass pass) {
+  switch (pass) {
+    case Pass::kForward:
+      return "fwd";
+    case Pass::kForwardBackward:
+      return "fwdbwd";
+  }
+  return "?";
+}
+
 struct Variant {
   std::string name;
   std::string score_mod;  // IR text; empty for none
+  std::string tensor;     // the extra tensor it reads: "slopes" (heads), "bias" (heads, seq, seq)
+  bool learned = false;   // the backward also computes the tensor's gradient
 };
 
-const std::vector<Variant>& variants() {
-  static const std::vector<Variant> all = {
-      {"none", ""},
-      {"softcap", "30 * tanh(score / 30)"},
-      {"alibi", "score + slopes[h] * (kv - q)"},
-      {"bias", "score + bias[h, q, kv]"},
-  };
-  return all;
-}
+const Variant kNone{"none", "", "", false};
+const Variant kSoftcap{"softcap", "30 * tanh(score / 30)", "", false};
+const Variant kAlibi{"alibi", "score + slopes[h] * (kv - q)", "slopes", false};
+const Variant kBias{"bias", "score + bias[h, q, kv]", "bias", false};
+const Variant kAlibiGrad{"alibi_grad", kAlibi.score_mod, "slopes", true};
+const Variant kBiasGrad{"bias_grad", kBias.score_mod, "bias", true};
 
 struct Config {
   std::int64_t batch, heads, seq, head_dim;
   bool causal;
   Variant variant;
+  Pass pass;
 };
 
 struct Result {
-  Config config;
   double median_ms = 0.0;
   double tflops = 0.0;
   double plan_cold_s = 0.0;
-  double plan_warm_s = 0.0;
+  double plan_warm_s = -1.0;  // negative: not measured
   std::string description;
+  std::string skipped;  // the engine's reason when it refuses the problem
+  std::string error;    // what the engine threw on a problem it supports
 };
 
-std::shared_ptr<const flexattn::Engine> fresh_cuda_engine() {
+// A new instance of the named built-in engine (empty memory caches), or null.
+std::shared_ptr<const flexattn::Engine> fresh_engine(const std::string& name) {
   for (const auto& engine : flexattn::builtin_engines()) {
-    if (engine->name() == "cuda") return engine;
+    if (engine->name() == name) return engine;
   }
-  throw std::runtime_error("this build has no cuda engine");
+  return nullptr;
 }
 
 ProblemDesc describe(const Config& c) {
@@ -78,9 +105,11 @@ ProblemDesc describe(const Config& c) {
   desc.layout = flexattn::Layout::kBHSD;
   desc.dtype = DType::kBF16;
   desc.device = flexattn::Device::kCuda;
+  desc.direction = c.pass == Pass::kForward ? flexattn::Direction::kForward
+                                            : flexattn::Direction::kForwardBackward;
   desc.want_lse = true;
-  if (c.variant.name == "alibi") desc.tensors["slopes"] = {DType::kF32, {c.heads}};
-  if (c.variant.name == "bias") desc.tensors["bias"] = {DType::kBF16, {c.heads, c.seq, c.seq}};
+  if (c.variant.tensor == "slopes") desc.tensors["slopes"] = {DType::kF32, {c.heads}};
+  if (c.variant.tensor == "bias") desc.tensors["bias"] = {DType::kBF16, {c.heads, c.seq, c.seq}};
   if (!c.variant.score_mod.empty()) {
     desc.score_mod = flexattn::ir::parse(c.variant.score_mod, desc.scope());
   }
@@ -88,15 +117,31 @@ ProblemDesc describe(const Config& c) {
   return desc;
 }
 
-// A device buffer filled with N(0, 1) values of the tensor's dtype (never zeros: they run faster).
+// What an input buffer holds: N(0, 1) values (never zeros: they run faster), or ALiBi's slopes
+// 2^(-8 (h + 1) / heads), as the peers use (random slopes would make every row's softmax a spike).
+enum class Contents { kUnset, kNormal, kAlibiSlopes };
+
+// A device buffer of a view's shape and dtype: an input with `contents`, or an output (kUnset).
 struct DeviceTensor {
-  DeviceTensor(const flexattn::DeviceMemory& memory, flexattn::TensorView layout,
+  DeviceTensor(const flexattn::DeviceMemory& memory, flexattn::TensorView layout, Contents contents,
                std::uint64_t seed)
       : memory_(memory), view(std::move(layout)) {
     flexattn::HostTensor host(view.dtype, view.shape);
-    host.fill_normal(seed);
     view.data = memory_.allocate(host.bytes());
     view.device = flexattn::Device::kCuda;
+    switch (contents) {
+      case Contents::kUnset:
+        return;
+      case Contents::kNormal:
+        host.fill_normal(seed);
+        break;
+      case Contents::kAlibiSlopes:
+        for (std::int64_t h = 0; h < host.numel(); ++h) {
+          host.set(
+              h, std::exp2(-8.0 * static_cast<double>(h + 1) / static_cast<double>(host.numel())));
+        }
+        break;
+    }
     memory_.copy_to_device(view.data, host.data(), host.bytes());
   }
   ~DeviceTensor() { memory_.release(view.data); }
@@ -106,52 +151,43 @@ struct DeviceTensor {
   flexattn::TensorView view;
 };
 
+// Random inputs on the device, made once per (role, dtype, shape) and shared by every problem of
+// the run: filling them on the host is slower than everything timed (the dense bias alone is
+// 268M values).
+class InputCache {
+ public:
+  explicit InputCache(const flexattn::DeviceMemory& memory) : memory_(memory) {}
+  const flexattn::TensorView& get(const std::string& role, const flexattn::TensorView& layout) {
+    const std::string key = fmt::format("{} {}", role, layout.describe());
+    auto found = tensors_.find(key);
+    if (found == tensors_.end()) {
+      const std::uint64_t seed = tensors_.size() + 1;
+      const Contents contents = role == "slopes" ? Contents::kAlibiSlopes : Contents::kNormal;
+      found = tensors_.emplace(key, std::make_unique<DeviceTensor>(memory_, layout, contents, seed))
+                  .first;
+    }
+    return found->second->view;
+  }
+
+ private:
+  const flexattn::DeviceMemory& memory_;
+  std::map<std::string, std::unique_ptr<DeviceTensor>> tensors_;
+};
+
 double seconds_since(std::chrono::steady_clock::time_point start) {
   return std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
 }
 
-Result run(const Config& config) {
-  Result result;
-  result.config = config;
-  const flexattn::Problem problem(describe(config));
-  // Cold: a fresh engine and an empty disk cache (FLEXATTN_CACHE_DIR is a new folder).
-  auto start = std::chrono::steady_clock::now();
-  fresh_cuda_engine()->plan(problem);
-  result.plan_cold_s = seconds_since(start);
-  const auto engine = fresh_cuda_engine();
-  start = std::chrono::steady_clock::now();
-  const std::unique_ptr<flexattn::Plan> plan = engine->plan(problem);
-  result.plan_warm_s = seconds_since(start);
-  result.description = plan->info().description;
-
-  const flexattn::DeviceMemory& memory = *engine->memory();
-  DeviceTensor q(memory, problem.expected("q"), 1), k(memory, problem.expected("k"), 2);
-  DeviceTensor v(memory, problem.expected("v"), 3), out(memory, problem.expected("o"), 4);
-  DeviceTensor lse(memory, problem.expected("lse"), 5);
-  std::vector<std::unique_ptr<DeviceTensor>> tensors;
-  flexattn::ForwardArgs args;
-  args.q = q.view;
-  args.k = k.view;
-  args.v = v.view;
-  args.out = out.view;
-  args.lse = lse.view;
-  std::uint64_t seed = 6;
-  for (const auto& [name, decl] : problem.desc().tensors) {
-    flexattn::TensorView view;
-    view.dtype = decl.dtype;
-    view.shape = decl.shape;
-    view.strides = flexattn::contiguous_strides(decl.shape);
-    tensors.push_back(std::make_unique<DeviceTensor>(memory, view, seed++));
-    args.tensors[name] = tensors.back()->view;
-  }
-
-  for (int i = 0; i < kWarmupLaunches; ++i) plan->forward(args);
+// Median milliseconds of `work` over kTimedLaunches, after kWarmupLaunches untimed calls.
+template <class Work>
+double median_ms(Work work) {
+  for (int i = 0; i < kWarmupLaunches; ++i) work();
   check(cudaDeviceSynchronize(), "cudaDeviceSynchronize");
   std::vector<cudaEvent_t> events(2 * kTimedLaunches);
   for (cudaEvent_t& event : events) check(cudaEventCreate(&event), "cudaEventCreate");
   for (int i = 0; i < kTimedLaunches; ++i) {
     check(cudaEventRecord(events[2 * i]), "cudaEventRecord");
-    plan->forward(args);
+    work();
     check(cudaEventRecord(events[2 * i + 1]), "cudaEventRecord");
   }
   check(cudaDeviceSynchronize(), "cudaDeviceSynchronize");
@@ -162,86 +198,264 @@ Result run(const Config& config) {
   }
   for (cudaEvent_t event : events) cudaEventDestroy(event);
   std::sort(times.begin(), times.end());
-  result.median_ms = times[kTimedLaunches / 2];
-  // The peers' count: 4 B H S^2 D, halved under a causal mask.
-  const double flops = 4.0 * static_cast<double>(config.batch * config.heads) *
-                       static_cast<double>(config.seq) * static_cast<double>(config.seq) *
-                       static_cast<double>(config.head_dim) * (config.causal ? 0.5 : 1.0);
+  return times[kTimedLaunches / 2];
+}
+
+Result run(const std::string& engine_name, const Config& config, InputCache& inputs) {
+  Result result;
+  const flexattn::Problem problem(describe(config));
+  // Cold: a fresh engine (for cuda also an empty disk cache: FLEXATTN_CACHE_DIR is a new folder).
+  // Warm: cuda only, whose compiled kernels outlive an engine instance in the disk cache; other
+  // engines keep nothing across instances, so planning again would only double the run's time.
+  const bool has_disk_cache = engine_name == "cuda";
+  auto engine = fresh_engine(engine_name);
+  if (const flexattn::Support support = engine->supports(problem); !support) {
+    result.skipped = support.reason();
+    return result;
+  }
+  auto start = std::chrono::steady_clock::now();
+  std::unique_ptr<flexattn::Plan> plan = engine->plan(problem);
+  result.plan_cold_s = seconds_since(start);
+  if (has_disk_cache) {
+    plan.reset();
+    engine = fresh_engine(engine_name);
+    start = std::chrono::steady_clock::now();
+    plan = engine->plan(problem);
+    result.plan_warm_s = seconds_since(start);
+  }
+  result.description = plan->info().description;
+
+  const flexattn::DeviceMemory& memory = *engine->memory();
+  const auto output = [&](const flexattn::TensorView& layout) {
+    return std::make_unique<DeviceTensor>(memory, layout, Contents::kUnset, 0);
+  };
+  flexattn::ForwardArgs args;
+  args.q = inputs.get("q", problem.expected("q"));
+  args.k = inputs.get("k", problem.expected("k"));
+  args.v = inputs.get("v", problem.expected("v"));
+  const auto out = output(problem.expected("o"));
+  const auto lse = output(problem.expected("lse"));
+  args.out = out->view;
+  args.lse = lse->view;
+  for (const auto& [name, decl] : problem.desc().tensors) {
+    flexattn::TensorView view;
+    view.dtype = decl.dtype;
+    view.shape = decl.shape;
+    view.strides = flexattn::contiguous_strides(decl.shape);
+    args.tensors[name] = inputs.get(name, view);
+  }
+
+  double flops = 4.0 * static_cast<double>(config.batch * config.heads) *
+                 static_cast<double>(config.seq) * static_cast<double>(config.seq) *
+                 static_cast<double>(config.head_dim) * (config.causal ? 0.5 : 1.0);
+  if (config.pass == Pass::kForward) {
+    result.median_ms = median_ms([&] { plan->forward(args); });
+  } else {
+    const auto dq = output(problem.expected("dq"));
+    const auto dk = output(problem.expected("dk"));
+    const auto dv = output(problem.expected("dv"));
+    std::unique_ptr<DeviceTensor> learned_gradient;
+    flexattn::BackwardArgs backward;
+    backward.q = args.q;
+    backward.k = args.k;
+    backward.v = args.v;
+    backward.out = args.out;
+    backward.lse = args.lse;
+    backward.dout = inputs.get("dout", problem.expected("dout"));
+    backward.dq = dq->view;
+    backward.dk = dk->view;
+    backward.dv = dv->view;
+    backward.tensors = args.tensors;
+    if (config.variant.learned) {
+      flexattn::TensorView view = args.tensors.at(config.variant.tensor);
+      view.dtype = DType::kF32;
+      learned_gradient = output(view);
+      backward.tensor_grads[config.variant.tensor] = learned_gradient->view;
+    }
+    result.median_ms = median_ms([&] {
+      plan->forward(args);
+      plan->backward(backward);
+    });
+    flops *= 1.0 + kBackwardFlopsRatio;
+  }
   result.tflops = flops / (result.median_ms * 1e-3) / 1e12;
   return result;
 }
 
-std::string json_row(const Result& r, const std::string& group) {
+// The warm plan time in seconds, or `absent` where it was not measured.
+std::string warm_text(const Result& r, const char* absent) {
+  return r.plan_warm_s < 0.0 ? absent : fmt::format("{:.4f}", r.plan_warm_s);
+}
+
+// A JSON string literal of `text` (reasons may hold quotes and paths).
+std::string json_text(const std::string& text) {
+  std::string quoted = "\"";
+  for (const char c : text) {
+    if (c == '"' || c == '\\') quoted += '\\';
+    quoted += static_cast<unsigned char>(c) < 0x20 ? ' ' : c;
+  }
+  return quoted + "\"";
+}
+
+std::string json_row(const std::string& engine, const std::string& group, const Config& c,
+                     const Result& r) {
+  const std::string common = fmt::format(
+      R"("group": "{}", "engine": "{}", "pass": "{}", "name": "{}_{}", "variant": "{}", )"
+      R"("B": {}, "H": {}, "S": {}, "D": {}, "causal": {})",
+      group, engine, pass_name(c.pass), engine, c.variant.name, c.variant.name, c.batch, c.heads,
+      c.seq, c.head_dim, c.causal ? "true" : "false");
+  if (!r.error.empty()) return fmt::format(R"({{{}, "error": {}}})", common, json_text(r.error));
+  if (!r.skipped.empty()) {
+    return fmt::format(R"({{{}, "skipped": {}}})", common, json_text(r.skipped));
+  }
   return fmt::format(
-      R"({{"group": "{}", "name": "cuda_{}", "B": {}, "H": {}, "S": {}, "D": {}, "causal": {}, )"
-      R"("ms": {:.5f}, "tflops": {:.2f}, "plan_cold_s": {:.4f}, "plan_warm_s": {:.4f}}})",
-      group, r.config.variant.name, r.config.batch, r.config.heads, r.config.seq,
-      r.config.head_dim, r.config.causal ? "true" : "false", r.median_ms, r.tflops,
-      r.plan_cold_s, r.plan_warm_s);
+      R"({{{}, "ms": {:.5f}, "tflops": {:.2f}, "plan_cold_s": {:.4f}, "plan_warm_s": {}}})", common,
+      r.median_ms, r.tflops, r.plan_cold_s, warm_text(r, "null"));
+}
+
+void write_json(const std::string& path, const std::string& engine, const std::string& skipped,
+                const std::vector<std::string>& rows) {
+  if (path.empty()) return;
+  std::ofstream file(path);
+  file << "{\"device\": \"cuda\", \"engine\": " << json_text(engine);
+  if (!skipped.empty()) file << ", \"skipped\": " << json_text(skipped);
+  file << ", \"rows\": [\n";
+  for (std::size_t i = 0; i < rows.size(); ++i) {
+    file << "  " << rows[i] << (i + 1 < rows.size() ? ",\n" : "\n");
+  }
+  file << "]}\n";
+}
+
+// The problems of a run. main: the issue's shapes, every modifier, forward and forward+backward
+// (--quick times forward+backward at head dim 128 only, to stay within a short device call; the
+// full run adds the learned-tensor gradients). sweep (full run only): constant tokens per launch
+// (batch x seq = 32k), as the plot's peers are measured.
+std::vector<std::pair<std::string, Config>> configs(bool quick, bool forward, bool backward) {
+  std::vector<std::pair<std::string, Config>> result;
+  for (std::int64_t head_dim : {128, 64}) {
+    for (bool causal : {false, true}) {
+      std::vector<Variant> variants = {kNone, kSoftcap, kAlibi, kBias};
+      for (const Variant& variant : variants) {
+        if (forward) {
+          result.push_back(
+              {"main", Config{4, 16, 4096, head_dim, causal, variant, Pass::kForward}});
+        }
+        if (backward && (!quick || head_dim == 128)) {
+          result.push_back(
+              {"main", Config{4, 16, 4096, head_dim, causal, variant, Pass::kForwardBackward}});
+        }
+      }
+      if (backward && !quick && head_dim == 128) {
+        for (const Variant& variant : {kAlibiGrad, kBiasGrad}) {
+          result.push_back(
+              {"main", Config{4, 16, 4096, head_dim, causal, variant, Pass::kForwardBackward}});
+        }
+      }
+    }
+  }
+  if (!quick && forward) {
+    constexpr std::int64_t kTokens = 32768;
+    for (std::int64_t seq : {512, 1024, 2048, 4096, 8192, 16384}) {
+      for (bool causal : {false, true}) {
+        for (const Variant& variant : {kNone, kSoftcap}) {
+          result.push_back(
+              {"sweep", Config{kTokens / seq, 16, seq, 128, causal, variant, Pass::kForward}});
+        }
+      }
+    }
+  }
+  return result;
 }
 
 }  // namespace
 
 int main(int argc, char** argv) {
   bool quick = false;
-  std::string json_path;
+  std::string json_path, pass = "both", engine_name = "cuda";
   for (int i = 1; i < argc; ++i) {
     const std::string arg = argv[i];
-    if (arg == "--quick") quick = true;
-    if (arg == "--json" && i + 1 < argc) json_path = argv[++i];
+    if (arg == "--quick") {
+      quick = true;
+    } else if (arg == "--json" && i + 1 < argc) {
+      json_path = argv[++i];
+    } else if (arg == "--pass" && i + 1 < argc) {
+      pass = argv[++i];
+    } else if (arg == "--engine" && i + 1 < argc) {
+      engine_name = argv[++i];
+    } else {
+      fmt::print(stderr,
+                 "usage: bench_cuda_forward [--quick] [--pass fwd|fwdbwd|both] "
+                 "[--engine cuda|cudnn] [--json out.json]\n");
+      return 2;
+    }
+  }
+  if (pass != "fwd" && pass != "fwdbwd" && pass != "both") {
+    fmt::print(stderr, "bench_cuda_forward: --pass must be fwd, fwdbwd or both\n");
+    return 2;
   }
   try {
     const auto cache = std::filesystem::temp_directory_path() /
                        fmt::format("flexattn_bench_cache_{}", static_cast<long>(getpid()));
     std::filesystem::remove_all(cache);
     setenv("FLEXATTN_CACHE_DIR", cache.c_str(), 1);
-    const auto engine = fresh_cuda_engine();
-    if (!engine->available()) throw std::runtime_error(engine->available().reason());
+    const auto engine = fresh_engine(engine_name);
+    std::string unavailable;
+    if (engine == nullptr) {
+      unavailable = fmt::format("this build has no engine named '{}'", engine_name);
+    } else if (const flexattn::Support available = engine->available(); !available) {
+      unavailable = available.reason();
+    }
+    if (!unavailable.empty()) {
+      fmt::print("skip: {}: {}\n", engine_name, unavailable);
+      write_json(json_path, engine_name, unavailable, {});
+      return 0;
+    }
+    InputCache inputs(*engine->memory());
 
-    std::vector<std::pair<std::string, Config>> configs;
-    for (std::int64_t head_dim : {128, 64}) {
-      for (bool causal : {false, true}) {
-        for (const Variant& variant : variants()) {
-          configs.push_back({"main", Config{4, 16, 4096, head_dim, causal, variant}});
-        }
-      }
-    }
-    if (!quick) {
-      // Constant tokens per launch (batch x seq = 32k), as the plot's peers are measured.
-      constexpr std::int64_t kTokens = 32768;
-      for (std::int64_t seq : {512, 1024, 2048, 4096, 8192, 16384}) {
-        for (bool causal : {false, true}) {
-          for (const Variant& variant : {variants()[0], variants()[1]}) {
-            configs.push_back({"sweep", Config{kTokens / seq, 16, seq, 128, causal, variant}});
-          }
-        }
-      }
-    }
     std::vector<std::string> rows;
-    fmt::print("{:<6} {:<8} {:>3} {:>3} {:>6} {:>4} {:>6} {:>9} {:>8} {:>9} {:>9}\n", "group",
-               "variant", "B", "H", "S", "D", "causal", "ms", "TFLOP/s", "cold s", "warm s");
-    for (const auto& [group, config] : configs) {
-      const Result r = run(config);
-      fmt::print("{:<6} {:<8} {:>3} {:>3} {:>6} {:>4} {:>6} {:>9.4f} {:>8.1f} {:>9.3f} {:>9.4f}\n",
-                 group, config.variant.name, config.batch, config.heads, config.seq,
-                 config.head_dim, config.causal ? "yes" : "no", r.median_ms, r.tflops,
-                 r.plan_cold_s, r.plan_warm_s);
+    fmt::print("{:<6} {:<6} {:<6} {:<10} {:>3} {:>3} {:>6} {:>4} {:>6} {:>9} {:>8} {:>9} {:>9}\n",
+               "group", "engine", "pass", "variant", "B", "H", "S", "D", "causal", "ms", "TFLOP/s",
+               "cold s", "warm s");
+    bool described_forward = false, described_backward = false;
+    int errors = 0;
+    for (const auto& [group, config] : configs(quick, pass != "fwdbwd", pass != "fwd")) {
+      Result r;
+      try {
+        r = run(engine_name, config, inputs);
+      } catch (const std::exception& error) {  // one problem's failure: still time the others
+        r.error = error.what();
+        ++errors;
+      }
+      if (!r.error.empty()) {
+        fmt::print("error: {} {} {} D {} {}: {}\n", engine_name, pass_name(config.pass),
+                   config.variant.name, config.head_dim, config.causal ? "causal" : "no mask",
+                   r.error);
+      } else if (!r.skipped.empty()) {
+        fmt::print("skip: {} {} {} D {} {}: {}\n", engine_name, pass_name(config.pass),
+                   config.variant.name, config.head_dim, config.causal ? "causal" : "no mask",
+                   r.skipped);
+      } else {
+        fmt::print(
+            "{:<6} {:<6} {:<6} {:<10} {:>3} {:>3} {:>6} {:>4} {:>6} {:>9.4f} {:>8.1f} {:>9.3f} "
+            "{:>9}\n",
+            group, engine_name, pass_name(config.pass), config.variant.name, config.batch,
+            config.heads, config.seq, config.head_dim, config.causal ? "yes" : "no", r.median_ms,
+            r.tflops, r.plan_cold_s, warm_text(r, "-"));
+        bool& described = config.pass == Pass::kForward ? described_forward : described_backward;
+        if (!described) {
+          fmt::print("       plan: {}\n", r.description);
+          described = true;
+        }
+      }
       std::fflush(stdout);
-      if (group == "main" && config.head_dim == 128 && !config.causal &&
-          config.variant.name == "none") {
-        fmt::print("       plan: {}\n", r.description);
-      }
-      rows.push_back(json_row(r, group));
+      rows.push_back(json_row(engine_name, group, config, r));
     }
-    if (!json_path.empty()) {
-      std::ofstream file(json_path);
-      file << "{\"device\": \"" << "cuda" << "\", \"rows\": [\n";
-      for (std::size_t i = 0; i < rows.size(); ++i) {
-        file << "  " << rows[i] << (i + 1 < rows.size() ? ",\n" : "\n");
-      }
-      file << "]}\n";
-    }
+    write_json(json_path, engine_name, "", rows);
     std::filesystem::remove_all(cache);
+    if (errors > 0) {
+      fmt::print(stderr, "bench_cuda_forward: {} problem(s) failed\n", errors);
+      return 1;
+    }
   } catch (const std::exception& error) {
     fmt::print(stderr, "bench_cuda_forward: {}\n", error.what());
     return 1;

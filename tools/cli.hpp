@@ -128,8 +128,12 @@ struct RunFlags {
 void add_run_command(CLI::App& app, ProblemFlags& problem, RunFlags& flags);
 int run_command(const ProblemFlags& problem, const RunFlags& flags);
 
-void add_explain_command(CLI::App& app, ProblemFlags& problem, bool& json);
-int explain_command(const ProblemFlags& problem, bool json);
+struct ExplainFlags {
+  bool json = false;
+  bool source = false;  // also print the code each engine generates for the problem
+};
+void add_explain_command(CLI::App& app, ProblemFlags& problem, ExplainFlags& flags);
+int explain_command(const ProblemFlags& problem, const ExplainFlags& flags);
 
 struct DemoFlags {
   bool json = false;

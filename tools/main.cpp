@@ -69,7 +69,7 @@ int main(int argc, char** argv) {
   DemoFlags demo;
   bool engines_json = false, engines_planted = false;
   ProblemFlags explain_problem;
-  bool explain_json = false;
+  ExplainFlags explain;
   ProblemFlags run_problem;
   RunFlags run;
   CheckFlags check;
@@ -77,7 +77,7 @@ int main(int argc, char** argv) {
   BenchFlags bench;
   add_demo_command(app, demo);
   add_engines_command(app, engines_json, engines_planted);
-  add_explain_command(app, explain_problem, explain_json);
+  add_explain_command(app, explain_problem, explain);
   add_run_command(app, run_problem, run);
   add_check_command(app, check);
   add_bench_command(app, bench_problem, bench);
@@ -97,7 +97,7 @@ int main(int argc, char** argv) {
   try {
     if (app.got_subcommand("demo")) return demo_command(demo);
     if (app.got_subcommand("engines")) return engines_command(engines_json, engines_planted);
-    if (app.got_subcommand("explain")) return explain_command(explain_problem, explain_json);
+    if (app.got_subcommand("explain")) return explain_command(explain_problem, explain);
     if (app.got_subcommand("run")) return run_command(run_problem, run);
     if (app.got_subcommand("check")) return check_command(check);
     if (app.got_subcommand("bench")) return bench_command(bench_problem, bench);

@@ -6,6 +6,7 @@
 
 #include <cstdlib>
 #include <iostream>
+#include <map>
 #include <set>
 
 #include "flexattn/error.hpp"
@@ -266,6 +267,9 @@ std::shared_ptr<const Plan> Context::select(const Problem& problem) {
     }
   }
 
+  // Engines that said yes to supports() but declined while planning (e.g. cuDNN's heuristics
+  // offering no engine for the graph): their reasons, for the final error.
+  std::map<std::string, std::string, std::less<>> declined;
   for (const auto& engine : engines_) {
     if (!policy.allows(engine->name())) continue;
     const Support support = engine->supports(problem);
@@ -276,7 +280,20 @@ std::shared_ptr<const Plan> Context::select(const Problem& problem) {
       }
       continue;
     }
-    std::shared_ptr<const Plan> plan = engine->plan(problem);
+    std::shared_ptr<const Plan> plan;
+    try {
+      plan = engine->plan(problem);
+    } catch (const Error& error) {
+      // Only "cannot compute this" falls through to the next engine; a forced engine never
+      // falls back, and every other error (a bad plan, a driver failure) propagates.
+      if (error.code() != ErrorCode::kUnsupported || !policy.force.empty()) throw;
+      declined.emplace(engine->name(), error.what());
+      if (log_info) {
+        log << kLogPrefix << engine->name() << " declined while planning: " << error.what()
+            << '\n';
+      }
+      continue;
+    }
     verify_plan(*plan, problem);
     {
       const std::lock_guard lock(mutex_);
@@ -294,6 +311,9 @@ std::shared_ptr<const Plan> Context::select(const Problem& problem) {
       fmt::format("no engine can run this problem ({})", problem_summary(problem));
   for (const auto& engine : engines_) {
     std::string reason = policy.refusal(engine->name());
+    if (const auto found = declined.find(engine->name()); reason.empty() && found != declined.end()) {
+      reason = "declined while planning: " + found->second;
+    }
     if (reason.empty()) reason = engine->supports(problem).reason();
     message += fmt::format("\n  {}: {}", engine->name(), reason);
   }

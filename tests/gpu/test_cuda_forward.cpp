@@ -18,6 +18,7 @@
 #include <tuple>
 #include <vector>
 
+#include "cuda_device.hpp"
 #include "flexattn/conformance.hpp"
 #include "support/test_support.hpp"
 
@@ -26,53 +27,7 @@ namespace {
 
 namespace fs = std::filesystem;
 
-std::shared_ptr<const Engine> device_engine() {
-  const std::shared_ptr<const Engine> engine = builtin_engine("cuda");
-  if (engine == nullptr || !engine->available()) return nullptr;
-  return engine;
-}
-
-#define SKIP_WITHOUT_DEVICE()                                                            \
-  do {                                                                                   \
-    if (device_engine() == nullptr) GTEST_SKIP() << "no usable CUDA device";            \
-  } while (false)
-
-// ---- device buffers ---------------------------------------------------------------------------
-
-// A device copy of a host tensor (or an output filled with NaN bytes, so unwritten elements fail).
-class DeviceTensor {
- public:
-  DeviceTensor(const DeviceMemory& memory, const HostTensor& host, bool poison = false)
-      : memory_(memory), host_(host.to(host.dtype())) {
-    pointer_ = memory_.allocate(host_.bytes());
-    if (poison) {
-      std::vector<unsigned char> nan_bytes(host_.bytes(), 0xff);  // NaN in every float dtype
-      memory_.copy_to_device(pointer_, nan_bytes.data(), nan_bytes.size());
-    } else {
-      memory_.copy_to_device(pointer_, host_.data(), host_.bytes());
-    }
-  }
-  ~DeviceTensor() { memory_.release(pointer_); }
-  DeviceTensor(const DeviceTensor&) = delete;
-  DeviceTensor& operator=(const DeviceTensor&) = delete;
-
-  TensorView view() const {
-    TensorView view = host_.view();
-    view.data = pointer_;
-    view.device = Device::kCuda;
-    return view;
-  }
-  HostTensor download() {
-    memory_.synchronize();
-    memory_.copy_to_host(host_.data(), pointer_, host_.bytes());
-    return host_.to(host_.dtype());
-  }
-
- private:
-  const DeviceMemory& memory_;
-  HostTensor host_;
-  void* pointer_ = nullptr;
-};
+// ---- forward on the device ----------------------------------------------------------------------
 
 struct DeviceOutputs {
   HostTensor out, lse;
@@ -213,27 +168,6 @@ DeviceOutputs plain_forward(const GoldenCase& golden, const Problem& problem, DT
   return DeviceOutputs{std::move(out), std::move(lse)};
 }
 
-// thd LSE (Hq, B * Sq) as (B, Hq, Sq).
-HostTensor lse_as_bhs(const HostTensor& lse, Layout layout, const GoldenCase& golden) {
-  if (layout != Layout::kTHD) return lse.to(DType::kF64);
-  HostTensor result(DType::kF64, {golden.batch, golden.heads_q, golden.seq_len_q});
-  for (std::int64_t b = 0; b < golden.batch; ++b) {
-    for (std::int64_t h = 0; h < golden.heads_q; ++h) {
-      for (std::int64_t q = 0; q < golden.seq_len_q; ++q) {
-        result.set((b * golden.heads_q + h) * golden.seq_len_q + q,
-                   lse.at(h * golden.batch * golden.seq_len_q + b * golden.seq_len_q + q));
-      }
-    }
-  }
-  return result;
-}
-
-double epsilon(DType dtype) {
-  if (dtype == DType::kBF16) return 0x1p-7;
-  if (dtype == DType::kF16) return 0x1p-10;
-  return std::numeric_limits<float>::epsilon();
-}
-
 using GoldenParam = std::tuple<std::string, Layout, DType>;
 class CudaGolden : public ::testing::TestWithParam<GoldenParam> {};
 
@@ -314,15 +248,6 @@ TEST(CudaPlan, ProvesTheModifierItLowered) {
   EXPECT_EQ(plan->info().engine, "cuda");
   EXPECT_EQ(plan->info().lowered_hash, problem.modifier_hash());
   EXPECT_EQ(plan->info().signature, problem.signature());
-}
-
-TEST(CudaPlan, RefusesBackwardWithAReason) {
-  SKIP_WITHOUT_DEVICE();
-  ProblemDesc desc = small_desc("score");
-  desc.direction = Direction::kForwardBackward;
-  const Support support = device_engine()->supports(Problem(desc));
-  EXPECT_FALSE(support);
-  EXPECT_NE(support.reason().find("forward"), std::string::npos) << support.reason();
 }
 
 // Every plan in this test sees a fresh cache folder through FLEXATTN_CACHE_DIR.

@@ -1,13 +1,21 @@
 // The cuda engine's code generation, on the CPU: the generated CUDA for a spread of modifiers,
 // dtypes, head dims and layouts contains the lowering of each IR feature and compiles with NVRTC
-// for sm_90 (NVRTC needs no GPU). Skipped in builds without CUDA.
+// for sm_90 (NVRTC needs no GPU); the backward's Modifier members and entry points, its kernel
+// choice and its kv-major tile list. Skipped in builds without CUDA.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <string>
 #include <vector>
 
 #include "flexattn/flexattn.hpp"
 #include "support/test_support.hpp"
+
+// The engine's internals (tile plan, NVRTC compilation) exist only in builds with the engine.
+#if FLEXATTN_HAVE_CUDA
+#include "engines/cuda/kernel_cache.hpp"
+#include "engines/cuda/tile_plan.hpp"
+#endif
 
 #if __has_include(<nvrtc.h>)
 #include <dlfcn.h>
@@ -148,12 +156,327 @@ TEST(CudaCodegen, InvariantLoadsAreHoistedOutOfTheElementLoop) {
                              << generated;
 }
 
-TEST(CudaCodegen, BackwardAndFloat64AreRefusedWithAReason) {
+TEST(CudaCodegen, Float64IsRefusedWithAReason) {
   SKIP_WITHOUT_CUDA_ENGINE();
   GeneratedCase plain{"plain", DType::kF64, 64, 64, "", "", {}, {}, Layout::kBSHD, {}};
   const std::string source = cuda_engine()->generated_source(make_problem(plain));
   EXPECT_NE(source.find("not supported"), std::string::npos) << source;
 }
+
+// ---- backward ------------------------------------------------------------------------------
+
+Problem make_backward_problem(const GeneratedCase& c) {
+  Problem forward = make_problem(c);
+  ProblemDesc desc = forward.desc();
+  desc.direction = Direction::kForwardBackward;
+  return Problem(std::move(desc));
+}
+
+// The generated part of a translation unit, and pieces of it.
+std::string generated_part(const std::string& source) {
+  const std::size_t marker = source.find("// ---- generated");
+  return marker == std::string::npos ? source : source.substr(marker);
+}
+std::string between(const std::string& text, const std::string& from, const std::string& to) {
+  const std::size_t begin = text.find(from);
+  if (begin == std::string::npos) return {};
+  const std::size_t end = text.find(to, begin + from.size());
+  return text.substr(begin, end == std::string::npos ? std::string::npos : end - begin);
+}
+std::string tensor_grads_body(const std::string& source) {
+  return between(source, "void tensor_grads(", "void flush_tensor_grads(");
+}
+std::string flush_body(const std::string& source) {
+  return between(source, "void flush_tensor_grads(", "};");
+}
+
+TEST(CudaCodegenBackward, SoftcapHasAScoreGradient) {
+  SKIP_WITHOUT_CUDA_ENGINE();
+  GeneratedCase softcap{"softcap", DType::kBF16, 64, 64, "30 * tanh(score / 30)", "q >= kv",
+                        {}, {}, Layout::kBSHD, {}};
+  const std::string source =
+      generated_part(cuda_engine()->generated_source(make_backward_problem(softcap)));
+  EXPECT_NE(source.find("kIdentityDerivative = false"), std::string::npos) << source;
+  EXPECT_NE(source.find("kHasTensorGrads = false"), std::string::npos) << source;
+  EXPECT_NE(source.find("kLocalGradSlots = 1;"), std::string::npos) << source;
+  const std::string score_grad = between(source, "float score_grad(", "void tensor_grads(");
+  EXPECT_NE(score_grad.find("tanhf("), std::string::npos) << score_grad;
+  for (const char* entry : {"flexattn_forward(", "flexattn_backward_delta(",
+                            "flexattn_backward_dkdv(", "flexattn_backward_dq(",
+                            "flexattn_backward_finalize("}) {
+    EXPECT_NE(source.find(entry), std::string::npos) << entry;
+  }
+  EXPECT_NE(source.find("backward_dkdv_mma<FlexattnBackwardConfig"), std::string::npos);
+  EXPECT_NE(source.find("backward_dq_mma<FlexattnBackwardConfig"), std::string::npos);
+  EXPECT_NE(source.find("__launch_bounds__(128, 1) flexattn_backward_dkdv"), std::string::npos);
+  EXPECT_NE(source.find("backward_delta<flexattn_kernels::BFloat16Tag, 64>"), std::string::npos);
+}
+
+TEST(CudaCodegenBackward, PlainHasTheIdentityDerivative) {
+  SKIP_WITHOUT_CUDA_ENGINE();
+  GeneratedCase plain{"plain", DType::kF32, 80, 80, "", "", {}, {}, Layout::kBSHD, {}};
+  const std::string source =
+      generated_part(cuda_engine()->generated_source(make_backward_problem(plain)));
+  EXPECT_NE(source.find("kIdentityDerivative = true"), std::string::npos) << source;
+  EXPECT_NE(source.find("kHasTensorGrads = false"), std::string::npos) << source;
+  EXPECT_EQ(tensor_grads_body(source).find("grad_fixed"), std::string::npos) << source;
+  // fp32: the fp32-unit kernels, without a minimum of blocks per multiprocessor.
+  EXPECT_NE(source.find("backward_dkdv_simt<FlexattnBackwardConfig"), std::string::npos);
+  EXPECT_NE(source.find("__launch_bounds__(128) flexattn_backward_dq"), std::string::npos);
+  EXPECT_NE(source.find("BackwardSimtConfig<flexattn_kernels::Float32Tag, 80, 80, "),
+            std::string::npos)
+      << source;
+}
+
+TEST(CudaCodegenBackward, VaryingIndexScattersWithAtomics) {
+  SKIP_WITHOUT_CUDA_ENGINE();
+  GeneratedCase bias{"bias", DType::kBF16, 64, 64, "score + bias[h, q, kv]", "",
+                     {{"bias", TensorDecl{DType::kF32, {4, 100, 77}}}}, {}, Layout::kBSHD, {}};
+  const std::string source =
+      generated_part(cuda_engine()->generated_source(make_backward_problem(bias)));
+  EXPECT_NE(source.find("kIdentityDerivative = true"), std::string::npos) << source;
+  EXPECT_NE(source.find("kHasTensorGrads = true"), std::string::npos) << source;
+  const std::string scatter = tensor_grads_body(source);
+  EXPECT_NE(scatter.find("if (bp.grad_fixed[0] != nullptr)"), std::string::npos) << scatter;
+  EXPECT_NE(scatter.find("add_fixed(bp.grad_fixed[0] + at.head * 7700 + q * 77 + kv, "
+                         "to_fixed(dlogit * (0x1p+0f)))"),
+            std::string::npos)
+      << scatter;
+  EXPECT_EQ(scatter.find("local["), std::string::npos) << scatter;
+  EXPECT_EQ(flush_body(source).find("grad_fixed"), std::string::npos) << source;
+}
+
+TEST(CudaCodegenBackward, HeadIndexedLoadsAreSummedPerThread) {
+  SKIP_WITHOUT_CUDA_ENGINE();
+  const TensorDecl per_head{DType::kF32, {4}};
+  GeneratedCase gate{"gate", DType::kBF16, 64, 64, "score * gate[h]", "", {{"gate", per_head}},
+                     {}, Layout::kBSHD, {}};
+  const std::string gated =
+      generated_part(cuda_engine()->generated_source(make_backward_problem(gate)));
+  // d/d score = gate[h]: an invariant, loaded once per block.
+  EXPECT_NE(gated.find("kIdentityDerivative = false"), std::string::npos) << gated;
+  EXPECT_NE(between(gated, "float score_grad(", "void tensor_grads(").find("return inv."),
+            std::string::npos)
+      << gated;
+  EXPECT_NE(tensor_grads_body(gated).find("local[0] += to_fixed(dlogit * score);"),
+            std::string::npos)
+      << gated;
+  EXPECT_EQ(tensor_grads_body(gated).find("add_fixed("), std::string::npos) << gated;
+  const std::string flush = flush_body(gated);
+  EXPECT_NE(flush.find("warp_sum_fixed(local[0])"), std::string::npos) << flush;
+  EXPECT_NE(flush.find("add_fixed(bp.grad_fixed[0] + at.head, sum)"), std::string::npos)
+      << flush;
+
+  // Two head-indexed tensors (ALiBi slopes and a gate): two local slots, one per load, each
+  // flushed into its own tensor's accumulator.
+  GeneratedCase alibi{"alibi_gate", DType::kF16, 64, 64, "score * gate[h] + slopes[h] * (kv - q)",
+                      "", {{"gate", per_head}, {"slopes", per_head}}, {}, Layout::kBSHD, {}};
+  const std::string both =
+      generated_part(cuda_engine()->generated_source(make_backward_problem(alibi)));
+  EXPECT_NE(both.find("kLocalGradSlots = 2;"), std::string::npos) << both;
+  EXPECT_NE(flush_body(both).find("add_fixed(bp.grad_fixed[0] + at.head, sum)"),
+            std::string::npos)
+      << both;
+  EXPECT_NE(flush_body(both).find("add_fixed(bp.grad_fixed[1] + at.head, sum)"),
+            std::string::npos)
+      << both;
+}
+
+TEST(CudaCodegenBackward, IntegerTensorsGetNoGradient) {
+  SKIP_WITHOUT_CUDA_ENGINE();
+  GeneratedCase document{"document", DType::kBF16, 64, 64, "score + 0.5 * float(doc[kv])",
+                         "doc[q] == doc[kv]", {{"doc", TensorDecl{DType::kI32, {100}}}}, {},
+                         Layout::kBSHD, {}};
+  const std::string source =
+      generated_part(cuda_engine()->generated_source(make_backward_problem(document)));
+  EXPECT_NE(source.find("kHasTensorGrads = false"), std::string::npos) << source;
+  EXPECT_EQ(source.find("add_fixed("), std::string::npos) << source;
+}
+
+// A forward-only problem generates what it did before the backward existed (so its kernel cache
+// keys are unchanged): the backward problem's code is the forward's plus the backward members
+// and entry points (for a modifier whose derivative adds no invariants).
+TEST(CudaCodegenBackward, ForwardOnlySourceIsUnchanged) {
+  SKIP_WITHOUT_CUDA_ENGINE();
+  GeneratedCase softcap{"softcap", DType::kBF16, 64, 64, "30 * tanh(score / 30)", "q >= kv",
+                        {}, {}, Layout::kBSHD, {}};
+  const std::string forward =
+      generated_part(cuda_engine()->generated_source(make_problem(softcap)));
+  EXPECT_EQ(forward.find("kIdentityDerivative"), std::string::npos);
+  EXPECT_EQ(forward.find("flexattn_backward"), std::string::npos);
+  std::string backward =
+      generated_part(cuda_engine()->generated_source(make_backward_problem(softcap)));
+  const std::size_t members = backward.find("  static constexpr bool kIdentityDerivative");
+  const std::size_t members_end = backward.find("};\n\n}  // namespace flexattn_generated");
+  ASSERT_NE(members, std::string::npos);
+  ASSERT_NE(members_end, std::string::npos);
+  backward.erase(members, members_end - members);
+  const std::size_t entry_points = backward.find("using FlexattnBackwardConfig");
+  ASSERT_NE(entry_points, std::string::npos);
+  backward.erase(entry_points);
+  EXPECT_EQ(backward, forward);
+}
+
+TEST(CudaCodegenBackward, UnservedProblemsAreRefusedWithAReason) {
+  SKIP_WITHOUT_CUDA_ENGINE();
+  GeneratedCase wide{"wide", DType::kBF16, 320, 320, "", "", {}, {}, Layout::kBSHD, {}};
+  const std::string source = cuda_engine()->generated_source(make_backward_problem(wide));
+  EXPECT_NE(source.find("not supported"), std::string::npos) << source;
+  EXPECT_NE(source.find("256"), std::string::npos) << source;
+}
+
+#if FLEXATTN_HAVE_CUDA
+Problem backward_problem_with(DType dtype, std::int64_t head_dim_qk, std::int64_t head_dim_v) {
+  GeneratedCase c{"choice", dtype, head_dim_qk, head_dim_v, "", "", {}, {}, Layout::kBSHD, {}};
+  return make_backward_problem(c);
+}
+
+TEST(CudaBackwardChoice, TensorCoresForSixteenBitStorageUpToHeadDim128) {
+  const cuda::BackwardSelection d64 = cuda::choose_backward_kernel(
+      backward_problem_with(DType::kBF16, 64, 64));
+  ASSERT_TRUE(d64.reason.empty()) << d64.reason;
+  EXPECT_EQ(d64.choice.kind, cuda::KernelKind::kMma);
+  EXPECT_EQ(d64.choice.block_q, 64);
+  EXPECT_EQ(d64.choice.block_kv, 64);
+  EXPECT_EQ(d64.choice.threads, 128);
+  // kernels/backward_mma.cuh: 6 * 64 * (pqk + pv) bytes, plus 1024 for lse and delta (dK/dV).
+  EXPECT_EQ(d64.choice.shared_dkdv, 6 * 64 * (64 + 64) + 1024);
+  EXPECT_EQ(d64.choice.shared_dq, 6 * 64 * (64 + 64));
+
+  const cuda::BackwardSelection d80 = cuda::choose_backward_kernel(
+      backward_problem_with(DType::kF16, 80, 72));
+  ASSERT_TRUE(d80.reason.empty()) << d80.reason;
+  EXPECT_EQ(d80.choice.kind, cuda::KernelKind::kMma);
+  EXPECT_EQ(d80.choice.padded_qk, 128);
+  EXPECT_EQ(d80.choice.padded_v, 128);
+  EXPECT_EQ(d80.choice.shared_dq, 6 * 64 * (128 + 128));
+  EXPECT_NE(d80.choice.config_type().find("BackwardMmaConfig<flexattn_kernels::HalfTag, 80, 72, "
+                                          "128, 128, "),
+            std::string::npos)
+      << d80.choice.config_type();
+}
+
+TEST(CudaBackwardChoice, FloatUnitsOtherwiseWithTheirReason) {
+  struct Expected {
+    DType dtype;
+    std::int64_t head_dim_qk, head_dim_v;
+    const char* why;
+  };
+  for (const Expected& e : {Expected{DType::kF32, 64, 64, "fp32 storage"},
+                            Expected{DType::kBF16, 17, 17, "not multiples of 8"},
+                            Expected{DType::kBF16, 160, 160, "exceeds the tensor-core"},
+                            Expected{DType::kF16, 256, 128, "exceeds the tensor-core"}}) {
+    SCOPED_TRACE(e.why);
+    const cuda::BackwardSelection selection =
+        cuda::choose_backward_kernel(backward_problem_with(e.dtype, e.head_dim_qk, e.head_dim_v));
+    ASSERT_TRUE(selection.reason.empty()) << selection.reason;
+    EXPECT_EQ(selection.choice.kind, cuda::KernelKind::kSimt);
+    EXPECT_NE(selection.choice.why.find(e.why), std::string::npos) << selection.choice.why;
+    EXPECT_NE(selection.choice.describe().find(e.why), std::string::npos);
+    EXPECT_EQ(selection.choice.block_q, 32);
+    EXPECT_EQ(selection.choice.block_kv, 32);
+    // kernels/backward_simt.cuh: 4 * (2 * 32 * (dqk + dv) + 2 * 32 + 2 * 32 * 33) bytes.
+    const auto dims = static_cast<int>(e.head_dim_qk + e.head_dim_v);
+    EXPECT_EQ(selection.choice.shared_dkdv, 4 * (2 * 32 * dims + 2 * 32 + 2 * 32 * 33));
+    EXPECT_EQ(selection.choice.shared_dq, selection.choice.shared_dkdv);
+  }
+
+  // A query stride of 68 elements: rows are not 16-byte aligned.
+  GeneratedCase strided{"strided", DType::kBF16, 64, 64, "", "", {}, {}, Layout::kBSHD, {}};
+  ProblemDesc desc = make_backward_problem(strided).desc();
+  desc.q_strides = std::vector<std::int64_t>{100 * 4 * 68, 4 * 68, 68, 1};
+  const cuda::BackwardSelection selection = cuda::choose_backward_kernel(Problem(desc));
+  ASSERT_TRUE(selection.reason.empty()) << selection.reason;
+  EXPECT_EQ(selection.choice.kind, cuda::KernelKind::kSimt);
+  EXPECT_NE(selection.choice.why.find("stride"), std::string::npos) << selection.choice.why;
+}
+
+TEST(CudaBackwardChoice, RefusesFloat64AndHeadDimsAbove256) {
+  const cuda::BackwardSelection fp64 =
+      cuda::choose_backward_kernel(backward_problem_with(DType::kF64, 64, 64));
+  EXPECT_NE(fp64.reason.find("fp64"), std::string::npos) << fp64.reason;
+  const cuda::BackwardSelection wide =
+      cuda::choose_backward_kernel(backward_problem_with(DType::kF32, 64, 264));
+  EXPECT_NE(wide.reason.find("264"), std::string::npos) << wide.reason;
+  EXPECT_NE(wide.reason.find("256"), std::string::npos) << wide.reason;
+}
+
+// The kv-major list holds exactly the q-major list's pairs, each kv tile's query blocks in
+// ascending order with their mixed bits, for masks with skipped, full and mixed tiles.
+TEST(CudaBackwardTiles, TransposeMatchesTheQueryMajorList) {
+  struct MaskCase {
+    const char* mask;
+    std::int64_t seq_len_q, seq_len_kv;
+    int block_q, block_kv;
+  };
+  for (const MaskCase& m : {MaskCase{"q >= kv", 300, 300, 64, 64},
+                            MaskCase{"q + (KV_LEN - Q_LEN) >= kv", 200, 333, 32, 32},
+                            MaskCase{"q >= kv && q - kv < 80", 500, 500, 64, 64},
+                            MaskCase{"", 70, 129, 32, 32}}) {
+    SCOPED_TRACE(m.mask);
+    GeneratedCase c{"tiles", DType::kBF16, 64, 64, "", m.mask, {}, {}, Layout::kBSHD, {}};
+    ProblemDesc desc = make_backward_problem(c).desc();
+    desc.seq_len_q = m.seq_len_q;
+    desc.seq_len_kv = m.seq_len_kv;
+    const Problem problem(desc);
+    const cuda::TileList list = cuda::classify_tiles(problem, m.block_q, m.block_kv);
+    const cuda::KvTileList transposed = cuda::transpose_tiles(list);
+    ASSERT_EQ(transposed.offsets.size(), static_cast<std::size_t>(list.kv_tiles + 1));
+    ASSERT_EQ(transposed.offsets.front(), 0);
+    ASSERT_EQ(transposed.offsets.back(), static_cast<int>(list.entries.size()));
+    for (std::int64_t tile = 0; tile < list.kv_tiles; ++tile) {
+      std::vector<int> expected;  // brute force: every query block whose list names this tile
+      for (std::int64_t block = 0; block < list.query_blocks; ++block) {
+        for (int i = list.offsets[static_cast<std::size_t>(block)];
+             i < list.offsets[static_cast<std::size_t>(block) + 1]; ++i) {
+          const int entry = list.entries[static_cast<std::size_t>(i)];
+          if ((entry >> 1) == tile) expected.push_back(static_cast<int>(block << 1) | (entry & 1));
+        }
+      }
+      const std::vector<int> actual(
+          transposed.entries.begin() + transposed.offsets[static_cast<std::size_t>(tile)],
+          transposed.entries.begin() + transposed.offsets[static_cast<std::size_t>(tile) + 1]);
+      EXPECT_EQ(actual, expected) << "kv tile " << tile;
+    }
+    if (std::string(m.mask) == "q >= kv") {
+      // Causal, square tiles: kv tile t is visited by query blocks t.. (the diagonal mixed).
+      const std::int64_t blocks = list.query_blocks;
+      for (std::int64_t tile = 0; tile < list.kv_tiles; ++tile) {
+        const int begin = transposed.offsets[static_cast<std::size_t>(tile)];
+        EXPECT_EQ(transposed.offsets[static_cast<std::size_t>(tile) + 1] - begin, blocks - tile);
+        EXPECT_EQ(transposed.entries[static_cast<std::size_t>(begin)],
+                  static_cast<int>(tile << 1) | 1);
+      }
+    }
+  }
+}
+
+// The backward translation units compile for sm_90 (NVRTC, no GPU). These need the backward
+// kernels (kernels/backward_mma.cuh and backward_simt.cuh): they fail until those templates exist.
+TEST(CudaBackwardCompile, GeneratedBackwardTranslationUnitsCompile) {
+  SKIP_WITHOUT_CUDA_ENGINE();
+  constexpr int kCapability = 90;
+  const TensorDecl per_head{DType::kF32, {4}};
+  const TensorDecl bias{DType::kF32, {4, 100, 77}};
+  for (const GeneratedCase& c :
+       {GeneratedCase{"bwd_bf16_d64_softcap_alibi_bias", DType::kBF16, 64, 64,
+                      "30 * tanh(score / 30) + slopes[h] * (kv - q) + bias[h, q, kv]", "q >= kv",
+                      {{"slopes", per_head}, {"bias", bias}}, {}, Layout::kBSHD, {}},
+        GeneratedCase{"bwd_fp32_d80_gate", DType::kF32, 80, 80, "score * gate[h]", "",
+                      {{"gate", per_head}}, {}, Layout::kBSHD, {}}}) {
+    SCOPED_TRACE(c.name);
+    const std::string source = cuda_engine()->generated_source(make_backward_problem(c));
+    ASSERT_EQ(source.find("not supported"), std::string::npos) << source;
+    std::vector<char> cubin;
+    try {
+      cubin = cuda::compile_to_cubin(source, c.name + ".cu", kCapability);
+    } catch (const Error& error) {
+      ADD_FAILURE() << error.what();
+    }
+    EXPECT_FALSE(cubin.empty());
+  }
+}
+#endif
 
 #if FLEXATTN_TEST_HAS_NVRTC
 // NVRTC as the engine links it (found in the process, so builds without the cuda engine, which

@@ -290,6 +290,51 @@ TEST(Context, NothingCanRunListsEveryEngineWithItsReason) {
   }
 }
 
+// An engine that says yes to supports() but declines while planning, as the cudnn engine does
+// when cuDNN's heuristics offer no engine for a lowered graph.
+class DecliningEngine final : public Engine {
+ public:
+  std::string_view name() const override { return "declining"; }
+  Support available() const override { return Support::yes(); }
+
+ protected:
+  Lowered lower(const Problem&, Stage stage) const override {
+    Lowered lowered;
+    lowered.support = stage == Stage::kCheck ? Support::yes()
+                                             : Support::no("no kernel for this graph");
+    return lowered;
+  }
+};
+
+ContextOptions declining_options(Policy policy) {
+  ContextOptions options;
+  options.policy = std::move(policy);
+  options.log_level = LogLevel::kOff;
+  options.extra_engines = {std::make_shared<DecliningEngine>(), testing::make_lying_engine()};
+  return options;
+}
+
+TEST(Context, AnEngineDecliningWhilePlanningFallsThroughToTheNext) {
+  Context context(declining_options(Policy::parse("declining,faulty_lying_hash")));
+  EXPECT_EQ(context.select(softcap_problem(kSmallCap))->info().engine, "faulty_lying_hash");
+}
+
+TEST(Context, AnEngineDecliningWhilePlanningIsNamedWhenNothingRuns) {
+  Context context(declining_options(Policy::parse("declining")));
+  const Error error = expect_error([&] { context.select(softcap_problem(kSmallCap)); });
+  EXPECT_EQ(error.code(), ErrorCode::kUnsupported);
+  EXPECT_TRUE(contains(error.what(),
+                       "declining: declined while planning: declining: no kernel for this graph"))
+      << error.what();
+}
+
+TEST(Context, AForcedEngineDecliningWhilePlanningDoesNotFallBack) {
+  Context context(declining_options(forced("declining")));
+  const Error error = expect_error([&] { context.select(softcap_problem(kSmallCap)); });
+  EXPECT_EQ(error.code(), ErrorCode::kUnsupported);
+  EXPECT_TRUE(contains(error.what(), "no kernel for this graph")) << error.what();
+}
+
 TEST(Context, HonoursFlexattnEnginesFromTheEnvironment) {
   const ScopedEnvironment environment("FLEXATTN_ENGINES", "-cpu_ref*");
   Context context;  // default options read the environment

@@ -1,11 +1,14 @@
 #include "engines/cuda/codegen.hpp"
 
 #include <fmt/format.h>
+#include <fmt/ranges.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <limits>
 #include <set>
+#include <utility>
 
 #include "engines/cuda/kernel_sources.hpp"
 #include "engines/cuda/kernels/params.cuh"
@@ -70,6 +73,27 @@ std::size_t slot_of(const std::vector<std::string>& names, const std::string& na
   throw_internal("cuda codegen: '" + name + "' has no kernel-argument slot");
 }
 
+// The element offset of a load from its index expressions. Extra tensors are contiguous
+// (check_forward_args enforces it), so the strides are constants; offsets are 32-bit when the
+// tensor has fewer than 2^31 elements.
+std::string linear_offset(const TensorDecl& decl, const std::vector<std::string>& indices) {
+  const std::vector<std::int64_t> strides = contiguous_strides(decl.shape);
+  std::int64_t elements = 1;
+  for (std::int64_t extent : decl.shape) elements *= extent;
+  const bool narrow = elements <= std::numeric_limits<std::int32_t>::max();
+  std::string offset;
+  for (std::size_t k = 0; k < indices.size(); ++k) {
+    if (k > 0) offset += " + ";
+    const std::int64_t stride = strides[k];
+    if (narrow) {
+      offset += stride == 1 ? indices[k] : fmt::format("{} * {}", indices[k], stride);
+    } else {
+      offset += fmt::format("static_cast<long long>({}) * {}LL", indices[k], stride);
+    }
+  }
+  return offset.empty() ? "0" : offset;
+}
+
 // Lowers one canonical graph. Nodes that depend only on (b, h, Q_LEN, KV_LEN), params and loads
 // at such indices are "invariant": computed once per thread block into Invariants; the rest are
 // computed per element.
@@ -114,6 +138,9 @@ class GraphLowering {
     }
     return reference(static_cast<std::size_t>(graph_.root()));
   }
+
+  // Whether the root depends on the score, q or kv (else it is a field of Invariants or a leaf).
+  bool varies() const { return varying_[static_cast<std::size_t>(graph_.root())]; }
 
  private:
   // Nodes that get a named value (everything but leaves, literals and params).
@@ -267,29 +294,16 @@ class GraphLowering {
     return float_literal(reciprocal);
   }
 
-  // Extra tensors are contiguous (check_forward_args enforces it), so the strides are constants;
-  // offsets are 32-bit when the tensor has fewer than 2^31 elements.
   std::string load(const GraphNode& node) const {
     const std::size_t slot = slot_of(bindings_.tensors, node.name);
     const TensorDecl& decl = problem_.desc().tensors.at(node.name);
     const TensorAccess access = tensor_access(decl.dtype);
-    const std::vector<std::int64_t> strides = contiguous_strides(decl.shape);
-    std::int64_t elements = 1;
-    for (std::int64_t extent : decl.shape) elements *= extent;
-    const bool narrow = elements <= std::numeric_limits<std::int32_t>::max();
-    std::string offset;
+    std::vector<std::string> indices;
     for (std::size_t k = 0; k < node.args.size(); ++k) {
-      if (k > 0) offset += " + ";
-      const std::string index = operand(node, k, Type::kI32);
-      const std::int64_t stride = strides[k];
-      if (narrow) {
-        offset += stride == 1 ? index : fmt::format("{} * {}", index, stride);
-      } else {
-        offset += fmt::format("static_cast<long long>({}) * {}LL", index, stride);
-      }
+      indices.push_back(operand(node, k, Type::kI32));
     }
     return fmt::format("{}(static_cast<{}>(p.tensors[{}].data), {})", access.loader,
-                       access.pointer, slot, offset.empty() ? "0" : offset);
+                       access.pointer, slot, linear_offset(decl, indices));
   }
 
   std::string expression(std::size_t index) const {
@@ -396,7 +410,145 @@ bool keeps_everything(const Graph& mask) {
   return mask.is_literal() && mask.node(mask.root()).literal != 0.0;
 }
 
+bool is_constant(const Graph& graph, double value) {
+  return graph.is_literal() && graph.node(graph.root()).literal == value;
+}
+
+// Two more spaces before every line (statements moved into a block).
+std::string indent(const std::string& lines) {
+  std::string text;
+  std::size_t start = 0;
+  while (start < lines.size()) {
+    const std::size_t end = lines.find('\n', start);
+    const std::size_t stop = end == std::string::npos ? lines.size() : end + 1;
+    text += "  " + lines.substr(start, stop - start);
+    start = stop;
+  }
+  return text;
+}
+
+// The Modifier's backward members (kernels/backward_common.cuh). The lowerings of the derivative
+// graphs add their invariant nodes to `fields` and `assignments` (Invariants and prepare()),
+// under prefixes of their own: d (the score derivative), g<n>i<k>_ (index k of load n), g<n>d_
+// (the derivative with respect to load n).
+std::string backward_members(const Problem& problem, const ModifierBindings& bindings,
+                             const BackwardCode& backward, std::string& fields,
+                             std::string& assignments) {
+  const GraphLowering derivative(backward.score_derivative, "d", problem, bindings);
+  derivative.emit_invariants(fields, assignments);
+  std::string derivative_body;
+  const std::string derivative_value = derivative.emit_varying(derivative_body);
+
+  std::string scatter;  // tensor_grads' body
+  std::string flush;    // flush_tensor_grads' body
+  int local_slots = 0;
+  for (std::size_t n = 0; n < backward.load_derivatives.size(); ++n) {
+    const LoadDerivative& load = backward.load_derivatives[n];
+    // The modifier is piecewise constant in this load (e.g. it only compares it): nothing to add.
+    if (is_constant(load.derivative, 0.0)) continue;
+    const std::string accumulator =
+        fmt::format("bp.grad_fixed[{}]", slot_of(bindings.tensors, load.tensor));
+    std::string body;
+    std::vector<std::string> indices;
+    bool invariant = true;
+    for (std::size_t k = 0; k < load.indices.size(); ++k) {
+      const GraphLowering index(load.indices[k], fmt::format("g{}i{}_", n, k), problem, bindings);
+      index.emit_invariants(fields, assignments);
+      indices.push_back(index.emit_varying(body));
+      invariant = invariant && !index.varies();
+    }
+    const GraphLowering value(load.derivative, fmt::format("g{}d_", n), problem, bindings);
+    value.emit_invariants(fields, assignments);
+    const std::string value_root = value.emit_varying(body);
+    const std::string offset = linear_offset(problem.desc().tensors.at(load.tensor), indices);
+    const std::string contribution = fmt::format("to_fixed(dlogit * {})", value_root);
+    std::vector<std::string> index_text;
+    for (const Graph& index : load.indices) index_text.push_back(index.to_string());
+    scatter += fmt::format("    // d score_mod / d {}[{}] = {}\n", load.tensor,
+                           fmt::join(index_text, ", "), load.derivative.to_string());
+    scatter += fmt::format("    if ({} != nullptr) {{\n", accumulator) + indent(body);
+    if (invariant) {
+      // The same element for the whole (b, h): summed per thread, then per warp, then added.
+      scatter += fmt::format("      local[{}] += {};\n", local_slots, contribution);
+      flush += fmt::format(
+          "    {{\n      const long long sum = warp_sum_fixed(local[{}]);\n"
+          "      if ((threadIdx.x % kWarpSize) == 0 && {} != nullptr) add_fixed({} + {}, sum);\n"
+          "    }}\n",
+          local_slots, accumulator, accumulator, offset);
+      ++local_slots;
+    } else {
+      scatter += fmt::format("      add_fixed({} + {}, {});\n", accumulator, offset, contribution);
+    }
+    scatter += "    }\n";
+  }
+
+  std::string text;
+  text += fmt::format("  static constexpr bool kIdentityDerivative = {};\n",
+                      is_constant(backward.score_derivative, 1.0));
+  text += fmt::format("  static constexpr bool kHasTensorGrads = {};\n", !scatter.empty());
+  // At least one slot: a C++ array cannot be empty.
+  text += fmt::format("  static constexpr int kLocalGradSlots = {};\n", std::max(local_slots, 1));
+  text += fmt::format("  // d score_mod / d score: {}\n", backward.score_derivative.to_string());
+  text +=
+      "  __device__ static __forceinline__ float score_grad(const Invariants& inv, "
+      "const ForwardParams& p, const Coordinates& at, float score, int q, int kv) {\n" +
+      derivative_body + fmt::format("    return {};\n  }}\n", derivative_value);
+  text +=
+      "  __device__ static __forceinline__ void tensor_grads(const Invariants& inv, "
+      "const BackwardParams& bp, const Coordinates& at, float score, int q, int kv, "
+      "float dlogit, long long (&local)[kLocalGradSlots]) {\n";
+  if (!scatter.empty()) text += "    [[maybe_unused]] const ForwardParams& p = bp.fwd;\n";
+  text += scatter + "  }\n";
+  text +=
+      "  __device__ static __forceinline__ void flush_tensor_grads(const Invariants& inv, "
+      "const BackwardParams& bp, const Coordinates& at, "
+      "long long (&local)[kLocalGradSlots]) {\n" +
+      flush + "  }\n";
+  return text;
+}
+
+// The four backward entry points (their grids: kernels/params.cuh and the engine's run_backward).
+std::string backward_entry_points(const Problem& problem, const BackwardChoice& choice) {
+  const std::string launch_bounds =
+      choice.min_blocks > 0 ? fmt::format("{}, {}", choice.threads, choice.min_blocks)
+                            : fmt::format("{}", choice.threads);
+  std::string text = fmt::format("using FlexattnBackwardConfig = {};\n", choice.config_type());
+  text += fmt::format(
+      "extern \"C\" __global__ void __launch_bounds__(flexattn_kernels::kDeltaThreads) {}(\n"
+      "    const flexattn_kernels::BackwardParams params) {{\n"
+      "  flexattn_kernels::backward_delta<{}, {}>(params);\n}}\n",
+      kBackwardDeltaName, element_tag(problem.dtype()), problem.head_dim_v());
+  for (const auto& [name, function] : {std::pair{kBackwardDkdvName, choice.dkdv_template()},
+                                       std::pair{kBackwardDqName, choice.dq_template()}}) {
+    text += fmt::format(
+        "extern \"C\" __global__ void __launch_bounds__({}) {}(\n"
+        "    const flexattn_kernels::BackwardParams params) {{\n"
+        "  flexattn_kernels::{}<FlexattnBackwardConfig, flexattn_generated::Modifier>(params);\n"
+        "}}\n",
+        launch_bounds, name, function);
+  }
+  text += fmt::format(
+      "extern \"C\" __global__ void __launch_bounds__(flexattn_kernels::kFinalizeThreads) {}(\n"
+      "    const flexattn_kernels::FinalizeParams params) {{\n"
+      "  flexattn_kernels::backward_finalize(params);\n}}\n",
+      kBackwardFinalizeName);
+  return text;
+}
+
 }  // namespace
+
+BackwardCode backward_code(const Problem& problem, const BackwardChoice& choice) {
+  BackwardCode code;
+  code.choice = choice;
+  code.score_derivative = derivative_wrt_score(problem.score_mod());
+  for (LoadDerivative& load : derivatives_wrt_tensors(problem.score_mod())) {
+    const auto decl = problem.desc().tensors.find(load.tensor);
+    if (decl != problem.desc().tensors.end() && is_floating(decl->second.dtype)) {
+      code.load_derivatives.push_back(std::move(load));
+    }
+  }
+  return code;
+}
 
 BindingSelection bind_modifier(const Problem& problem) {
   BindingSelection selection;
@@ -419,7 +571,10 @@ BindingSelection bind_modifier(const Problem& problem) {
 }
 
 std::string generate_modifier_source(const Problem& problem, const ModifierBindings& bindings,
-                                     const KernelChoice& choice) {
+                                     const KernelChoice& choice, const BackwardCode* backward) {
+  if (problem.wants_backward() != (backward != nullptr)) {
+    throw_internal("cuda codegen: backward code must be given exactly when gradients are wanted");
+  }
   const GraphLowering score(problem.score_mod(), "s", problem, bindings);
   const GraphLowering mask(problem.mask_mod(), "m", problem, bindings);
   std::string fields;
@@ -430,6 +585,9 @@ std::string generate_modifier_source(const Problem& problem, const ModifierBindi
   const std::string score_value = score.emit_varying(score_body);
   std::string mask_body;
   const std::string mask_value = mask.emit_varying(mask_body);
+  const std::string backward_text =
+      backward != nullptr ? backward_members(problem, bindings, *backward, fields, assignments)
+                          : std::string();
 
   std::string text = "// ---- generated by flexattn's cuda engine ----\n";
   text += "namespace flexattn_generated {\nusing namespace flexattn_kernels;\n\n";
@@ -453,6 +611,7 @@ std::string generate_modifier_source(const Problem& problem, const ModifierBindi
       "  __device__ static __forceinline__ bool mask_mod(const Invariants& inv, "
       "const ForwardParams& p, const Coordinates& at, int q, int kv) {\n" +
       mask_body + fmt::format("    return {};\n  }}\n", mask_value);
+  text += backward_text;
   text += "};\n\n}  // namespace flexattn_generated\n\n";
 
   const bool mma = choice.kind == KernelKind::kMma;
@@ -463,13 +622,14 @@ std::string generate_modifier_source(const Problem& problem, const ModifierBindi
       "  flexattn_kernels::{}<FlexattnConfig, flexattn_generated::Modifier>(params);\n}}\n",
       mma ? ", FlexattnConfig::kMinBlocks" : "", kKernelName,
       mma ? "forward_mma" : "forward_simt");
+  if (backward != nullptr) text += backward_entry_points(problem, backward->choice);
   return text;
 }
 
 std::string generate_translation_unit(const Problem& problem, const ModifierBindings& bindings,
-                                      const KernelChoice& choice) {
+                                      const KernelChoice& choice, const BackwardCode* backward) {
   return std::string(kernel_library_source()) + "\n" +
-         generate_modifier_source(problem, bindings, choice);
+         generate_modifier_source(problem, bindings, choice, backward);
 }
 
 }  // namespace flexattn::cuda

@@ -1,6 +1,7 @@
 // Lowering of the canonical modifier graphs to CUDA: a `Modifier` struct (kernels/
-// forward_common.cuh describes its interface) and the kernel entry point, appended to the
-// embedded kernel templates to form the one translation unit NVRTC compiles.
+// forward_common.cuh and, for problems that want gradients, backward_common.cuh describe its
+// interface) and the kernel entry points, appended to the embedded kernel templates to form the
+// one translation unit NVRTC compiles.
 #pragma once
 
 #include <string>
@@ -8,12 +9,18 @@
 #include <vector>
 
 #include "engines/cuda/tile_plan.hpp"
+#include "flexattn/analysis.hpp"
 #include "flexattn/problem.hpp"
 
 namespace flexattn::cuda {
 
-// The name of the generated kernel (extern "C", so not mangled).
+// The names of the generated kernels (extern "C", so not mangled). A forward-only problem's
+// translation unit holds the first; one that wants gradients holds all five.
 inline constexpr std::string_view kKernelName = "flexattn_forward";
+inline constexpr std::string_view kBackwardDeltaName = "flexattn_backward_delta";
+inline constexpr std::string_view kBackwardDkdvName = "flexattn_backward_dkdv";
+inline constexpr std::string_view kBackwardDqName = "flexattn_backward_dq";
+inline constexpr std::string_view kBackwardFinalizeName = "flexattn_backward_finalize";
 
 // Which kernel-argument slot carries each extra tensor and scalar parameter the modifiers read.
 struct ModifierBindings {
@@ -26,12 +33,23 @@ struct BindingSelection {
 };
 BindingSelection bind_modifier(const Problem& problem);
 
+// What the backward adds to the generated code: its kernels and the derivatives of the score
+// modifier they evaluate.
+struct BackwardCode {
+  BackwardChoice choice;
+  Graph score_derivative;                      // d score_mod / d score
+  std::vector<LoadDerivative> load_derivatives;  // loads of floating-point tensors only
+};
+// Throws Error when the score modifier cannot be differentiated.
+BackwardCode backward_code(const Problem& problem, const BackwardChoice& choice);
+
 // The generated code alone: the Modifier struct of the problem's score_mod and mask_mod and the
-// entry point for `choice`.
+// entry point for `choice`; with `backward` (required when the problem wants gradients, null
+// otherwise) also the Modifier's backward members and the four backward entry points.
 std::string generate_modifier_source(const Problem& problem, const ModifierBindings& bindings,
-                                     const KernelChoice& choice);
+                                     const KernelChoice& choice, const BackwardCode* backward);
 // The complete translation unit: the embedded templates, then the generated code.
 std::string generate_translation_unit(const Problem& problem, const ModifierBindings& bindings,
-                                      const KernelChoice& choice);
+                                      const KernelChoice& choice, const BackwardCode* backward);
 
 }  // namespace flexattn::cuda

@@ -4,8 +4,12 @@
 
 #include <array>
 #include <limits>
+#include <map>
 #include <numbers>
+#include <optional>
+#include <string>
 #include <utility>
+#include <vector>
 
 #include "engines/cuda/codegen.hpp"
 #include "engines/cuda/driver.hpp"
@@ -18,26 +22,52 @@ namespace flexattn {
 namespace cuda {
 namespace {
 
+using flexattn_kernels::BackwardParams;
+using flexattn_kernels::FinalizeParams;
 using flexattn_kernels::ForwardParams;
 using flexattn_kernels::SequenceView;
 
 constexpr std::string_view kEngineName = "cuda";
 // Grid limits of y (heads) and z (batch); x (query blocks) allows 2^31 - 1.
 constexpr std::int64_t kMaxGridYZ = 65535;
-// cp.async reads 16-byte chunks of the tensor-core kernel's rows.
+constexpr std::int64_t kMaxGridX = std::numeric_limits<int>::max();
+// cp.async reads 16-byte chunks of the tensor-core kernels' rows.
 constexpr std::uintptr_t kChunkAlignment = 16;
+// Each part of the backward's scratch starts on the boundary cuMemAlloc guarantees.
+constexpr std::size_t kScratchAlignment = 256;
 
 // What lowering a problem produces: supports() stops after it, plan() builds on it.
 struct Lowering {
   KernelChoice choice;
   ModifierBindings bindings;
+  std::optional<BackwardCode> backward;  // when the problem wants gradients
   std::string source;  // the translation unit NVRTC compiles
 };
 
-Support lower_problem(const Problem& problem, Lowering& lowering) {
-  if (problem.wants_backward()) {
-    return Support::no("the cuda engine computes the forward pass only (no backward yet)");
+std::int64_t ceil_div(std::int64_t value, std::int64_t divisor) {
+  return (value + divisor - 1) / divisor;
+}
+
+Support lower_backward(const Problem& problem, Lowering& lowering) {
+  const BackwardSelection selection = choose_backward_kernel(problem);
+  if (!selection.reason.empty()) return Support::no(selection.reason);
+  try {
+    lowering.backward = backward_code(problem, selection.choice);
+  } catch (const Error& error) {
+    return Support::no(fmt::format("cannot differentiate the score modifier: {}", error.what()));
   }
+  // The finalize kernel converts one tensor gradient per launch, in a one-dimensional grid.
+  for (const std::string& name : lowering.bindings.tensors) {
+    std::int64_t elements = 1;
+    for (std::int64_t extent : problem.desc().tensors.at(name).shape) elements *= extent;
+    if (ceil_div(elements, flexattn_kernels::kFinalizeThreads) > kMaxGridX) {
+      return Support::no(fmt::format("tensor {} has too many elements for a gradient", name));
+    }
+  }
+  return Support::yes();
+}
+
+Support lower_problem(const Problem& problem, Lowering& lowering) {
   const KernelSelection selection = choose_kernel(problem);
   if (!selection.reason.empty()) return Support::no(selection.reason);
   const BindingSelection binding = bind_modifier(problem);
@@ -52,13 +82,34 @@ Support lower_problem(const Problem& problem, Lowering& lowering) {
   }
   lowering.choice = selection.choice;
   lowering.bindings = binding.bindings;
+  if (problem.wants_backward()) {
+    const Support backward = lower_backward(problem, lowering);
+    if (!backward) return backward;
+  }
   // Every IR op has a lowering (codegen.cpp switches over Op without a default), so generating
   // the code is the last step of deciding support.
-  lowering.source = generate_translation_unit(problem, lowering.bindings, lowering.choice);
+  lowering.source = generate_translation_unit(
+      problem, lowering.bindings, lowering.choice,
+      lowering.backward ? &*lowering.backward : nullptr);
   return Support::yes();
 }
 
-// (batch, token, head) strides of a Q/K/V/O view in the problem's layout.
+// The kernels of the module: the forward, and the backward's four when gradients are wanted,
+// each with the dynamic shared memory it is launched with.
+std::vector<KernelFunction> kernel_functions(const Lowering& lowering) {
+  std::vector<KernelFunction> functions = {
+      {std::string(kKernelName), lowering.choice.shared_bytes}};
+  if (lowering.backward) {
+    const BackwardChoice& backward = lowering.backward->choice;
+    functions.push_back({std::string(kBackwardDeltaName), 0});
+    functions.push_back({std::string(kBackwardDkdvName), backward.shared_dkdv});
+    functions.push_back({std::string(kBackwardDqName), backward.shared_dq});
+    functions.push_back({std::string(kBackwardFinalizeName), 0});
+  }
+  return functions;
+}
+
+// (batch, token, head) strides of a Q/K/V/O view (or of its gradient) in the problem's layout.
 SequenceView sequence_view(const Problem& problem, std::string_view which) {
   const TensorView view = problem.expected(which);
   const std::vector<std::int64_t>& s = view.strides;
@@ -77,8 +128,10 @@ SequenceView sequence_view(const Problem& problem, std::string_view which) {
 
 DeviceBuffer upload_ints(const std::shared_ptr<const Driver>& driver,
                          const std::vector<int>& values) {
-  DeviceBuffer buffer(driver, values.size() * sizeof(int));
-  buffer.upload(values.data(), values.size() * sizeof(int));
+  // An empty list still gets an address (a kernel argument is never null).
+  const std::vector<int> stored = values.empty() ? std::vector<int>{0} : values;
+  DeviceBuffer buffer(driver, stored.size() * sizeof(int));
+  buffer.upload(stored.data(), stored.size() * sizeof(int));
   return buffer;
 }
 
@@ -86,56 +139,158 @@ std::vector<int> to_ints(const std::vector<std::int64_t>& values) {
   return std::vector<int>(values.begin(), values.end());  // < 2^31: checked by lower_problem
 }
 
-class CudaForwardPlan final : public Plan {
+const int* device_ints(const DeviceBuffer& buffer) {
+  return reinterpret_cast<const int*>(buffer.address());
+}
+
+// The tensor-core kernels copy 16-byte chunks: each argument must start on one.
+void check_chunk_aligned(std::string_view name, const void* data) {
+  if (reinterpret_cast<std::uintptr_t>(data) % kChunkAlignment != 0) {
+    throw_invalid(fmt::format(
+        "cuda: argument {} ({}) is not 16-byte aligned; the tensor-core kernels copy 16-byte "
+        "chunks",
+        name, data));
+  }
+}
+
+std::size_t align_scratch(std::size_t bytes) {
+  return (bytes + kScratchAlignment - 1) / kScratchAlignment * kScratchAlignment;
+}
+
+// Device memory ordered on a stream (cuMemAllocAsync): usable by the work enqueued after the
+// allocation, returned to the stream's pool after the work enqueued before release(). On an
+// exception the destructor still enqueues the free.
+class StreamScratch {
  public:
-  CudaForwardPlan(PlanInfo info, const Problem& problem, std::shared_ptr<const Driver> driver,
-                  const Lowering& lowering, KernelLookup kernel, const TileList& tiles)
+  StreamScratch(const Driver& driver, std::size_t bytes, CUstream stream)
+      : driver_(driver), stream_(stream) {
+    driver_.check(driver_.api().memory_allocate_async(&address_, bytes, stream_),
+                  "cuMemAllocAsync");
+  }
+  ~StreamScratch() {
+    if (address_ != 0) driver_.api().memory_free_async(address_, stream_);
+  }
+  StreamScratch(const StreamScratch&) = delete;
+  StreamScratch& operator=(const StreamScratch&) = delete;
+
+  CUdeviceptr address() const { return address_; }
+  void release() {
+    const CUdeviceptr address = address_;
+    address_ = 0;
+    driver_.check(driver_.api().memory_free_async(address, stream_), "cuMemFreeAsync");
+  }
+
+ private:
+  const Driver& driver_;
+  CUstream stream_;
+  CUdeviceptr address_ = 0;
+};
+
+// What the forward pass of every plan needs, and its grid.
+struct ForwardState {
+  CUfunction function = nullptr;
+  DeviceBuffer tile_offsets;
+  DeviceBuffer tile_entries;
+  ForwardParams params{};
+  unsigned grid_x = 0;
+};
+
+// What the backward pass needs: its own tile lists (query-major for the dQ kernel, kv-major for
+// the dK/dV kernel, for its block sizes) and the four kernels.
+struct BackwardState {
+  BackwardChoice choice;
+  CUfunction delta = nullptr;
+  CUfunction dkdv = nullptr;
+  CUfunction dq = nullptr;
+  CUfunction finalize = nullptr;
+  DeviceBuffer tile_offsets;
+  DeviceBuffer tile_entries;
+  DeviceBuffer kv_tile_offsets;
+  DeviceBuffer kv_tile_entries;
+  BackwardParams params{};
+  std::size_t delta_floats = 0;  // one per (b, h, query), like the LSE
+};
+
+class CudaPlan final : public Plan {
+ public:
+  CudaPlan(PlanInfo info, const Problem& problem, std::shared_ptr<const Driver> driver,
+           const Lowering& lowering, KernelLookup kernel, const TileList& tiles,
+           const TileList* backward_tiles)
       : Plan(std::move(info)),
         problem_(problem),
         driver_(std::move(driver)),
         choice_(lowering.choice),
         bindings_(lowering.bindings),
         kernel_(std::move(kernel.kernel)) {
-    tile_offsets_ = upload_ints(driver_, tiles.offsets);
-    tile_entries_ = upload_ints(driver_, tiles.entries.empty() ? std::vector<int>{0}
-                                                                : tiles.entries);
-    ForwardParams& p = params_;
-    p = ForwardParams{};
-    p.q = sequence_view(problem, "q");
-    p.k = sequence_view(problem, "k");
-    p.v = sequence_view(problem, "v");
-    p.o = sequence_view(problem, "o");
+    ForwardParams base{};
+    base.q = sequence_view(problem, "q");
+    base.k = sequence_view(problem, "k");
+    base.v = sequence_view(problem, "v");
+    base.o = sequence_view(problem, "o");
     const TensorView lse = problem.expected("lse");
     if (problem.layout() == Layout::kTHD) {
-      p.lse_batch_stride = 0;
-      p.lse_head_stride = lse.strides[0];
+      base.lse_batch_stride = 0;
+      base.lse_head_stride = lse.strides[0];
       cu_seqlens_q_ = upload_ints(driver_, to_ints(problem.desc().cu_seqlens_q));
       cu_seqlens_kv_ = upload_ints(driver_, to_ints(problem.desc().cu_seqlens_kv));
-      p.cu_seqlens_q = reinterpret_cast<const int*>(cu_seqlens_q_.address());
-      p.cu_seqlens_kv = reinterpret_cast<const int*>(cu_seqlens_kv_.address());
+      base.cu_seqlens_q = device_ints(cu_seqlens_q_);
+      base.cu_seqlens_kv = device_ints(cu_seqlens_kv_);
     } else {
-      p.lse_batch_stride = lse.strides[0];
-      p.lse_head_stride = lse.strides[1];
+      base.lse_batch_stride = lse.strides[0];
+      base.lse_head_stride = lse.strides[1];
     }
-    p.seq_len_q = static_cast<int>(problem.seq_len_q());
-    p.seq_len_kv = static_cast<int>(problem.seq_len_kv());
-    p.heads_per_kv = static_cast<int>(problem.heads_q() / problem.heads_kv());
-    p.scale = static_cast<float>(problem.scale());
-    p.scale_log2 = static_cast<float>(problem.scale() * std::numbers::log2e);
-    p.tile_offsets = reinterpret_cast<const int*>(tile_offsets_.address());
-    p.tile_entries = reinterpret_cast<const int*>(tile_entries_.address());
-    p.class_block_q = tiles.class_block_q;
+    base.seq_len_q = static_cast<int>(problem.seq_len_q());
+    base.seq_len_kv = static_cast<int>(problem.seq_len_kv());
+    base.heads_per_kv = static_cast<int>(problem.heads_q() / problem.heads_kv());
+    base.scale = static_cast<float>(problem.scale());
+    base.scale_log2 = static_cast<float>(problem.scale() * std::numbers::log2e);
     for (std::size_t i = 0; i < bindings_.params.size(); ++i) {
-      p.params[i] = static_cast<float>(problem.desc().params.at(bindings_.params[i]));
+      base.params[i] = static_cast<float>(problem.desc().params.at(bindings_.params[i]));
     }
-    grid_x_ = static_cast<unsigned>((problem.seq_len_q() + choice_.block_m - 1) / choice_.block_m);
+
+    forward_.function = kernel_->function(kKernelName);
+    forward_.tile_offsets = upload_ints(driver_, tiles.offsets);
+    forward_.tile_entries = upload_ints(driver_, tiles.entries);
+    forward_.params = base;
+    forward_.params.tile_offsets = device_ints(forward_.tile_offsets);
+    forward_.params.tile_entries = device_ints(forward_.tile_entries);
+    forward_.params.class_block_q = tiles.class_block_q;
+    forward_.grid_x =
+        static_cast<unsigned>(ceil_div(problem.seq_len_q(), lowering.choice.block_m));
+
+    if (lowering.backward) {
+      if (backward_tiles == nullptr) throw_internal("cuda: a backward plan without its tiles");
+      BackwardState& b = backward_.emplace();
+      b.choice = lowering.backward->choice;
+      b.delta = kernel_->function(kBackwardDeltaName);
+      b.dkdv = kernel_->function(kBackwardDkdvName);
+      b.dq = kernel_->function(kBackwardDqName);
+      b.finalize = kernel_->function(kBackwardFinalizeName);
+      const KvTileList transposed = transpose_tiles(*backward_tiles);
+      b.tile_offsets = upload_ints(driver_, backward_tiles->offsets);
+      b.tile_entries = upload_ints(driver_, backward_tiles->entries);
+      b.kv_tile_offsets = upload_ints(driver_, transposed.offsets);
+      b.kv_tile_entries = upload_ints(driver_, transposed.entries);
+      BackwardParams& p = b.params;
+      p.fwd = base;
+      p.fwd.tile_offsets = device_ints(b.tile_offsets);
+      p.fwd.tile_entries = device_ints(b.tile_entries);
+      p.fwd.class_block_q = backward_tiles->class_block_q;
+      p.dout = sequence_view(problem, "dout");
+      p.dq = sequence_view(problem, "dq");
+      p.dk = sequence_view(problem, "dk");
+      p.dv = sequence_view(problem, "dv");
+      p.kv_tile_offsets = device_ints(b.kv_tile_offsets);
+      p.kv_tile_entries = device_ints(b.kv_tile_entries);
+      b.delta_floats = static_cast<std::size_t>(lse.numel());
+    }
   }
 
   const Problem& problem() const override { return problem_; }
 
  protected:
   void run_forward(const ForwardArgs& args) const override {
-    ForwardParams p = params_;
+    ForwardParams p = forward_.params;
     p.q.data = args.q.data;
     p.k.data = args.k.data;
     p.v.data = args.v.data;
@@ -144,44 +299,129 @@ class CudaForwardPlan final : public Plan {
     if (choice_.kind == KernelKind::kMma) {
       for (const auto& [name, view] : {std::pair{"q", &args.q}, std::pair{"k", &args.k},
                                        std::pair{"v", &args.v}, std::pair{"out", &args.out}}) {
-        if (reinterpret_cast<std::uintptr_t>(view->data) % kChunkAlignment != 0) {
-          throw_invalid(fmt::format(
-              "cuda: argument {} ({}) is not 16-byte aligned; the tensor-core kernel copies "
-              "16-byte chunks",
-              name, view->data));
-        }
+        check_chunk_aligned(name, view->data);
       }
     }
-    for (std::size_t i = 0; i < bindings_.tensors.size(); ++i) {
-      p.tensors[i].data = args.tensors.at(bindings_.tensors[i]).data;
-    }
-    std::array<void*, 1> kernel_args = {&p};
+    bind_tensors(args.tensors, p);
     ContextScope scope(*driver_);
-    driver_->check(driver_->api().launch_kernel(
-                       kernel_->function(), grid_x_, static_cast<unsigned>(problem_.heads_q()),
-                       static_cast<unsigned>(problem_.batch()),
-                       static_cast<unsigned>(choice_.threads()), 1, 1,
-                       static_cast<unsigned>(choice_.shared_bytes),
-                       static_cast<CUstream>(args.stream), kernel_args.data(), nullptr),
-                   "cuLaunchKernel");
+    launch(forward_.function, {forward_.grid_x, heads_q(), batch()}, choice_.threads(),
+           choice_.shared_bytes, static_cast<CUstream>(args.stream), &p, "forward");
   }
 
-  void run_backward(const BackwardArgs&) const override {
-    throw_unsupported("cuda: the backward pass is not implemented");
+  void run_backward(const BackwardArgs& args) const override {
+    if (!backward_) throw_internal("cuda: backward on a plan built for the forward only");
+    const BackwardState& b = *backward_;
+    BackwardParams p = b.params;
+    p.fwd.q.data = args.q.data;
+    p.fwd.k.data = args.k.data;
+    p.fwd.v.data = args.v.data;
+    p.fwd.o.data = args.out.data;
+    p.fwd.lse = static_cast<float*>(args.lse.data);
+    p.dout.data = args.dout.data;
+    p.dq.data = args.dq.data;
+    p.dk.data = args.dk.data;
+    p.dv.data = args.dv.data;
+    if (b.choice.kind == KernelKind::kMma) {
+      for (const auto& [name, view] :
+           {std::pair{"q", &args.q}, std::pair{"k", &args.k}, std::pair{"v", &args.v},
+            std::pair{"out", &args.out}, std::pair{"dout", &args.dout},
+            std::pair{"dq", &args.dq}, std::pair{"dk", &args.dk}, std::pair{"dv", &args.dv}}) {
+        check_chunk_aligned(name, view->data);
+      }
+    }
+    bind_tensors(args.tensors, p.fwd);
+
+    // Scratch: delta, then one fixed-point accumulator per wanted tensor gradient.
+    struct Gradient {
+      std::size_t slot;
+      const TensorView* view;
+      std::size_t offset;  // bytes into the scratch
+    };
+    std::vector<Gradient> gradients;
+    std::size_t bytes = align_scratch(b.delta_floats * sizeof(float));
+    const std::size_t accumulators_begin = bytes;
+    for (std::size_t slot = 0; slot < bindings_.tensors.size(); ++slot) {
+      const auto found = args.tensor_grads.find(bindings_.tensors[slot]);
+      if (found == args.tensor_grads.end()) continue;
+      gradients.push_back({slot, &found->second, bytes});
+      bytes += align_scratch(static_cast<std::size_t>(found->second.numel()) *
+                             sizeof(long long));
+    }
+
+    ContextScope scope(*driver_);
+    const auto stream = static_cast<CUstream>(args.stream);
+    StreamScratch scratch(*driver_, bytes, stream);
+    p.delta = reinterpret_cast<float*>(scratch.address());
+    if (!gradients.empty()) {
+      driver_->check(driver_->api().memset_d8_async(scratch.address() + accumulators_begin, 0,
+                                                    bytes - accumulators_begin, stream),
+                     "cuMemsetD8Async");
+    }
+    for (const Gradient& gradient : gradients) {
+      p.grad_fixed[gradient.slot] =
+          reinterpret_cast<unsigned long long*>(scratch.address() + gradient.offset);
+    }
+
+    const auto heads_kv = static_cast<unsigned>(problem_.heads_kv());
+    const auto grid_q = [&](int rows) {
+      return static_cast<unsigned>(ceil_div(problem_.seq_len_q(), rows));
+    };
+    launch(b.delta, {grid_q(flexattn_kernels::kDeltaRows), heads_q(), batch()},
+           flexattn_kernels::kDeltaThreads, 0, stream, &p, "backward delta");
+    launch(b.dkdv,
+           {static_cast<unsigned>(ceil_div(problem_.seq_len_kv(), b.choice.block_kv)), heads_kv,
+            batch()},
+           b.choice.threads, b.choice.shared_dkdv, stream, &p, "backward dK/dV");
+    launch(b.dq, {grid_q(b.choice.block_q), heads_q(), batch()}, b.choice.threads,
+           b.choice.shared_dq, stream, &p, "backward dQ");
+    for (const Gradient& gradient : gradients) {
+      FinalizeParams f{};
+      f.fixed = reinterpret_cast<const long long*>(scratch.address() + gradient.offset);
+      f.out = gradient.view->data;
+      f.count = gradient.view->numel();
+      f.out_is_f64 = gradient.view->dtype == DType::kF64 ? 1 : 0;
+      launch(b.finalize,
+             {static_cast<unsigned>(ceil_div(f.count, flexattn_kernels::kFinalizeThreads)), 1, 1},
+             flexattn_kernels::kFinalizeThreads, 0, stream, &f, "backward finalize");
+    }
+    scratch.release();
   }
 
  private:
+  struct Grid {
+    unsigned x, y, z;
+  };
+
+  unsigned heads_q() const { return static_cast<unsigned>(problem_.heads_q()); }
+  unsigned batch() const { return static_cast<unsigned>(problem_.batch()); }
+
+  void bind_tensors(const std::map<std::string, TensorView>& tensors, ForwardParams& p) const {
+    for (std::size_t i = 0; i < bindings_.tensors.size(); ++i) {
+      p.tensors[i].data = tensors.at(bindings_.tensors[i]).data;
+    }
+  }
+
+  // Launches `function` with its one argument block `params` (the driver copies it at launch).
+  template <class Params>
+  void launch(CUfunction function, Grid grid, int threads, int shared_bytes, CUstream stream,
+              Params* params, std::string_view what) const {
+    std::array<void*, 1> kernel_args = {params};
+    driver_->check(driver_->api().launch_kernel(function, grid.x, grid.y, grid.z,
+                                                static_cast<unsigned>(threads), 1, 1,
+                                                static_cast<unsigned>(shared_bytes), stream,
+                                                kernel_args.data(), nullptr),
+                   fmt::format("cuLaunchKernel ({})", what));
+  }
+
   Problem problem_;
   std::shared_ptr<const Driver> driver_;
   KernelChoice choice_;
   ModifierBindings bindings_;
   std::shared_ptr<const CompiledKernel> kernel_;
-  DeviceBuffer tile_offsets_;
-  DeviceBuffer tile_entries_;
   DeviceBuffer cu_seqlens_q_;
   DeviceBuffer cu_seqlens_kv_;
-  ForwardParams params_{};
-  unsigned grid_x_ = 0;
+  ForwardState forward_;
+  std::optional<BackwardState> backward_;
 };
 
 class CudaEngine final : public Engine {
@@ -209,29 +449,43 @@ class CudaEngine final : public Engine {
     result.support = lower_problem(problem, lowering);
     if (!result.support || stage == Stage::kCheck) return result;
 
+    const std::vector<KernelFunction> functions = kernel_functions(lowering);
     const int shared_limit = driver_->max_shared_memory_per_block();
-    if (lowering.choice.shared_bytes > shared_limit) {
-      result.support = Support::no(fmt::format(
-          "the kernel needs {} bytes of shared memory; {} allows {}",
-          lowering.choice.shared_bytes, driver_->device_name(), shared_limit));
-      return result;
+    for (const KernelFunction& function : functions) {
+      if (function.shared_bytes > shared_limit) {
+        result.support = Support::no(fmt::format(
+            "kernel {} needs {} bytes of shared memory; {} allows {}", function.name,
+            function.shared_bytes, driver_->device_name(), shared_limit));
+        return result;
+      }
     }
     const TileList tiles =
         classify_tiles(problem, lowering.choice.class_block_q, lowering.choice.block_n);
-    KernelLookup kernel = kernels_.get(lowering.source, lowering.choice.shared_bytes);
+    std::optional<TileList> backward_tiles;
+    std::string backward_text;
+    if (lowering.backward) {
+      const BackwardChoice& backward = lowering.backward->choice;
+      backward_tiles = classify_tiles(problem, backward.block_q, backward.block_kv);
+      backward_text = fmt::format(
+          "; backward {}, {} of {} tiles visited ({} with the mask evaluated)",
+          backward.describe(), backward_tiles->tiles - backward_tiles->skipped,
+          backward_tiles->tiles, backward_tiles->mixed);
+    }
+    KernelLookup kernel = kernels_.get(lowering.source, functions);
 
     PlanInfo info;
     info.engine = std::string(kEngineName);
     info.description = fmt::format(
-        "{}; {} of {} kv tiles visited ({} with the mask evaluated); kernel {} on {} (sm_{}), "
+        "{}; {} of {} kv tiles visited ({} with the mask evaluated){}; kernel {} on {} (sm_{}), "
         "{} in {:.3f} s",
         lowering.choice.describe(), tiles.tiles - tiles.skipped, tiles.tiles, tiles.mixed,
-        kernel.key.substr(0, 16), driver_->device_name(), driver_->compute_capability(),
-        kernel.origin, kernel.seconds);
+        backward_text, kernel.key.substr(0, 16), driver_->device_name(),
+        driver_->compute_capability(), kernel.origin, kernel.seconds);
     info.lowered_hash = modifier_hash(problem.score_mod(), problem.mask_mod(), problem.scale());
     info.signature = problem.signature();
-    result.plan = std::make_unique<CudaForwardPlan>(std::move(info), problem, driver_, lowering,
-                                                    std::move(kernel), tiles);
+    result.plan = std::make_unique<CudaPlan>(std::move(info), problem, driver_, lowering,
+                                             std::move(kernel), tiles,
+                                             backward_tiles ? &*backward_tiles : nullptr);
     return result;
   }
 

@@ -54,6 +54,9 @@ void Driver::initialise() {
       resolve(library_, "cuLaunchKernel", f.launch_kernel) &&
       resolve(library_, "cuMemAlloc_v2", f.memory_allocate) &&
       resolve(library_, "cuMemFree_v2", f.memory_free) &&
+      resolve(library_, "cuMemAllocAsync", f.memory_allocate_async) &&
+      resolve(library_, "cuMemFreeAsync", f.memory_free_async) &&
+      resolve(library_, "cuMemsetD8Async", f.memset_d8_async) &&
       resolve(library_, "cuMemcpyHtoD_v2", f.copy_host_to_device) &&
       resolve(library_, "cuMemcpyDtoH_v2", f.copy_device_to_host) &&
       resolve(library_, "cuGetErrorName", f.get_error_name) &&

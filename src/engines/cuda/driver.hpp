@@ -35,6 +35,10 @@ struct DriverFunctions {
   decltype(&::cuLaunchKernel) launch_kernel = nullptr;
   decltype(&::cuMemAlloc) memory_allocate = nullptr;
   decltype(&::cuMemFree) memory_free = nullptr;
+  // Stream-ordered scratch of the backward pass (the stream's memory pool; CUDA 11.2 drivers on).
+  decltype(&::cuMemAllocAsync) memory_allocate_async = nullptr;
+  decltype(&::cuMemFreeAsync) memory_free_async = nullptr;
+  decltype(&::cuMemsetD8Async) memset_d8_async = nullptr;
   decltype(&::cuMemcpyHtoD) copy_host_to_device = nullptr;
   decltype(&::cuMemcpyDtoH) copy_device_to_host = nullptr;
   decltype(&::cuGetErrorName) get_error_name = nullptr;

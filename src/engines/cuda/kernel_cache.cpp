@@ -1,6 +1,7 @@
 #include "engines/cuda/kernel_cache.hpp"
 
 #include <fmt/format.h>
+#include <fmt/ranges.h>
 #include <nvrtc.h>
 #include <unistd.h>
 
@@ -14,7 +15,6 @@
 #include <random>
 #include <system_error>
 
-#include "engines/cuda/codegen.hpp"
 #include "flexattn/error.hpp"
 
 namespace flexattn::cuda {
@@ -182,21 +182,36 @@ std::vector<char> compile_to_cubin(const std::string& source, const std::string&
 }
 
 CompiledKernel::CompiledKernel(std::shared_ptr<const Driver> driver,
-                               const std::vector<char>& cubin, int shared_bytes)
+                               const std::vector<char>& cubin,
+                               const std::vector<KernelFunction>& functions)
     : driver_(std::move(driver)) {
   ContextScope scope(*driver_);
   driver_->check(driver_->api().module_load_data(&module_, cubin.data()), "cuModuleLoadData");
   try {
-    const std::string name(kKernelName);
-    driver_->check(driver_->api().module_get_function(&function_, module_, name.c_str()),
-                   "cuModuleGetFunction");
-    driver_->check(driver_->api().function_set_attribute(
-                       function_, CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, shared_bytes),
-                   "cuFuncSetAttribute(MAX_DYNAMIC_SHARED_SIZE_BYTES)");
+    for (const KernelFunction& kernel : functions) {
+      CUfunction function = nullptr;
+      driver_->check(
+          driver_->api().module_get_function(&function, module_, kernel.name.c_str()),
+          fmt::format("cuModuleGetFunction({})", kernel.name));
+      driver_->check(driver_->api().function_set_attribute(
+                         function, CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+                         kernel.shared_bytes),
+                     fmt::format("cuFuncSetAttribute({}, MAX_DYNAMIC_SHARED_SIZE_BYTES)",
+                                 kernel.name));
+      functions_.emplace(kernel.name, function);
+    }
   } catch (...) {
     driver_->api().module_unload(module_);
     throw;
   }
+}
+
+CUfunction CompiledKernel::function(std::string_view name) const {
+  const auto found = functions_.find(name);
+  if (found == functions_.end()) {
+    throw_internal(fmt::format("cuda: the compiled module has no kernel {}", name));
+  }
+  return found->second;
 }
 
 CompiledKernel::~CompiledKernel() {
@@ -207,11 +222,16 @@ CompiledKernel::~CompiledKernel() {
   }
 }
 
-KernelLookup KernelCache::get(const std::string& source, int shared_bytes) {
+KernelLookup KernelCache::get(const std::string& source,
+                              const std::vector<KernelFunction>& functions) {
   const auto start = std::chrono::steady_clock::now();
+  // The names are in the source; the shared bytes are set when loading, so they are part of the
+  // in-memory entry ("|shared 98304" for a forward-only module, as before the backward existed).
+  std::vector<int> shared;
+  for (const KernelFunction& kernel : functions) shared.push_back(kernel.shared_bytes);
   const std::string versions =
       fmt::format("|sm_{}|nvrtc {}|driver {}|shared {}", driver_->compute_capability(),
-                  nvrtc_version(), driver_->driver_version(), shared_bytes);
+                  nvrtc_version(), driver_->driver_version(), fmt::join(shared, ","));
   KernelLookup lookup;
   lookup.key = fmt::format("{:016x}{:016x}", fnv1a(versions, fnv1a(source, kFnvOffset)),
                            fnv1a(versions, fnv1a(source, kSecondOffset)));
@@ -237,7 +257,7 @@ KernelLookup KernelCache::get(const std::string& source, int shared_bytes) {
     if (!entry.empty()) write_entry(entry, lookup.key, cubin);
     lookup.origin = "compiled (NVRTC)";
   }
-  lookup.kernel = std::make_shared<CompiledKernel>(driver_, cubin, shared_bytes);
+  lookup.kernel = std::make_shared<CompiledKernel>(driver_, cubin, functions);
   kernels_.emplace(lookup.key, lookup.kernel);
   lookup.seconds = elapsed();
   return lookup;

@@ -9,10 +9,12 @@
 
 #include <cstdint>
 #include <filesystem>
+#include <functional>
 #include <map>
 #include <memory>
 #include <mutex>
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include "engines/cuda/driver.hpp"
@@ -28,20 +30,27 @@ std::string nvrtc_version();
 // Where compiled kernels are kept; empty when no directory can be determined.
 std::filesystem::path cache_directory();
 
-// A loaded module holding the generated kernel.
+// A kernel of the module and the dynamic shared memory it is launched with.
+struct KernelFunction {
+  std::string name;
+  int shared_bytes = 0;
+};
+
+// A loaded module holding the generated kernels.
 class CompiledKernel {
  public:
   CompiledKernel(std::shared_ptr<const Driver> driver, const std::vector<char>& cubin,
-                 int shared_bytes);
+                 const std::vector<KernelFunction>& functions);
   ~CompiledKernel();
   CompiledKernel(const CompiledKernel&) = delete;
   CompiledKernel& operator=(const CompiledKernel&) = delete;
-  CUfunction function() const { return function_; }
+  // The kernel `name` (one of those it was loaded with); throws Error(kInternal) otherwise.
+  CUfunction function(std::string_view name) const;
 
  private:
   std::shared_ptr<const Driver> driver_;
   CUmodule module_ = nullptr;
-  CUfunction function_ = nullptr;
+  std::map<std::string, CUfunction, std::less<>> functions_;
 };
 
 struct KernelLookup {
@@ -54,8 +63,8 @@ struct KernelLookup {
 class KernelCache {
  public:
   explicit KernelCache(std::shared_ptr<const Driver> driver) : driver_(std::move(driver)) {}
-  // The kernel of `source`, launched with `shared_bytes` of dynamic shared memory.
-  KernelLookup get(const std::string& source, int shared_bytes);
+  // The module of `source`, with each of `functions` set up for its dynamic shared memory.
+  KernelLookup get(const std::string& source, const std::vector<KernelFunction>& functions);
 
  private:
   std::shared_ptr<const Driver> driver_;

@@ -35,23 +35,24 @@ constexpr int kSimtClassBlockQ = 64;
 // Bound on the tile list (4 bytes an entry): 64 Mi entries, e.g. sequences of about 250k tokens.
 constexpr std::int64_t kMaxTileEntries = std::int64_t{1} << 26;
 
-int round_up(int value, int multiple) { return (value + multiple - 1) / multiple * multiple; }
+// ---- backward (kernels/backward_mma.cuh, backward_simt.cuh) ----
+// Both backward kernels run 4 warps.
+constexpr int kBackwardThreads = 128;
+// Tensor cores: 64 x 64 tiles, 16 rows per warp; the dK and dV accumulators of a 64-key tile
+// (64 x (head_dim_qk + head_dim_v) fp32 over 128 threads) fit the registers up to head dim 128.
+constexpr int kBackwardMmaBlock = 64;
+constexpr int kBackwardMmaMaxHeadDim = 128;
+// Its accumulators take most of the registers: one block per multiprocessor.
+constexpr int kBackwardMmaMinBlocks = 1;
+// Q and dO (dK/dV kernel) or K and V (dQ kernel) are double-buffered.
+constexpr int kBackwardMmaStages = 2;
+// Per stage, the dK/dV kernel also stages lse and delta (two floats per query row).
+constexpr int kBackwardRowStatistics = 2;
+// fp32 units: 32 x 32 tiles keep P and dS (32 x 33 floats each, padded against bank conflicts)
+// in shared memory beside the four row tiles, up to head dim 256.
+constexpr int kBackwardSimtBlock = 32;
 
-const char* element_tag(DType dtype) {
-  switch (dtype) {
-    case DType::kBF16:
-      return "flexattn_kernels::BFloat16Tag";
-    case DType::kF16:
-      return "flexattn_kernels::HalfTag";
-    case DType::kF32:
-      return "flexattn_kernels::Float32Tag";
-    case DType::kF64:
-    case DType::kI32:
-    case DType::kI64:
-      break;
-  }
-  throw_internal("cuda engine: no element type for " + std::string(to_string(dtype)));
-}
+int round_up(int value, int multiple) { return (value + multiple - 1) / multiple * multiple; }
 
 // Every non-unit stride of q, k, v, o is a whole number of 16-byte chunks, so each row starts
 // 16-byte aligned when the data pointer is (checked at run time).
@@ -107,7 +108,67 @@ KernelChoice simt_choice(const Problem& problem) {
   return c;
 }
 
+BackwardChoice backward_mma_choice(const Problem& problem) {
+  BackwardChoice c;
+  c.kind = KernelKind::kMma;
+  c.dtype = problem.dtype();
+  c.head_dim_qk = static_cast<int>(problem.head_dim_qk());
+  c.head_dim_v = static_cast<int>(problem.head_dim_v());
+  c.padded_qk = round_up(c.head_dim_qk, kMmaRowMultiple);
+  c.padded_v = round_up(c.head_dim_v, kMmaRowMultiple);
+  c.block_q = kBackwardMmaBlock;
+  c.block_kv = kBackwardMmaBlock;
+  c.threads = kBackwardThreads;
+  c.min_blocks = kBackwardMmaMinBlocks;
+  constexpr int kBytes = 2;  // bf16 / fp16
+  // One resident tile (K and V, or Q and dO) and kBackwardMmaStages of the streamed pair.
+  const int pair = kBackwardMmaBlock * (c.padded_qk + c.padded_v) * kBytes;
+  const int streamed = (1 + kBackwardMmaStages) * pair;
+  const int statistics = kBackwardMmaStages * kBackwardRowStatistics * kBackwardMmaBlock *
+                         static_cast<int>(sizeof(float));
+  c.shared_dkdv = streamed + statistics;
+  c.shared_dq = streamed;
+  return c;
+}
+
+BackwardChoice backward_simt_choice(const Problem& problem, std::string why) {
+  BackwardChoice c;
+  c.kind = KernelKind::kSimt;
+  c.dtype = problem.dtype();
+  c.head_dim_qk = static_cast<int>(problem.head_dim_qk());
+  c.head_dim_v = static_cast<int>(problem.head_dim_v());
+  c.padded_qk = c.head_dim_qk;
+  c.padded_v = c.head_dim_v;
+  c.block_q = kBackwardSimtBlock;
+  c.block_kv = kBackwardSimtBlock;
+  c.threads = kBackwardThreads;
+  constexpr int kBlock = kBackwardSimtBlock;
+  // Floats: two row tiles of each head dim (Q, K and dO, V), lse and delta, and P and dS.
+  const int floats = 2 * kBlock * (c.head_dim_qk + c.head_dim_v) + kBackwardRowStatistics * kBlock +
+                     2 * kBlock * (kBlock + 1);
+  c.shared_dkdv = floats * static_cast<int>(sizeof(float));
+  c.shared_dq = c.shared_dkdv;
+  c.why = std::move(why);
+  return c;
+}
+
 }  // namespace
+
+const char* element_tag(DType dtype) {
+  switch (dtype) {
+    case DType::kBF16:
+      return "flexattn_kernels::BFloat16Tag";
+    case DType::kF16:
+      return "flexattn_kernels::HalfTag";
+    case DType::kF32:
+      return "flexattn_kernels::Float32Tag";
+    case DType::kF64:
+    case DType::kI32:
+    case DType::kI64:
+      break;
+  }
+  throw_internal("cuda engine: no element type for " + std::string(to_string(dtype)));
+}
 
 int KernelChoice::threads() const { return warps * kWarpSize; }
 
@@ -159,6 +220,97 @@ KernelSelection choose_kernel(const Problem& problem) {
   return selection;
 }
 
+std::string BackwardChoice::config_type() const {
+  if (kind == KernelKind::kMma) {
+    return fmt::format("flexattn_kernels::BackwardMmaConfig<{}, {}, {}, {}, {}, {}, {}>",
+                       element_tag(dtype), head_dim_qk, head_dim_v, padded_qk, padded_v,
+                       shared_dkdv, shared_dq);
+  }
+  return fmt::format("flexattn_kernels::BackwardSimtConfig<{}, {}, {}, {}, {}>",
+                     element_tag(dtype), head_dim_qk, head_dim_v, shared_dkdv, shared_dq);
+}
+
+std::string BackwardChoice::dkdv_template() const {
+  return kind == KernelKind::kMma ? "backward_dkdv_mma" : "backward_dkdv_simt";
+}
+
+std::string BackwardChoice::dq_template() const {
+  return kind == KernelKind::kMma ? "backward_dq_mma" : "backward_dq_simt";
+}
+
+std::string BackwardChoice::describe() const {
+  if (kind == KernelKind::kMma) {
+    return fmt::format(
+        "tensor-core (mma.sync) {}, {}x{} tiles, {} threads, head dims {} (padded {}) and {} "
+        "(padded {}), {} KB shared (dK/dV) and {} KB (dQ)",
+        to_string(dtype), block_q, block_kv, threads, head_dim_qk, padded_qk, head_dim_v,
+        padded_v, shared_dkdv / 1024, shared_dq / 1024);
+  }
+  return fmt::format(
+      "fp32 units {} ({}), {}x{} tiles, {} threads, head dims {} and {}, {} KB shared",
+      to_string(dtype), why, block_q, block_kv, threads, head_dim_qk, head_dim_v,
+      shared_dkdv / 1024);
+}
+
+BackwardSelection choose_backward_kernel(const Problem& problem) {
+  BackwardSelection selection;
+  const DType dtype = problem.dtype();
+  if (dtype != DType::kBF16 && dtype != DType::kF16 && dtype != DType::kF32) {
+    selection.reason = fmt::format("the backward serves bf16, fp16 and fp32 storage, not {}",
+                                   to_string(dtype));
+    return selection;
+  }
+  const std::int64_t largest = std::max(problem.head_dim_qk(), problem.head_dim_v());
+  if (largest > kMaxHeadDim) {
+    selection.reason = fmt::format(
+        "head dim {} exceeds the largest the backward kernels hold ({})", largest, kMaxHeadDim);
+    return selection;
+  }
+  if (dtype == DType::kF32) {
+    selection.choice = backward_simt_choice(problem, "fp32 storage");
+  } else if (problem.head_dim_qk() % kChunkElements != 0 ||
+             problem.head_dim_v() % kChunkElements != 0) {
+    selection.choice = backward_simt_choice(
+        problem, fmt::format("head dims {} and {} are not multiples of {}", problem.head_dim_qk(),
+                             problem.head_dim_v(), kChunkElements));
+  } else if (largest > kBackwardMmaMaxHeadDim) {
+    selection.choice = backward_simt_choice(
+        problem, fmt::format("head dim {} exceeds the tensor-core backward's {}", largest,
+                             kBackwardMmaMaxHeadDim));
+  } else if (!strides_chunk_aligned(problem)) {
+    selection.choice = backward_simt_choice(
+        problem, fmt::format("a stride of q, k, v or o is not a multiple of {} elements",
+                             kChunkElements));
+  } else {
+    selection.choice = backward_mma_choice(problem);
+  }
+  return selection;
+}
+
+KvTileList transpose_tiles(const TileList& list) {
+  KvTileList transposed;
+  const auto kv_tiles = static_cast<std::size_t>(list.kv_tiles);
+  // Counting sort by kv tile; walking the query blocks in order keeps each kv tile's ascending.
+  transposed.offsets.assign(kv_tiles + 1, 0);
+  for (const int entry : list.entries) {
+    ++transposed.offsets[static_cast<std::size_t>(entry >> 1) + 1];
+  }
+  for (std::size_t tile = 0; tile < kv_tiles; ++tile) {
+    transposed.offsets[tile + 1] += transposed.offsets[tile];
+  }
+  std::vector<int> next(transposed.offsets.begin(), transposed.offsets.end() - 1);
+  transposed.entries.resize(list.entries.size());
+  for (std::size_t block = 0; block + 1 < list.offsets.size(); ++block) {
+    for (int i = list.offsets[block]; i < list.offsets[block + 1]; ++i) {
+      const int entry = list.entries[static_cast<std::size_t>(i)];
+      const auto tile = static_cast<std::size_t>(entry >> 1);
+      transposed.entries[static_cast<std::size_t>(next[tile]++)] =
+          static_cast<int>(block << 1) | (entry & 1);
+    }
+  }
+  return transposed;
+}
+
 TileList classify_tiles(const Problem& problem, int class_block_q, int block_n) {
   TileList list;
   list.class_block_q = class_block_q;
@@ -167,6 +319,8 @@ TileList classify_tiles(const Problem& problem, int class_block_q, int block_n) 
   const std::int64_t seq_kv = problem.seq_len_kv();
   const std::int64_t query_blocks = (seq_q + class_block_q - 1) / class_block_q;
   const std::int64_t kv_tiles = (seq_kv + block_n - 1) / block_n;
+  list.query_blocks = query_blocks;
+  list.kv_tiles = kv_tiles;
   list.tiles = query_blocks * kv_tiles;
   if (list.tiles > kMaxTileEntries) {
     throw_unsupported(fmt::format(

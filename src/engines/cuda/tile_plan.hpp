@@ -1,5 +1,6 @@
-// Which forward kernel and tile shape serve a problem (small pure functions, each constant with
-// its why), and which kv tiles each query block visits (the mask's interval analysis).
+// Which forward and backward kernels and tile shapes serve a problem (small pure functions, each
+// constant with its why), and which kv tiles each query block visits (the mask's interval
+// analysis), in query-major order and transposed to kv-major order for the backward.
 #pragma once
 
 #include <cstdint>
@@ -14,6 +15,9 @@ enum class KernelKind {
   kMma,   // tensor cores, bf16/fp16 storage (kernels/forward_mma.cuh)
   kSimt,  // fp32 units: fp32 storage, or head dims the tensor-core kernel cannot take
 };
+
+// The kernels' element type tag of a storage dtype ("flexattn_kernels::BFloat16Tag").
+const char* element_tag(DType dtype);
 
 struct KernelChoice {
   KernelKind kind = KernelKind::kMma;
@@ -52,11 +56,54 @@ struct TileList {
   int block_n = 0;
   std::vector<int> offsets;
   std::vector<int> entries;
+  std::int64_t query_blocks = 0;
+  std::int64_t kv_tiles = 0;
   std::int64_t tiles = 0;    // all (query block, kv tile) pairs
   std::int64_t skipped = 0;  // removed by the mask
   std::int64_t mixed = 0;    // visited with the mask evaluated
 };
 // Throws Error(kUnsupported) when the list would be too large to hold.
 TileList classify_tiles(const Problem& problem, int class_block_q, int block_n);
+
+// The same pairs in kv-major order (the backward's dK/dV kernel owns a kv tile): for kv tile t,
+// entries[offsets[t] .. offsets[t + 1]) are the query blocks that visit it, ascending, each
+// q_block << 1 | mixed.
+struct KvTileList {
+  std::vector<int> offsets;  // kv_tiles + 1
+  std::vector<int> entries;
+};
+KvTileList transpose_tiles(const TileList& list);
+
+// ---- backward ----------------------------------------------------------------------------------
+
+// The backward kernels (dK/dV and dQ) of one kind: kernels/backward_mma.cuh or backward_simt.cuh.
+struct BackwardChoice {
+  KernelKind kind = KernelKind::kMma;
+  DType dtype = DType::kBF16;
+  int head_dim_qk = 0;
+  int head_dim_v = 0;
+  int padded_qk = 0;  // mma: shared-memory row width (a multiple of 64); simt: the head dim
+  int padded_v = 0;
+  int block_q = 0;   // query rows per block (and per classified block of the tile list)
+  int block_kv = 0;  // keys per kv tile
+  int threads = 0;
+  int min_blocks = 0;   // mma: thread blocks per multiprocessor the registers must allow; simt: 0
+  int shared_dkdv = 0;  // dynamic shared memory of the dK/dV kernel, bytes
+  int shared_dq = 0;    // of the dQ kernel
+  std::string why;      // why this kind ("fp32 storage", "head dim 160 exceeds 128", ...)
+
+  // The C++ type of the kernel configuration ("flexattn_kernels::BackwardMmaConfig<...>").
+  std::string config_type() const;
+  // "backward_dkdv_mma" / "backward_dkdv_simt" and the dQ counterparts.
+  std::string dkdv_template() const;
+  std::string dq_template() const;
+  std::string describe() const;
+};
+
+struct BackwardSelection {
+  BackwardChoice choice;
+  std::string reason;  // empty when a kernel fits
+};
+BackwardSelection choose_backward_kernel(const Problem& problem);
 
 }  // namespace flexattn::cuda

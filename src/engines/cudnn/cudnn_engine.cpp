@@ -236,6 +236,8 @@ class CudnnEngine final : public Engine {
       policy_.exclusions.patterns.push_back(std::move(pattern));
     }
     policy_.allow_unverified = options.allow_unverified_engines;
+    policy_.release = runtime_->library()->version();
+    policy_.release_text = runtime_->library()->version_text();
   }
 
   std::string_view name() const override { return kEngineName; }
@@ -372,15 +374,29 @@ std::shared_ptr<const Engine> make_cudnn_engine(CudnnOptions options) {
   return std::make_shared<cudnn::CudnnEngine>(std::move(options));
 }
 
+namespace {
+
+// The H200 of the benchmarks; the constraints depend on the architecture.
+constexpr int kAssumedCapability = 90;
+
+Support check_lowering(const Problem& problem, cudnn::ModifierLowering& modifiers) {
+  if (Support s = cudnn::check_constraints(problem, kAssumedCapability); !s) return s;
+  return cudnn::lower_modifiers(problem, modifiers);
+}
+
+}  // namespace
+
+Support check_cudnn_lowering(const Problem& problem) {
+  cudnn::ModifierLowering modifiers;
+  return check_lowering(problem, modifiers);
+}
+
 Support check_cudnn_graphs_without_device(const Problem& problem, std::string& summary) {
   using namespace cudnn;
-  // The H200 of the benchmarks; the constraints depend on the architecture.
-  constexpr int kAssumedCapability = 90;
   const std::shared_ptr<const Library> library = Library::open();
   if (!library->availability()) return library->availability();
-  if (Support s = check_constraints(problem, kAssumedCapability); !s) return s;
   ModifierLowering modifiers;
-  if (Support s = lower_modifiers(problem, modifiers); !s) return s;
+  if (Support s = check_lowering(problem, modifiers); !s) return s;
   try {
     summary = build_forward_graph(library, problem, modifiers).summary;
     if (problem.wants_backward()) {

@@ -22,6 +22,11 @@ struct CudnnOptions {
 
 std::shared_ptr<const Engine> make_cudnn_engine(CudnnOptions options = {});
 
+// The part of supports() that needs neither libcudnn nor a device: the constraints (for an sm_90
+// device) and the lowering of the modifiers (and of the score modifier's derivative) to cuDNN
+// pointwise modes. For unit tests of the lowering table on any machine built with cuDNN headers.
+Support check_cudnn_lowering(const Problem& problem);
+
 // The part of planning that needs libcudnn but no device: the constraints (for an sm_90 device),
 // the lowering of the modifiers, and the construction of every tensor and operation descriptor of
 // the forward (and backward) graph. Operation graphs, heuristics and plans need a device and are

@@ -94,9 +94,9 @@ std::vector<Candidate> screen(std::vector<Candidate> candidates, GraphKind kind,
           fmt::format("{} excluded (pattern '{}')", candidate.choice.tag(), pattern));
       continue;
     }
-    if (!policy.allow_unverified && !is_verified(kind, candidate.choice)) {
-      rejected.push_back(fmt::format("{} not verified for {} graphs (verified: {})",
-                                     candidate.choice.tag(), to_string(kind),
+    if (!policy.allow_unverified && !is_verified(kind, candidate.choice, policy.release)) {
+      rejected.push_back(fmt::format("{} not verified for {} graphs on cuDNN {} (verified: {})",
+                                     candidate.choice.tag(), to_string(kind), policy.release_text,
                                      verified_engines(kind)));
       continue;
     }
@@ -135,6 +135,13 @@ std::optional<FinalizedPlan> finalize_plan(const std::shared_ptr<const Library>&
     } catch (const Error& error) {
       readback = fmt::format("not readable from the plan ({}); plan JSON: {}", error.what(),
                              plan_json(plan));
+      // cuDNN 9.19 answers the read-back (first device run); a release that does not leaves the
+      // engine unproven, which only qualifying runs accept.
+      if (!policy.allow_unverified) {
+        throw Error(ErrorCode::kCudnn,
+                    fmt::format("cudnn: the engine of the finalized {} plan is {} (asked for {})",
+                                to_string(kind), readback, candidate.choice.tag()));
+      }
     }
     if (const std::string pattern = policy.exclusions.match(chosen); !pattern.empty()) {
       throw Error(ErrorCode::kCudnn,
@@ -142,12 +149,12 @@ std::optional<FinalizedPlan> finalize_plan(const std::shared_ptr<const Library>&
                               "'{}' (asked for {})",
                               to_string(kind), chosen.tag(), pattern, candidate.choice.tag()));
     }
-    if (!policy.allow_unverified && !is_verified(kind, chosen)) {
+    if (!policy.allow_unverified && !is_verified(kind, chosen, policy.release)) {
       throw Error(ErrorCode::kCudnn,
                   fmt::format("cudnn: the finalized {} plan runs engine {}, which no device run "
-                              "has verified (verified: {}; asked for {})",
-                              to_string(kind), chosen.tag(), verified_engines(kind),
-                              candidate.choice.tag()));
+                              "has verified on cuDNN {} (verified: {}; asked for {})",
+                              to_string(kind), chosen.tag(), policy.release_text,
+                              verified_engines(kind), candidate.choice.tag()));
     }
     FinalizedPlan result{std::move(plan), std::move(chosen), 0, rank, std::move(readback)};
     result.workspace_bytes = result.plan.get_int64(CUDNN_ATTR_EXECUTION_PLAN_WORKSPACE_SIZE,

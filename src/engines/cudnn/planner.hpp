@@ -29,6 +29,8 @@ EngineChoice read_choice(const Descriptor& engine_config);
 struct ScreeningPolicy {
   ExclusionList exclusions;
   bool allow_unverified = false;
+  std::size_t release = 0;   // the loaded cuDNN, as cudnnGetVersion() gives it
+  std::string release_text;  // "9.19.0"
 };
 
 // Keeps the candidates the policy allows; `rejected` gets one line per refused one.
@@ -44,9 +46,9 @@ struct FinalizedPlan {
 };
 
 // Finalizes the first candidate cuDNN accepts, then checks the engine the plan records against
-// the policy and throws Error(kCudnn) if it is excluded or unverified (cuDNN may not swap in an
-// engine behind the caller's back). Empty when every candidate was declined; `declined` lists
-// them.
+// the policy and throws Error(kCudnn) if it is excluded, unverified or cannot be read back (cuDNN
+// may not swap in an engine behind the caller's back). Empty when every candidate was declined;
+// `declined` lists them.
 std::optional<FinalizedPlan> finalize_plan(const std::shared_ptr<const Library>& library,
                                            cudnnHandle_t handle,
                                            const std::vector<Candidate>& candidates, GraphKind kind,

@@ -1,11 +1,18 @@
-// Ahead-of-time compile check of the kernel templates (built by nvcc for sm_90, never run): the
-// identity modifier instantiated with the tile configurations the engine uses, so a type error
-// in a template fails the build even where no GPU and no NVRTC run happens.
+// Ahead-of-time compile check of the kernel templates (built by nvcc for sm_90, never run): an
+// identity and a softcap modifier instantiated with the tile configurations the engine uses,
+// forward and backward, so a type error in a template fails the build even where no GPU and no
+// NVRTC run happens.
+#include "backward_common.cuh"
+#include "backward_mma.cuh"
+#include "backward_simt.cuh"
 #include "forward_mma.cuh"
 #include "forward_simt.cuh"
 
+using flexattn_kernels::BackwardParams;
+using flexattn_kernels::BackwardSimtConfig;
 using flexattn_kernels::BFloat16Tag;
 using flexattn_kernels::Coordinates;
+using flexattn_kernels::FinalizeParams;
 using flexattn_kernels::Float32Tag;
 using flexattn_kernels::ForwardParams;
 using flexattn_kernels::HalfTag;
@@ -27,25 +34,71 @@ struct IdentityModifier {
                                   int, int) {
     return true;
   }
+
+  static constexpr bool kIdentityDerivative = true;
+  static constexpr bool kHasTensorGrads = false;
+  static constexpr int kLocalGradSlots = 1;
+  __device__ static float score_grad(const Invariants&, const ForwardParams&, const Coordinates&,
+                                     float, int, int) {
+    return 1.0f;
+  }
+  __device__ static void tensor_grads(const Invariants&, const BackwardParams&, const Coordinates&,
+                                      float, int, int, float, long long (&)[kLocalGradSlots]) {}
+  __device__ static void flush_tensor_grads(const Invariants&, const BackwardParams&,
+                                            const Coordinates&, long long (&)[kLocalGradSlots]) {}
 };
 
-// A modifier with every code path of the element pipeline live (score_mod and mask).
+// A modifier with every code path of the element pipeline live (score_mod, mask, and in the
+// backward both kinds of tensor gradient): cap * tanh(score / cap) + head_bias[h] +
+// position_bias[kv], causal.
 struct CausalSoftcapModifier {
   static constexpr bool kIdentityScore = false;
   static constexpr bool kHasMask = true;
   struct Invariants {
     float cap;
+    float head_bias;  // tensors[0][h]: depends only on (b, h)
   };
-  __device__ static Invariants prepare(const ForwardParams& p, const Coordinates&) {
-    return Invariants{p.params[0]};
+  __device__ static Invariants prepare(const ForwardParams& p, const Coordinates& at) {
+    return Invariants{p.params[0], flexattn_kernels::load_tensor_f32(
+                                       static_cast<const float*>(p.tensors[0].data), at.head)};
   }
-  __device__ static float score_mod(const Invariants& invariants, const ForwardParams&,
-                                    const Coordinates&, float score, int, int) {
-    return invariants.cap * tanhf(score / invariants.cap);
+  __device__ static float score_mod(const Invariants& invariants, const ForwardParams& p,
+                                    const Coordinates&, float score, int, int kv) {
+    return invariants.cap * tanhf(score / invariants.cap) + invariants.head_bias +
+           flexattn_kernels::load_tensor_f32(static_cast<const float*>(p.tensors[1].data), kv);
   }
   __device__ static bool mask_mod(const Invariants&, const ForwardParams&, const Coordinates&,
                                   int q, int kv) {
     return q >= kv;
+  }
+
+  static constexpr bool kIdentityDerivative = false;
+  static constexpr bool kHasTensorGrads = true;
+  static constexpr int kLocalGradSlots = 1;  // head_bias
+  // d(cap * tanh(score / cap)) / d score = 1 - tanh^2(score / cap).
+  __device__ static float score_grad(const Invariants& invariants, const ForwardParams&,
+                                     const Coordinates&, float score, int, int) {
+    const float t = tanhf(score / invariants.cap);
+    return 1.0f - t * t;
+  }
+  // Both biases enter with derivative 1: head_bias through the per-thread slot, position_bias
+  // (indexed by kv) straight into its accumulator.
+  __device__ static void tensor_grads(const Invariants&, const BackwardParams& p,
+                                      const Coordinates&, float, int, int kv, float dlogit,
+                                      long long (&local)[kLocalGradSlots]) {
+    if (p.grad_fixed[0] != nullptr) local[0] += flexattn_kernels::to_fixed(dlogit);
+    if (p.grad_fixed[1] != nullptr) {
+      flexattn_kernels::add_fixed(p.grad_fixed[1] + kv, flexattn_kernels::to_fixed(dlogit));
+    }
+  }
+  __device__ static void flush_tensor_grads(const Invariants&, const BackwardParams& p,
+                                            const Coordinates& at,
+                                            long long (&local)[kLocalGradSlots]) {
+    if (p.grad_fixed[0] == nullptr) return;
+    const long long sum = flexattn_kernels::warp_sum_fixed(local[0]);
+    if (threadIdx.x % flexattn_kernels::kWarpSize == 0) {
+      flexattn_kernels::add_fixed(p.grad_fixed[0] + at.head, sum);
+    }
   }
 };
 
@@ -77,3 +130,47 @@ FLEXATTN_AOT_MMA(aot_bf16_d256, IdentityModifier, BFloat16Tag, 256, 256, 256, 25
 FLEXATTN_AOT_SIMT(aot_f32_d64, IdentityModifier, Float32Tag, 64, 64)
 FLEXATTN_AOT_SIMT(aot_f32_d80_softcap, CausalSoftcapModifier, Float32Tag, 80, 40)
 FLEXATTN_AOT_SIMT(aot_bf16_d17, CausalSoftcapModifier, BFloat16Tag, 17, 17)
+
+// ---- backward -------------------------------------------------------------------------------
+
+#define FLEXATTN_AOT_BACKWARD_DELTA(name, tag, head_dim_v)                                    \
+  extern "C" __global__ void __launch_bounds__(flexattn_kernels::kDeltaThreads)              \
+      name(const BackwardParams params) {                                                     \
+    flexattn_kernels::backward_delta<tag, head_dim_v>(params);                                \
+  }
+// The simt dK/dV and dQ kernels of one configuration: name##_dkdv, name##_dq.
+#define FLEXATTN_AOT_BACKWARD_SIMT(name, modifier, tag, head_dim_qk, head_dim_v)              \
+  using name##_config = BackwardSimtConfig<                                                   \
+      tag, head_dim_qk, head_dim_v,                                                           \
+      flexattn_kernels::backward_simt_shared_bytes(head_dim_qk, head_dim_v),                  \
+      flexattn_kernels::backward_simt_shared_bytes(head_dim_qk, head_dim_v)>;                 \
+  static_assert(name##_config::kSharedBytesDkdv <= kMaxSharedBytes,                           \
+                "the dK/dV kernel's shared memory fits a multiprocessor");                    \
+  extern "C" __global__ void __launch_bounds__(name##_config::kThreads)                       \
+      name##_dkdv(const BackwardParams params) {                                              \
+    flexattn_kernels::backward_dkdv_simt<name##_config, modifier>(params);                    \
+  }                                                                                           \
+  extern "C" __global__ void __launch_bounds__(name##_config::kThreads)                       \
+      name##_dq(const BackwardParams params) {                                                \
+    flexattn_kernels::backward_dq_simt<name##_config, modifier>(params);                      \
+  }
+
+// The most dynamic shared memory one block of sm_90 may use (227 KB).
+constexpr int kMaxSharedBytes = 227 * 1024;
+
+extern "C" __global__ void __launch_bounds__(flexattn_kernels::kFinalizeThreads)
+    aot_backward_finalize(const FinalizeParams params) {
+  flexattn_kernels::backward_finalize(params);
+}
+
+FLEXATTN_AOT_BACKWARD_DELTA(aot_backward_delta_f32_v64, Float32Tag, 64)
+FLEXATTN_AOT_BACKWARD_DELTA(aot_backward_delta_f32_v40, Float32Tag, 40)
+FLEXATTN_AOT_BACKWARD_DELTA(aot_backward_delta_bf16_v17, BFloat16Tag, 17)
+FLEXATTN_AOT_BACKWARD_DELTA(aot_backward_delta_f32_v256, Float32Tag, 256)
+
+FLEXATTN_AOT_BACKWARD_SIMT(aot_backward_f32_d64, IdentityModifier, Float32Tag, 64, 64)
+FLEXATTN_AOT_BACKWARD_SIMT(aot_backward_f32_d80_softcap, CausalSoftcapModifier, Float32Tag, 80, 40)
+FLEXATTN_AOT_BACKWARD_SIMT(aot_backward_bf16_d17, CausalSoftcapModifier, BFloat16Tag, 17, 17)
+FLEXATTN_AOT_BACKWARD_SIMT(aot_backward_f32_d256, IdentityModifier, Float32Tag, 256, 256)
+
+// Tensor-core backward (backward_mma.cuh): instantiations go here.

@@ -1,5 +1,509 @@
-// Flash-attention-2 backward on tensor cores (bf16/fp16). Being written (lead); see
-// backward_common.cuh for the shared interface.
+// Flash-attention-2 backward on tensor cores (bf16/fp16 storage, fp32 accumulation), in two
+// deterministic kernels that each own what they write (no atomics on dQ, dK or dV):
+//
+//   dkdv: a block owns 64 keys of one kv head. K and V stay in shared memory; for every query
+//         head of the GQA group and every q block that visits the tile (the kv-major tile list),
+//         Q, dO, LSE and delta stream through two shared-memory stages (cp.async), and each warp
+//         computes, for its 16 keys:
+//           S^T = K Q^T, P^T = exp(logits - LSE)        (the forward's element pipeline)
+//           dV += P^T dO
+//           dP^T = V dO^T, dS^T = P^T (dP^T - delta) * d score_mod / d score
+//           dK += dS^T Q                                 (scaled by the softmax scale at the end)
+//   dq:   a block owns 64 query rows of one head and walks the q-major tile list like the
+//         forward, with K and V in two stages: S = Q K^T, P, dP = dO V^T, dS, dQ += dS K; it also
+//         scatters the modifier's tensor gradients (Modifier::tensor_grads).
+//
+// P and dS enter the second mma of each pair rounded to the storage type, as FlashAttention
+// does; everything is accumulated in fp32. Fragment layouts: tile_ops.cuh.
 #pragma once
 
 #include "backward_common.cuh"
+#include "forward_common.cuh"
+#include "forward_mma.cuh"
+#include "tile_ops.cuh"
+
+namespace flexattn_kernels {
+
+template <class ElementTag, int kHeadDimQk_, int kHeadDimV_, int kPaddedQk, int kPaddedV,
+          int kSharedDkdv_, int kSharedDq_>
+struct BackwardMmaConfig {
+  using Tag = ElementTag;
+  static constexpr int kHeadDimQk = kHeadDimQk_;
+  static constexpr int kHeadDimV = kHeadDimV_;
+  static constexpr int kWarps = 4;
+  static constexpr int kThreads = kWarps * kWarpSize;
+  static constexpr int kBlockQ = 64;   // = 16 rows per warp (dq)
+  static constexpr int kBlockKv = 64;  // = 16 keys per warp (dkdv)
+  static constexpr int kStages = 2;
+  static constexpr int kChunksQk = kPaddedQk / kChunkElements;
+  static constexpr int kChunksV = kPaddedV / kChunkElements;
+  static constexpr int kRealChunksQk = kHeadDimQk / kChunkElements;
+  static constexpr int kRealChunksV = kHeadDimV / kChunkElements;
+  static constexpr int kStepsQk = (kHeadDimQk + 15) / 16;
+  static constexpr int kStepsV = (kHeadDimV + 15) / 16;
+  static constexpr int kLoadedChunksQk = 2 * kStepsQk;
+  static constexpr int kLoadedChunksV = 2 * kStepsV;
+  static constexpr int kTilesQk = 2 * kStepsQk;  // 8-column accumulator tiles of dK / dQ
+  static constexpr int kTilesV = 2 * kStepsV;    // 8-column accumulator tiles of dV
+  static constexpr int kTileQkBytes = 64 * kChunksQk * kChunkBytes;  // 64 rows of Q or K
+  static constexpr int kTileVBytes = 64 * kChunksV * kChunkBytes;    // 64 rows of V or dO
+  static constexpr int kRowStageBytes = 2 * 64 * static_cast<int>(sizeof(float));  // lse, delta
+  static constexpr int kSharedDkdv =
+      kTileQkBytes + kTileVBytes + kStages * (kTileQkBytes + kTileVBytes) +
+      kStages * kRowStageBytes;
+  static constexpr int kSharedDq = kTileQkBytes + kTileVBytes + kStages * (kTileQkBytes + kTileVBytes);
+
+  static_assert(kSharedDkdv == kSharedDkdv_, "host and kernel disagree on dkdv shared memory");
+  static_assert(kSharedDq == kSharedDq_, "host and kernel disagree on dq shared memory");
+  static_assert(kHeadDimQk % kChunkElements == 0 && kHeadDimV % kChunkElements == 0,
+                "head dims of the tensor-core kernels are multiples of 8");
+  static_assert(kPaddedQk % 64 == 0 && kPaddedV % 64 == 0, "padded dims are multiples of 64");
+  static_assert(kPaddedQk <= 128 && kPaddedV <= 128, "the accumulators hold head dims <= 128");
+};
+
+// Copies one float, or zero-fills it when `valid` is false.
+__device__ __forceinline__ void copy_float_async(unsigned destination, const float* source,
+                                                 bool valid) {
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(destination),
+               "l"(source), "r"(valid ? 4 : 0)
+               : "memory");
+}
+
+template <int kTiles>
+__device__ __forceinline__ void zero_accumulators(float (&tiles)[kTiles][4]) {
+#pragma unroll
+  for (int j = 0; j < kTiles; ++j) {
+#pragma unroll
+    for (int e = 0; e < 4; ++e) tiles[j][e] = 0.0f;
+  }
+}
+
+// Stages a warp's 16 accumulator rows (as storage type) at rows `row0`.. of a swizzled tile.
+template <class Tag, int kChunks, int kTiles>
+__device__ __forceinline__ void stage_rows(unsigned char* tile, const float (&acc)[kTiles][4],
+                                           int row0, int group, int quad_lane, float factor) {
+#pragma unroll
+  for (int half = 0; half < 2; ++half) {
+    const int row = row0 + group + half * 8;
+#pragma unroll
+    for (int j = 0; j < kTiles; ++j) {
+      const unsigned packed =
+          pack_pair(Tag{}, acc[j][2 * half] * factor, acc[j][2 * half + 1] * factor);
+      *reinterpret_cast<unsigned*>(tile + swizzled_offset<kChunks>(row, j) +
+                                   quad_lane * sizeof(unsigned)) = packed;
+    }
+  }
+}
+
+// Coalesced 16-byte stores of `rows_valid` staged rows to a view.
+template <int kChunks, int kRealChunks, int kThreads>
+__device__ __forceinline__ void store_staged(const unsigned char* tile, unsigned short* destination,
+                                             long long token_stride, int rows_valid, int thread) {
+  constexpr int kStoreChunks = 64 * kRealChunks;
+  for (int index = thread; index < kStoreChunks; index += kThreads) {
+    const int row = index / kRealChunks;
+    const int chunk = index % kRealChunks;
+    if (row < rows_valid) {
+      *reinterpret_cast<SharedChunk*>(destination + row * token_stride + chunk * kChunkElements) =
+          *reinterpret_cast<const SharedChunk*>(tile + swizzled_offset<kChunks>(row, chunk));
+    }
+  }
+}
+
+template <class Config, class Modifier>
+__device__ __forceinline__ void backward_dkdv_mma(const BackwardParams& bp) {
+  using Tag = typename Config::Tag;
+  constexpr int kThreads = Config::kThreads;
+  constexpr int kTilesQ = Config::kBlockQ / 8;  // 8-column tiles of S^T (query columns)
+  const ForwardParams& p = bp.fwd;
+  extern __shared__ __align__(128) unsigned char shared[];
+
+  const int thread = threadIdx.x;
+  const int warp = thread / kWarpSize;
+  const int lane = thread % kWarpSize;
+  const int group = lane / 4;
+  const int quad_lane = lane % 4;
+  const int kv_tile = blockIdx.x;
+  const int head_kv = blockIdx.y;
+  const int batch = blockIdx.z;
+  const SequenceSpan span = sequence_span(p, batch);
+  const int kv_start = kv_tile * Config::kBlockKv;
+  if (kv_start >= span.kv_len) return;
+
+  const unsigned k_tile = shared_address(shared);
+  const unsigned v_tile = k_tile + Config::kTileQkBytes;
+  const unsigned q_tiles = v_tile + Config::kTileVBytes;
+  const unsigned do_tiles = q_tiles + Config::kStages * Config::kTileQkBytes;
+  const unsigned row_tiles = do_tiles + Config::kStages * Config::kTileVBytes;
+  const float* row_floats = reinterpret_cast<const float*>(
+      shared + Config::kTileQkBytes + Config::kTileVBytes +
+      Config::kStages * (Config::kTileQkBytes + Config::kTileVBytes));
+
+  load_tile_async<64, Config::kChunksQk, Config::kLoadedChunksQk, kThreads>(
+      k_tile, view_row<const unsigned short>(p.k, batch, span.kv_offset + kv_start, head_kv),
+      p.k.token_stride, span.kv_len - kv_start, Config::kRealChunksQk, thread);
+  load_tile_async<64, Config::kChunksV, Config::kLoadedChunksV, kThreads>(
+      v_tile, view_row<const unsigned short>(p.v, batch, span.kv_offset + kv_start, head_kv),
+      p.v.token_stride, span.kv_len - kv_start, Config::kRealChunksV, thread);
+  commit_copies();
+
+  // The q blocks visiting this tile, without those past this sequence's queries (thd).
+  int begin = bp.kv_tile_offsets[kv_tile];
+  int end = bp.kv_tile_offsets[kv_tile + 1];
+  while (end > begin && (bp.kv_tile_entries[end - 1] >> 1) * Config::kBlockQ >= span.q_len) --end;
+  const int per_head = end - begin;
+  const int total = per_head * p.heads_per_kv;
+
+  auto load_queries = [&](int iteration, int stage) {
+    const int head = head_kv * p.heads_per_kv + iteration / per_head;
+    const int q_start = (bp.kv_tile_entries[begin + iteration % per_head] >> 1) * Config::kBlockQ;
+    const int rows_valid = span.q_len - q_start;
+    load_tile_async<64, Config::kChunksQk, Config::kLoadedChunksQk, kThreads>(
+        q_tiles + stage * Config::kTileQkBytes,
+        view_row<const unsigned short>(p.q, batch, span.q_offset + q_start, head),
+        p.q.token_stride, rows_valid, Config::kRealChunksQk, thread);
+    load_tile_async<64, Config::kChunksV, Config::kLoadedChunksV, kThreads>(
+        do_tiles + stage * Config::kTileVBytes,
+        view_row<const unsigned short>(bp.dout, batch, span.q_offset + q_start, head),
+        bp.dout.token_stride, rows_valid, Config::kRealChunksV, thread);
+    const int row = thread % 64;
+    const bool valid = row < rows_valid;
+    const float* source = thread < 64 ? lse_row(bp, batch, head, span.q_offset + q_start)
+                                      : delta_address(bp, batch, head, span.q_offset + q_start);
+    copy_float_async(row_tiles + stage * Config::kRowStageBytes + thread * sizeof(float),
+                     valid ? source + row : source, valid);
+  };
+  if (total > 0) load_queries(0, 0);
+  commit_copies();
+
+  float dk[Config::kTilesQk][4];
+  float dv[Config::kTilesV][4];
+  zero_accumulators(dk);
+  zero_accumulators(dv);
+
+  // ldmatrix lane addresses: K / V rows of this warp as A; Q / dO rows as n-major B (S^T, dP^T);
+  // Q / dO rows as k-major B (dK, dV).
+  const LaneOffsets<Config::kChunksQk> k_a(warp * 16 + lane % 16, lane / 16);
+  const LaneOffsets<Config::kChunksV> v_a(warp * 16 + lane % 16, lane / 16);
+  const LaneOffsets<Config::kChunksQk> q_n((lane / 16) * 8 + lane % 8, (lane / 8) % 2);
+  const LaneOffsets<Config::kChunksV> do_n((lane / 16) * 8 + lane % 8, (lane / 8) % 2);
+  const LaneOffsets<Config::kChunksQk> q_k(lane % 8 + ((lane / 8) % 2) * 8, lane / 16);
+  const LaneOffsets<Config::kChunksV> do_k(lane % 8 + ((lane / 8) % 2) * 8, lane / 16);
+
+  int kv_row[2];  // this thread's keys (accumulator rows), clamped into the sequence
+  kv_row[0] = kv_start + warp * 16 + group;
+  kv_row[1] = kv_row[0] + 8;
+  const bool kv_boundary = kv_start + Config::kBlockKv > span.kv_len;
+
+  int prepared_head = -1;
+  typename Modifier::Invariants invariants{};
+  for (int iteration = 0; iteration < total; ++iteration) {
+    const int stage = iteration % Config::kStages;
+    wait_copies<0>();
+    __syncthreads();  // this iteration's Q/dO visible; the other stage is no longer read
+    if (iteration + 1 < total) load_queries(iteration + 1, (iteration + 1) % Config::kStages);
+    commit_copies();
+
+    const int head = head_kv * p.heads_per_kv + iteration / per_head;
+    const int entry = bp.kv_tile_entries[begin + iteration % per_head];
+    const int q_start = (entry >> 1) * Config::kBlockQ;
+    const Coordinates at{batch, head, span.q_len, span.kv_len};
+    if (head != prepared_head) {
+      invariants = Modifier::prepare(p, at);
+      prepared_head = head;
+    }
+    const unsigned q_tile = q_tiles + stage * Config::kTileQkBytes;
+    const unsigned do_tile = do_tiles + stage * Config::kTileVBytes;
+    const float* lse_stage = row_floats + stage * 2 * 64;
+    const float* delta_stage = lse_stage + 64;
+
+    // S^T = K Q^T: 16 keys x 64 queries per warp.
+    float st[kTilesQ][4];
+    zero_accumulators(st);
+#pragma unroll
+    for (int step = 0; step < Config::kStepsQk; ++step) {
+      unsigned a[4];
+      load_matrix_x4(a, k_tile + k_a.at(step, 0));
+#pragma unroll
+      for (int pair = 0; pair < kTilesQ / 2; ++pair) {
+        unsigned b[4];
+        load_matrix_x4(b, q_tile + q_n.at(step, pair * 16));
+        mma_16x8x16(Tag{}, st[2 * pair], a, b[0], b[1]);
+        mma_16x8x16(Tag{}, st[2 * pair + 1], a, b[2], b[3]);
+      }
+    }
+    // dP^T = V dO^T.
+    float dpt[kTilesQ][4];
+    zero_accumulators(dpt);
+#pragma unroll
+    for (int step = 0; step < Config::kStepsV; ++step) {
+      unsigned a[4];
+      load_matrix_x4(a, v_tile + v_a.at(step, 0));
+#pragma unroll
+      for (int pair = 0; pair < kTilesQ / 2; ++pair) {
+        unsigned b[4];
+        load_matrix_x4(b, do_tile + do_n.at(step, pair * 16));
+        mma_16x8x16(Tag{}, dpt[2 * pair], a, b[0], b[1]);
+        mma_16x8x16(Tag{}, dpt[2 * pair + 1], a, b[2], b[3]);
+      }
+    }
+
+    // Element pipeline: st becomes P^T, dpt becomes dS^T.
+    const bool check = entry_is_mixed(entry) || kv_boundary;
+#pragma unroll
+    for (int j = 0; j < kTilesQ; ++j) {
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int column = j * 8 + 2 * quad_lane + e % 2;  // query row within the q block
+        const int q = q_start + column;
+        const bool q_valid = q < span.q_len;
+        const int q_inside = ir_min(q, span.q_len - 1);
+        const int kv = kv_row[e / 2];
+        const int kv_inside = ir_min(kv, span.kv_len - 1);
+        const float dot = st[j][e];
+        const float logit2 =
+            check ? element_logit<Modifier, true, true>(dot, p, invariants, at, q_inside, kv)
+                  : element_logit<Modifier, false, true>(dot, p, invariants, at, q_inside, kv);
+        const float lse2 = q_valid ? lse_stage[column] * kLog2e : negative_infinity();
+        const float probability = probability_log2(logit2, lse2);
+        const float dlogit = probability * (dpt[j][e] - delta_stage[column]);
+        float dscore = 0.0f;
+        if (dlogit != 0.0f) {
+          dscore = score_gradient<Modifier>(dlogit, invariants, p, at, dot * p.scale, q_inside,
+                                            kv_inside);
+        }
+        st[j][e] = probability;
+        dpt[j][e] = dscore;
+      }
+    }
+
+    // dV += P^T dO and dK += dS^T Q (k = the 64 queries).
+#pragma unroll
+    for (int step = 0; step < Config::kBlockQ / 16; ++step) {
+      unsigned pa[4], sa[4];
+      pa[0] = pack_pair(Tag{}, st[2 * step][0], st[2 * step][1]);
+      pa[1] = pack_pair(Tag{}, st[2 * step][2], st[2 * step][3]);
+      pa[2] = pack_pair(Tag{}, st[2 * step + 1][0], st[2 * step + 1][1]);
+      pa[3] = pack_pair(Tag{}, st[2 * step + 1][2], st[2 * step + 1][3]);
+      sa[0] = pack_pair(Tag{}, dpt[2 * step][0], dpt[2 * step][1]);
+      sa[1] = pack_pair(Tag{}, dpt[2 * step][2], dpt[2 * step][3]);
+      sa[2] = pack_pair(Tag{}, dpt[2 * step + 1][0], dpt[2 * step + 1][1]);
+      sa[3] = pack_pair(Tag{}, dpt[2 * step + 1][2], dpt[2 * step + 1][3]);
+#pragma unroll
+      for (int pair = 0; pair < Config::kStepsV; ++pair) {
+        unsigned b[4];
+        load_matrix_x4_transposed(b, do_tile + do_k.at(pair, step * 16));
+        mma_16x8x16(Tag{}, dv[2 * pair], pa, b[0], b[1]);
+        mma_16x8x16(Tag{}, dv[2 * pair + 1], pa, b[2], b[3]);
+      }
+#pragma unroll
+      for (int pair = 0; pair < Config::kStepsQk; ++pair) {
+        unsigned b[4];
+        load_matrix_x4_transposed(b, q_tile + q_k.at(pair, step * 16));
+        mma_16x8x16(Tag{}, dk[2 * pair], sa, b[0], b[1]);
+        mma_16x8x16(Tag{}, dk[2 * pair + 1], sa, b[2], b[3]);
+      }
+    }
+  }
+  wait_copies<0>();
+  __syncthreads();  // every warp is done with the stages: they now stage dK and dV
+
+  unsigned char* dk_stage = shared + Config::kTileQkBytes + Config::kTileVBytes;
+  unsigned char* dv_stage = dk_stage + Config::kStages * Config::kTileQkBytes;
+  stage_rows<Tag, Config::kChunksQk>(dk_stage, dk, warp * 16, group, quad_lane, p.scale);
+  stage_rows<Tag, Config::kChunksV>(dv_stage, dv, warp * 16, group, quad_lane, 1.0f);
+  __syncthreads();
+  const int rows_valid = span.kv_len - kv_start;
+  store_staged<Config::kChunksQk, Config::kRealChunksQk, kThreads>(
+      dk_stage, view_row<unsigned short>(bp.dk, batch, span.kv_offset + kv_start, head_kv),
+      bp.dk.token_stride, rows_valid, thread);
+  store_staged<Config::kChunksV, Config::kRealChunksV, kThreads>(
+      dv_stage, view_row<unsigned short>(bp.dv, batch, span.kv_offset + kv_start, head_kv),
+      bp.dv.token_stride, rows_valid, thread);
+}
+
+template <class Config, class Modifier>
+__device__ __forceinline__ void backward_dq_mma(const BackwardParams& bp) {
+  using Tag = typename Config::Tag;
+  constexpr int kThreads = Config::kThreads;
+  constexpr int kTilesKv = Config::kBlockKv / 8;  // 8-column tiles of S (key columns)
+  const ForwardParams& p = bp.fwd;
+  extern __shared__ __align__(128) unsigned char shared[];
+
+  const int thread = threadIdx.x;
+  const int warp = thread / kWarpSize;
+  const int lane = thread % kWarpSize;
+  const int group = lane / 4;
+  const int quad_lane = lane % 4;
+  const int q_block = gridDim.x - 1 - blockIdx.x;  // the longest lists (causal) start first
+  const int head = blockIdx.y;
+  const int batch = blockIdx.z;
+  const SequenceSpan span = sequence_span(p, batch);
+  const int q_start = q_block * Config::kBlockQ;
+  if (q_start >= span.q_len) return;
+  const int head_kv = head / p.heads_per_kv;
+  const Coordinates at{batch, head, span.q_len, span.kv_len};
+
+  const unsigned q_tile = shared_address(shared);
+  const unsigned do_tile = q_tile + Config::kTileQkBytes;
+  const unsigned k_tiles = do_tile + Config::kTileVBytes;
+  const unsigned v_tiles = k_tiles + Config::kStages * Config::kTileQkBytes;
+  const unsigned short* k_source =
+      view_row<const unsigned short>(p.k, batch, span.kv_offset, head_kv);
+  const unsigned short* v_source =
+      view_row<const unsigned short>(p.v, batch, span.kv_offset, head_kv);
+
+  const EntryRange entries = visited_tiles(p, q_start, Config::kBlockKv, span.kv_len);
+  const int q_rows_valid = span.q_len - q_start;
+  load_tile_async<64, Config::kChunksQk, Config::kLoadedChunksQk, kThreads>(
+      q_tile, view_row<const unsigned short>(p.q, batch, span.q_offset + q_start, head),
+      p.q.token_stride, q_rows_valid, Config::kRealChunksQk, thread);
+  load_tile_async<64, Config::kChunksV, Config::kLoadedChunksV, kThreads>(
+      do_tile, view_row<const unsigned short>(bp.dout, batch, span.q_offset + q_start, head),
+      bp.dout.token_stride, q_rows_valid, Config::kRealChunksV, thread);
+  commit_copies();
+
+  auto load_keys_and_values = [&](int entry_index, int stage) {
+    const int kv_start = entry_kv_tile(p.tile_entries[entry_index]) * Config::kBlockKv;
+    const int rows_valid = span.kv_len - kv_start;
+    load_tile_async<64, Config::kChunksQk, Config::kLoadedChunksQk, kThreads>(
+        k_tiles + stage * Config::kTileQkBytes, k_source + kv_start * p.k.token_stride,
+        p.k.token_stride, rows_valid, Config::kRealChunksQk, thread);
+    load_tile_async<64, Config::kChunksV, Config::kLoadedChunksV, kThreads>(
+        v_tiles + stage * Config::kTileVBytes, v_source + kv_start * p.v.token_stride,
+        p.v.token_stride, rows_valid, Config::kRealChunksV, thread);
+  };
+  if (entries.begin < entries.end) load_keys_and_values(entries.begin, 0);
+  commit_copies();
+
+  // This thread's two rows: position (clamped), validity, LSE (log2 domain) and delta.
+  int query[2];
+  bool row_valid[2];
+  float lse2[2];
+  float delta[2];
+#pragma unroll
+  for (int half = 0; half < 2; ++half) {
+    const int row = q_start + warp * 16 + group + half * 8;
+    row_valid[half] = row < span.q_len;
+    query[half] = ir_min(row, span.q_len - 1);
+    lse2[half] = row_valid[half] ? *lse_row(bp, batch, head, span.q_offset + row) * kLog2e
+                                 : negative_infinity();
+    delta[half] = row_valid[half] ? *delta_address(bp, batch, head, span.q_offset + row) : 0.0f;
+  }
+  const typename Modifier::Invariants invariants = Modifier::prepare(p, at);
+  long long local[Modifier::kLocalGradSlots];
+#pragma unroll
+  for (int k = 0; k < Modifier::kLocalGradSlots; ++k) local[k] = 0;
+
+  float dq[Config::kTilesQk][4];
+  zero_accumulators(dq);
+
+  const LaneOffsets<Config::kChunksQk> q_a(warp * 16 + lane % 16, lane / 16);
+  const LaneOffsets<Config::kChunksV> do_a(warp * 16 + lane % 16, lane / 16);
+  const LaneOffsets<Config::kChunksQk> k_n((lane / 16) * 8 + lane % 8, (lane / 8) % 2);
+  const LaneOffsets<Config::kChunksV> v_n((lane / 16) * 8 + lane % 8, (lane / 8) % 2);
+  const LaneOffsets<Config::kChunksQk> k_k(lane % 8 + ((lane / 8) % 2) * 8, lane / 16);
+
+  for (int entry_index = entries.begin; entry_index < entries.end; ++entry_index) {
+    const int iteration = entry_index - entries.begin;
+    const int stage = iteration % Config::kStages;
+    wait_copies<0>();
+    __syncthreads();  // tile `iteration` visible; the other stage is no longer read
+    if (entry_index + 1 < entries.end) {
+      load_keys_and_values(entry_index + 1, (iteration + 1) % Config::kStages);
+    }
+    commit_copies();
+    const unsigned k_tile = k_tiles + stage * Config::kTileQkBytes;
+    const unsigned v_tile = v_tiles + stage * Config::kTileVBytes;
+    const int entry = p.tile_entries[entry_index];
+    const int kv_start = entry_kv_tile(entry) * Config::kBlockKv;
+
+    float s[kTilesKv][4];
+    zero_accumulators(s);
+#pragma unroll
+    for (int step = 0; step < Config::kStepsQk; ++step) {
+      unsigned a[4];
+      load_matrix_x4(a, q_tile + q_a.at(step, 0));
+#pragma unroll
+      for (int pair = 0; pair < kTilesKv / 2; ++pair) {
+        unsigned b[4];
+        load_matrix_x4(b, k_tile + k_n.at(step, pair * 16));
+        mma_16x8x16(Tag{}, s[2 * pair], a, b[0], b[1]);
+        mma_16x8x16(Tag{}, s[2 * pair + 1], a, b[2], b[3]);
+      }
+    }
+    float dp[kTilesKv][4];
+    zero_accumulators(dp);
+#pragma unroll
+    for (int step = 0; step < Config::kStepsV; ++step) {
+      unsigned a[4];
+      load_matrix_x4(a, do_tile + do_a.at(step, 0));
+#pragma unroll
+      for (int pair = 0; pair < kTilesKv / 2; ++pair) {
+        unsigned b[4];
+        load_matrix_x4(b, v_tile + v_n.at(step, pair * 16));
+        mma_16x8x16(Tag{}, dp[2 * pair], a, b[0], b[1]);
+        mma_16x8x16(Tag{}, dp[2 * pair + 1], a, b[2], b[3]);
+      }
+    }
+
+    const bool check = entry_is_mixed(entry) || kv_start + Config::kBlockKv > span.kv_len;
+#pragma unroll
+    for (int j = 0; j < kTilesKv; ++j) {
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int half = e / 2;
+        const int kv = kv_start + j * 8 + 2 * quad_lane + e % 2;
+        const int kv_inside = ir_min(kv, span.kv_len - 1);
+        const float dot = s[j][e];
+        const float logit2 =
+            check ? element_logit<Modifier, true, true>(dot, p, invariants, at, query[half], kv)
+                  : element_logit<Modifier, false, true>(dot, p, invariants, at, query[half], kv);
+        const float probability = probability_log2(logit2, lse2[half]);
+        const float dlogit = probability * (dp[j][e] - delta[half]);
+        float dscore = 0.0f;
+        if (dlogit != 0.0f) {
+          const float score = dot * p.scale;
+          dscore = score_gradient<Modifier>(dlogit, invariants, p, at, score, query[half],
+                                            kv_inside);
+          if constexpr (Modifier::kHasTensorGrads) {
+            Modifier::tensor_grads(invariants, bp, at, score, query[half], kv_inside, dlogit,
+                                   local);
+          }
+        }
+        dp[j][e] = dscore;
+      }
+    }
+
+    // dQ += dS K (k = the 64 keys).
+#pragma unroll
+    for (int step = 0; step < Config::kBlockKv / 16; ++step) {
+      unsigned sa[4];
+      sa[0] = pack_pair(Tag{}, dp[2 * step][0], dp[2 * step][1]);
+      sa[1] = pack_pair(Tag{}, dp[2 * step][2], dp[2 * step][3]);
+      sa[2] = pack_pair(Tag{}, dp[2 * step + 1][0], dp[2 * step + 1][1]);
+      sa[3] = pack_pair(Tag{}, dp[2 * step + 1][2], dp[2 * step + 1][3]);
+#pragma unroll
+      for (int pair = 0; pair < Config::kStepsQk; ++pair) {
+        unsigned b[4];
+        load_matrix_x4_transposed(b, k_tile + k_k.at(pair, step * 16));
+        mma_16x8x16(Tag{}, dq[2 * pair], sa, b[0], b[1]);
+        mma_16x8x16(Tag{}, dq[2 * pair + 1], sa, b[2], b[3]);
+      }
+    }
+  }
+  if constexpr (Modifier::kHasTensorGrads) {
+    Modifier::flush_tensor_grads(invariants, bp, at, local);
+  }
+  wait_copies<0>();
+  __syncthreads();  // every warp is done with Q and K: the K stages now stage dQ
+
+  unsigned char* dq_stage = shared + Config::kTileQkBytes + Config::kTileVBytes;
+  stage_rows<Tag, Config::kChunksQk>(dq_stage, dq, warp * 16, group, quad_lane, p.scale);
+  __syncthreads();
+  store_staged<Config::kChunksQk, Config::kRealChunksQk, kThreads>(
+      dq_stage, view_row<unsigned short>(bp.dq, batch, span.q_offset + q_start, head),
+      bp.dq.token_stride, q_rows_valid, thread);
+}
+
+}  // namespace flexattn_kernels

@@ -1,4 +1,497 @@
-// Backward on the fp32 units. Being written (helper B); see backward_common.cuh.
+// The backward kernels on the fp32 units: float32 storage, and 16-bit problems the tensor-core
+// backward cannot take (head dims not a multiple of 8, or above 128, up to 256). Exact fp32
+// arithmetic; the probability is recomputed in the forward's exp2 domain from the stored LSE.
+//
+// Both kernels work on 32 x 32 tiles with 4 warps, in two phases per tile:
+//   element phase: lane i owns row i of one side (a query row in dK/dV, a key in dQ) and each
+//     warp owns 8 rows of the other side, so a thread computes 8 elements of S = Q K^T and
+//     dP = dO V^T. Its own row is read at an odd row stride (the 32 lanes hit 32 banks), the
+//     warp's 8 rows are read by every lane at once (a broadcast, as float4 when aligned).
+//   accumulation phase: the warp's 8 rows of the accumulator (dK and dV, or dQ) are spread over
+//     the lanes by column (lane + 32 c); the 8 x 32 element values go through a per-warp buffer
+//     in shared memory and are read back as broadcasts.
+// No atomics: a block owns its output rows; tensor gradients go through Modifier::tensor_grads.
 #pragma once
 
 #include "backward_common.cuh"
+
+namespace flexattn_kernels {
+
+// The host sizes the dynamic shared memory of both kernels as
+//   4 * (2 * 32 * (dqk + dv) + 2 * 32 + 2 * 32 * 33) bytes
+// (four row tiles, lse and delta, P and dS); this layout uses at most that (see the config).
+constexpr int backward_simt_shared_bytes(int head_dim_qk, int head_dim_v) {
+  return static_cast<int>(sizeof(float)) *
+         (2 * 32 * (head_dim_qk + head_dim_v) + 2 * 32 + 2 * 32 * (32 + 1));
+}
+
+namespace simt_backward {
+
+// A row stride whose rows start in different banks for 32 consecutive rows: any odd number of
+// floats (an even head dim gets one float of padding).
+constexpr int odd_stride(int head_dim) { return head_dim % 2 == 0 ? head_dim + 1 : head_dim; }
+
+// Rows [0, kRows) of a (token, d) slice of a view, as float, into a tile of row stride kStride.
+// `first` is the index of element (row 0, d 0); rows at or past `rows_valid` become zeros.
+template <class Tag, int kRows, int kDim, int kStride, int kThreads>
+__device__ __forceinline__ void load_rows_as_float(float* tile, const SequenceView& view,
+                                                   long long first, int rows_valid, int thread) {
+  for (int index = thread; index < kRows * kDim; index += kThreads) {
+    const int row = index / kDim;
+    const int column = index % kDim;
+    tile[row * kStride + column] =
+        row < rows_valid ? load_as_float(Tag{}, view.data, first + row * view.token_stride + column)
+                         : 0.0f;
+  }
+}
+
+// sums[j] += own . rows[j] for kRows rows of stride kDim, summed in column order. `own` is read
+// one float at a time (its stride is odd), `rows` (the same for the whole warp) four at a time
+// when the rows are 16-byte aligned.
+template <int kDim, int kRows>
+__device__ __forceinline__ void dot_with_rows(const float* own, const float* rows,
+                                              float (&sums)[kRows]) {
+  if constexpr (kDim % 4 == 0) {
+#pragma unroll 2
+    for (int d = 0; d < kDim; d += 4) {
+      const float own0 = own[d];
+      const float own1 = own[d + 1];
+      const float own2 = own[d + 2];
+      const float own3 = own[d + 3];
+#pragma unroll
+      for (int j = 0; j < kRows; ++j) {
+        const float4 other = *reinterpret_cast<const float4*>(rows + j * kDim + d);
+        sums[j] = fmaf(own0, other.x, sums[j]);
+        sums[j] = fmaf(own1, other.y, sums[j]);
+        sums[j] = fmaf(own2, other.z, sums[j]);
+        sums[j] = fmaf(own3, other.w, sums[j]);
+      }
+    }
+  } else {
+#pragma unroll 4
+    for (int d = 0; d < kDim; ++d) {
+      const float own_value = own[d];
+#pragma unroll
+      for (int j = 0; j < kRows; ++j) sums[j] = fmaf(own_value, rows[j * kDim + d], sums[j]);
+    }
+  }
+}
+
+// What one element (q, kv) contributes. An element not kept (masked, out of range, a query row
+// past the sequence, or a row that kept no key) contributes nothing.
+struct ElementGradient {
+  float probability;
+  float dlogit;  // P (dP - delta)
+  float dscore;  // dlogit * d score_mod / d score (without the softmax scale)
+  bool kept;
+};
+
+// `dot` is q . k, `dp` is dO . v; `lse2` the row's LSE in the log2 domain and `delta`
+// rowsum(dO * O). `q` is clamped into the sequence (`row_valid` says whether it was inside);
+// with kCheck, `kv` may lie past the keys and is clamped before the modifier sees it.
+template <class Modifier, bool kCheck>
+__device__ __forceinline__ ElementGradient element_gradient(
+    float dot, float dp, float lse2, float delta, bool row_valid, const ForwardParams& p,
+    const typename Modifier::Invariants& invariants, const Coordinates& at, int q, int kv) {
+  const float logit2 = element_logit<Modifier, kCheck, true>(dot, p, invariants, at, q, kv);
+  ElementGradient result{0.0f, 0.0f, 0.0f, false};
+  // A row with LSE -inf kept no key: every P is 0 and so is every gradient (skipping it also
+  // keeps 0 * inf from producing NaN).
+  if (row_valid && logit2 != negative_infinity() && lse2 != negative_infinity()) {
+    result.kept = true;
+    result.probability = probability_log2(logit2, lse2);
+    result.dlogit = result.probability * (dp - delta);
+    const int kv_inside = kCheck ? ir_min(kv, at.kv_len - 1) : kv;
+    result.dscore =
+        score_gradient<Modifier>(result.dlogit, invariants, p, at, dot * p.scale, q, kv_inside);
+  }
+  return result;
+}
+
+// A kv-major list entry names a q block (q_block << 1 | mixed).
+__device__ __forceinline__ int entry_q_block(int entry) { return entry >> 1; }
+
+// Index of element (batch, token, head, 0) of a view.
+__device__ __forceinline__ long long view_index(const SequenceView& view, int batch, int token,
+                                                int head) {
+  return batch * view.batch_stride + token * view.token_stride + head * view.head_stride;
+}
+
+}  // namespace simt_backward
+
+template <class ElementTag, int kHeadDimQk_, int kHeadDimV_, int kSharedDkdv, int kSharedDq>
+struct BackwardSimtConfig {
+  using Tag = ElementTag;
+  static constexpr int kHeadDimQk = kHeadDimQk_;
+  static constexpr int kHeadDimV = kHeadDimV_;
+  static constexpr int kWarps = 4;
+  static constexpr int kThreads = kWarps * kWarpSize;
+  // One lane per row of the element phase.
+  static constexpr int kBlockQ = kWarpSize;
+  static constexpr int kBlockKv = kWarpSize;
+  static constexpr int kRowsPerWarp = kWarpSize / kWarps;  // accumulator rows a warp owns
+  static constexpr int kColumnsQk = (kHeadDimQk + kWarpSize - 1) / kWarpSize;  // per lane
+  static constexpr int kColumnsV = (kHeadDimV + kWarpSize - 1) / kWarpSize;
+  // Row strides of the tiles whose row a lane reads alone (Q and dO in dK/dV, K and V in dQ);
+  // the tiles the warp reads together keep the head dim as stride (16-byte aligned rows).
+  static constexpr int kStrideQk = simt_backward::odd_stride(kHeadDimQk);
+  static constexpr int kStrideV = simt_backward::odd_stride(kHeadDimV);
+  // Per warp, 8 values per row of its 32 lanes: P and dS (dK/dV), dS (dQ).
+  static constexpr int kWarpBufferFloats = kWarpSize * kRowsPerWarp;
+  static constexpr int kTileFloats = kWarpSize * (kHeadDimQk + kHeadDimV + kStrideQk + kStrideV);
+  static constexpr int kUsedDkdv =
+      static_cast<int>(sizeof(float)) * (kTileFloats + kWarps * 2 * kWarpBufferFloats);
+  static constexpr int kUsedDq =
+      static_cast<int>(sizeof(float)) * (kTileFloats + kWarps * kWarpBufferFloats);
+  static constexpr int kSharedBytesDkdv = kSharedDkdv;
+  static constexpr int kSharedBytesDq = kSharedDq;
+
+  static_assert(kHeadDimQk >= 1 && kHeadDimQk <= 256 && kHeadDimV >= 1 && kHeadDimV <= 256,
+                "head dims 1..256");
+  static_assert(kSharedDkdv == backward_simt_shared_bytes(kHeadDimQk, kHeadDimV),
+                "the host's dK/dV shared bytes follow the interface formula");
+  static_assert(kSharedDq == backward_simt_shared_bytes(kHeadDimQk, kHeadDimV),
+                "the host's dQ shared bytes follow the interface formula");
+  static_assert(kUsedDkdv <= kSharedDkdv && kUsedDq <= kSharedDq,
+                "the layout fits the bytes the host allocates");
+  static_assert(kRowsPerWarp == 8, "element values move through shared memory as two float4");
+};
+
+// dK and dV of kv tile blockIdx.x of kv head blockIdx.y, batch blockIdx.z: over the query heads
+// of the group (ascending), over the q blocks of the kv-major tile list (ascending).
+template <class Config, class Modifier>
+__device__ __forceinline__ void backward_dkdv_simt(const BackwardParams& p) {
+  using Tag = typename Config::Tag;
+  using simt_backward::dot_with_rows;
+  using simt_backward::element_gradient;
+  using simt_backward::ElementGradient;
+  using simt_backward::load_rows_as_float;
+  using simt_backward::view_index;
+  constexpr int kDimQk = Config::kHeadDimQk;
+  constexpr int kDimV = Config::kHeadDimV;
+  constexpr int kBlockQ = Config::kBlockQ;
+  constexpr int kBlockKv = Config::kBlockKv;
+  constexpr int kRows = Config::kRowsPerWarp;
+  constexpr int kThreads = Config::kThreads;
+  constexpr int kColumnsQk = Config::kColumnsQk;
+  constexpr int kColumnsV = Config::kColumnsV;
+  constexpr int kStrideQk = Config::kStrideQk;
+  constexpr int kStrideV = Config::kStrideV;
+
+  const int thread = threadIdx.x;
+  const int warp = thread / kWarpSize;
+  const int lane = thread % kWarpSize;
+  extern __shared__ __align__(128) unsigned char shared[];
+  float* k_tile = reinterpret_cast<float*>(shared);  // (block_kv, dqk)
+  float* v_tile = k_tile + kBlockKv * kDimQk;        // (block_kv, dv)
+  float* q_tile = v_tile + kBlockKv * kDimV;         // (block_q, kStrideQk)
+  float* do_tile = q_tile + kBlockQ * kStrideQk;     // (block_q, kStrideV)
+  float* p_buffer = do_tile + kBlockQ * kStrideV + warp * 2 * Config::kWarpBufferFloats;
+  float* ds_buffer = p_buffer + Config::kWarpBufferFloats;  // both (block_q, rows_per_warp)
+
+  const int kv_tile = blockIdx.x;
+  const int head_kv = blockIdx.y;
+  const int batch = blockIdx.z;
+  const SequenceSpan span = sequence_span(p.fwd, batch);
+  const int kv_start = kv_tile * kBlockKv;
+  if (kv_start >= span.kv_len) return;  // thd: past this sequence's keys
+  const int kv_rows = span.kv_len - kv_start;
+  const bool kv_boundary = kv_rows < kBlockKv;
+
+  load_rows_as_float<Tag, kBlockKv, kDimQk, kDimQk, kThreads>(
+      k_tile, p.fwd.k, view_index(p.fwd.k, batch, span.kv_offset + kv_start, head_kv), kv_rows,
+      thread);
+  load_rows_as_float<Tag, kBlockKv, kDimV, kDimV, kThreads>(
+      v_tile, p.fwd.v, view_index(p.fwd.v, batch, span.kv_offset + kv_start, head_kv), kv_rows,
+      thread);
+
+  float dk[kRows][kColumnsQk];  // rows warp * 8 + j of the tile, columns lane + 32 c
+  float dv[kRows][kColumnsV];
+#pragma unroll
+  for (int j = 0; j < kRows; ++j) {
+#pragma unroll
+    for (int c = 0; c < kColumnsQk; ++c) dk[j][c] = 0.0f;
+#pragma unroll
+    for (int c = 0; c < kColumnsV; ++c) dv[j][c] = 0.0f;
+  }
+
+  const int entries_begin = p.kv_tile_offsets[kv_tile];
+  const int entries_end = p.kv_tile_offsets[kv_tile + 1];
+  const float* k_rows = k_tile + warp * kRows * kDimQk;  // (rows_per_warp, dqk)
+  const float* v_rows = v_tile + warp * kRows * kDimV;   // (rows_per_warp, dv)
+  const int first_kv = kv_start + warp * kRows;
+
+  for (int group = 0; group < p.fwd.heads_per_kv; ++group) {
+    const int head = head_kv * p.fwd.heads_per_kv + group;
+    const Coordinates at{batch, head, span.q_len, span.kv_len};
+    const typename Modifier::Invariants invariants = Modifier::prepare(p.fwd, at);
+    for (int entry_index = entries_begin; entry_index < entries_end; ++entry_index) {
+      const int entry = p.kv_tile_entries[entry_index];
+      const int q_start = simt_backward::entry_q_block(entry) * kBlockQ;
+      if (q_start >= span.q_len) break;  // thd: ascending, the rest lie past this sequence
+      const int q_rows = ir_min(kBlockQ, span.q_len - q_start);
+
+      // The previous Q, dO and warp buffers are consumed (the first time: nothing to wait for).
+      __syncthreads();
+      load_rows_as_float<Tag, kBlockQ, kDimQk, kStrideQk, kThreads>(
+          q_tile, p.fwd.q, view_index(p.fwd.q, batch, span.q_offset + q_start, head), q_rows,
+          thread);
+      load_rows_as_float<Tag, kBlockQ, kDimV, kStrideV, kThreads>(
+          do_tile, p.dout, view_index(p.dout, batch, span.q_offset + q_start, head), q_rows,
+          thread);
+      const int q = q_start + lane;  // this lane's query row in the element phase
+      const bool row_valid = q < span.q_len;
+      const int q_inside = ir_min(q, span.q_len - 1);
+      const float lse2 =
+          row_valid ? *lse_row(p, batch, head, span.q_offset + q) * kLog2e : negative_infinity();
+      const float delta = row_valid ? *delta_address(p, batch, head, span.q_offset + q) : 0.0f;
+      __syncthreads();  // Q and dO (and, the first time, K and V) are visible
+
+      // Element phase: S and dP of query row `q` with the warp's 8 keys.
+      float dots[kRows];
+      float dps[kRows];
+#pragma unroll
+      for (int j = 0; j < kRows; ++j) {
+        dots[j] = 0.0f;
+        dps[j] = 0.0f;
+      }
+      dot_with_rows<kDimQk>(q_tile + lane * kStrideQk, k_rows, dots);
+      dot_with_rows<kDimV>(do_tile + lane * kStrideV, v_rows, dps);
+      const bool check = entry_is_mixed(entry) || kv_boundary;
+      float probabilities[kRows];
+      float dscores[kRows];
+#pragma unroll
+      for (int j = 0; j < kRows; ++j) {
+        const int kv = first_kv + j;
+        const ElementGradient element =
+            check ? element_gradient<Modifier, true>(dots[j], dps[j], lse2, delta, row_valid, p.fwd,
+                                                     invariants, at, q_inside, kv)
+                  : element_gradient<Modifier, false>(dots[j], dps[j], lse2, delta, row_valid,
+                                                      p.fwd, invariants, at, q_inside, kv);
+        probabilities[j] = element.probability;
+        dscores[j] = element.dscore;
+      }
+      float4* p_row = reinterpret_cast<float4*>(p_buffer + lane * kRows);
+      float4* ds_row = reinterpret_cast<float4*>(ds_buffer + lane * kRows);
+      p_row[0] =
+          make_float4(probabilities[0], probabilities[1], probabilities[2], probabilities[3]);
+      p_row[1] =
+          make_float4(probabilities[4], probabilities[5], probabilities[6], probabilities[7]);
+      ds_row[0] = make_float4(dscores[0], dscores[1], dscores[2], dscores[3]);
+      ds_row[1] = make_float4(dscores[4], dscores[5], dscores[6], dscores[7]);
+      __syncwarp();
+
+      // Accumulation phase: dV += P^T dO and dK += dS^T Q for the warp's 8 keys, query rows in
+      // order (rows past the sequence contribute nothing).
+      for (int row = 0; row < q_rows; ++row) {
+        const float4* p_values = reinterpret_cast<const float4*>(p_buffer + row * kRows);
+        const float4* ds_values = reinterpret_cast<const float4*>(ds_buffer + row * kRows);
+        const float4 p_low = p_values[0];
+        const float4 p_high = p_values[1];
+        const float4 ds_low = ds_values[0];
+        const float4 ds_high = ds_values[1];
+        const float probability[kRows] = {p_low.x,  p_low.y,  p_low.z,  p_low.w,
+                                          p_high.x, p_high.y, p_high.z, p_high.w};
+        const float dscore[kRows] = {ds_low.x,  ds_low.y,  ds_low.z,  ds_low.w,
+                                     ds_high.x, ds_high.y, ds_high.z, ds_high.w};
+#pragma unroll
+        for (int c = 0; c < kColumnsV; ++c) {
+          const int column = c * kWarpSize + lane;
+          if (kDimV % kWarpSize == 0 || column < kDimV) {
+            const float dout = do_tile[row * kStrideV + column];
+#pragma unroll
+            for (int j = 0; j < kRows; ++j) dv[j][c] = fmaf(probability[j], dout, dv[j][c]);
+          }
+        }
+#pragma unroll
+        for (int c = 0; c < kColumnsQk; ++c) {
+          const int column = c * kWarpSize + lane;
+          if (kDimQk % kWarpSize == 0 || column < kDimQk) {
+            const float query = q_tile[row * kStrideQk + column];
+#pragma unroll
+            for (int j = 0; j < kRows; ++j) dk[j][c] = fmaf(dscore[j], query, dk[j][c]);
+          }
+        }
+      }
+    }
+  }
+
+  // Every key row inside the sequence is written, zeros where no query row reached it.
+#pragma unroll
+  for (int j = 0; j < kRows; ++j) {
+    const int kv = first_kv + j;
+    if (kv >= span.kv_len) continue;
+    const long long dk_row = view_index(p.dk, batch, span.kv_offset + kv, head_kv);
+    const long long dv_row = view_index(p.dv, batch, span.kv_offset + kv, head_kv);
+#pragma unroll
+    for (int c = 0; c < kColumnsQk; ++c) {
+      const int column = c * kWarpSize + lane;
+      if (column < kDimQk)
+        store_from_float(Tag{}, p.dk.data, dk_row + column, dk[j][c] * p.fwd.scale);
+    }
+#pragma unroll
+    for (int c = 0; c < kColumnsV; ++c) {
+      const int column = c * kWarpSize + lane;
+      if (column < kDimV) store_from_float(Tag{}, p.dv.data, dv_row + column, dv[j][c]);
+    }
+  }
+}
+
+// dQ of q block blockIdx.x (from the end, as the forward: heavy causal blocks start first) of
+// head blockIdx.y, batch blockIdx.z, over the kv tiles of the q-major tile list; also the tensor
+// gradients of every kept element.
+template <class Config, class Modifier>
+__device__ __forceinline__ void backward_dq_simt(const BackwardParams& p) {
+  using Tag = typename Config::Tag;
+  using simt_backward::dot_with_rows;
+  using simt_backward::element_gradient;
+  using simt_backward::ElementGradient;
+  using simt_backward::load_rows_as_float;
+  using simt_backward::view_index;
+  constexpr int kDimQk = Config::kHeadDimQk;
+  constexpr int kDimV = Config::kHeadDimV;
+  constexpr int kBlockQ = Config::kBlockQ;
+  constexpr int kBlockKv = Config::kBlockKv;
+  constexpr int kRows = Config::kRowsPerWarp;
+  constexpr int kThreads = Config::kThreads;
+  constexpr int kColumnsQk = Config::kColumnsQk;
+  constexpr int kStrideQk = Config::kStrideQk;
+  constexpr int kStrideV = Config::kStrideV;
+
+  const int thread = threadIdx.x;
+  const int warp = thread / kWarpSize;
+  const int lane = thread % kWarpSize;
+  extern __shared__ __align__(128) unsigned char shared[];
+  float* q_tile = reinterpret_cast<float*>(shared);  // (block_q, dqk)
+  float* do_tile = q_tile + kBlockQ * kDimQk;        // (block_q, dv)
+  float* k_tile = do_tile + kBlockQ * kDimV;         // (block_kv, kStrideQk)
+  float* v_tile = k_tile + kBlockKv * kStrideQk;     // (block_kv, kStrideV)
+  // This warp's dS: (block_kv, rows_per_warp).
+  float* ds_buffer = v_tile + kBlockKv * kStrideV + warp * Config::kWarpBufferFloats;
+
+  const int q_block = gridDim.x - 1 - blockIdx.x;
+  const int head = blockIdx.y;
+  const int batch = blockIdx.z;
+  const SequenceSpan span = sequence_span(p.fwd, batch);
+  const int q_start = q_block * kBlockQ;
+  if (q_start >= span.q_len) return;  // thd: past this sequence's queries
+  const int q_rows = ir_min(kBlockQ, span.q_len - q_start);
+  const int head_kv = head / p.fwd.heads_per_kv;
+  const Coordinates at{batch, head, span.q_len, span.kv_len};
+  const EntryRange entries = visited_tiles(p.fwd, q_start, kBlockKv, span.kv_len);
+
+  load_rows_as_float<Tag, kBlockQ, kDimQk, kDimQk, kThreads>(
+      q_tile, p.fwd.q, view_index(p.fwd.q, batch, span.q_offset + q_start, head), q_rows, thread);
+  load_rows_as_float<Tag, kBlockQ, kDimV, kDimV, kThreads>(
+      do_tile, p.dout, view_index(p.dout, batch, span.q_offset + q_start, head), q_rows, thread);
+
+  // The warp's 8 query rows: statistics for the element phase, dQ for the accumulation phase.
+  const int first_q = q_start + warp * kRows;
+  float lse2[kRows];
+  float delta[kRows];
+  float dq[kRows][kColumnsQk];  // columns lane + 32 c
+#pragma unroll
+  for (int j = 0; j < kRows; ++j) {
+    const int q = first_q + j;
+    const bool row_valid = q < span.q_len;
+    lse2[j] =
+        row_valid ? *lse_row(p, batch, head, span.q_offset + q) * kLog2e : negative_infinity();
+    delta[j] = row_valid ? *delta_address(p, batch, head, span.q_offset + q) : 0.0f;
+#pragma unroll
+    for (int c = 0; c < kColumnsQk; ++c) dq[j][c] = 0.0f;
+  }
+  long long local[Modifier::kLocalGradSlots];
+#pragma unroll
+  for (int slot = 0; slot < Modifier::kLocalGradSlots; ++slot) local[slot] = 0;
+
+  const typename Modifier::Invariants invariants = Modifier::prepare(p.fwd, at);
+  const long long k_base = view_index(p.fwd.k, batch, span.kv_offset, head_kv);
+  const long long v_base = view_index(p.fwd.v, batch, span.kv_offset, head_kv);
+  const float* q_rows_of_warp = q_tile + warp * kRows * kDimQk;   // (rows_per_warp, dqk)
+  const float* do_rows_of_warp = do_tile + warp * kRows * kDimV;  // (rows_per_warp, dv)
+
+  for (int entry_index = entries.begin; entry_index < entries.end; ++entry_index) {
+    const int entry = p.fwd.tile_entries[entry_index];
+    const int kv_start = entry_kv_tile(entry) * kBlockKv;
+    const int kv_rows = ir_min(kBlockKv, span.kv_len - kv_start);
+    __syncthreads();  // the previous K, V and warp buffers are consumed
+    load_rows_as_float<Tag, kBlockKv, kDimQk, kStrideQk, kThreads>(
+        k_tile, p.fwd.k, k_base + kv_start * p.fwd.k.token_stride, kv_rows, thread);
+    load_rows_as_float<Tag, kBlockKv, kDimV, kStrideV, kThreads>(
+        v_tile, p.fwd.v, v_base + kv_start * p.fwd.v.token_stride, kv_rows, thread);
+    __syncthreads();  // K and V (and, the first time, Q and dO) are visible
+
+    // Element phase: S and dP of key `kv` with the warp's 8 query rows.
+    float dots[kRows];
+    float dps[kRows];
+#pragma unroll
+    for (int j = 0; j < kRows; ++j) {
+      dots[j] = 0.0f;
+      dps[j] = 0.0f;
+    }
+    dot_with_rows<kDimQk>(k_tile + lane * kStrideQk, q_rows_of_warp, dots);
+    dot_with_rows<kDimV>(v_tile + lane * kStrideV, do_rows_of_warp, dps);
+    const bool check = entry_is_mixed(entry) || kv_rows < kBlockKv;
+    const int kv = kv_start + lane;
+    const int kv_inside = ir_min(kv, span.kv_len - 1);
+    float dscores[kRows];
+#pragma unroll
+    for (int j = 0; j < kRows; ++j) {
+      const int q = first_q + j;
+      const bool row_valid = q < span.q_len;
+      const int q_inside = ir_min(q, span.q_len - 1);
+      const ElementGradient element =
+          check ? element_gradient<Modifier, true>(dots[j], dps[j], lse2[j], delta[j], row_valid,
+                                                   p.fwd, invariants, at, q_inside, kv)
+                : element_gradient<Modifier, false>(dots[j], dps[j], lse2[j], delta[j], row_valid,
+                                                    p.fwd, invariants, at, q_inside, kv);
+      dscores[j] = element.dscore;
+      if constexpr (Modifier::kHasTensorGrads) {
+        if (element.kept) {
+          Modifier::tensor_grads(invariants, p, at, dots[j] * p.fwd.scale, q_inside, kv_inside,
+                                 element.dlogit, local);
+        }
+      }
+    }
+    float4* ds_row = reinterpret_cast<float4*>(ds_buffer + lane * kRows);
+    ds_row[0] = make_float4(dscores[0], dscores[1], dscores[2], dscores[3]);
+    ds_row[1] = make_float4(dscores[4], dscores[5], dscores[6], dscores[7]);
+    __syncwarp();
+
+    // Accumulation phase: dQ += dS K for the warp's 8 query rows, keys in order (keys past the
+    // sequence contribute nothing).
+    for (int key = 0; key < kv_rows; ++key) {
+      const float4* ds_values = reinterpret_cast<const float4*>(ds_buffer + key * kRows);
+      const float4 ds_low = ds_values[0];
+      const float4 ds_high = ds_values[1];
+      const float dscore[kRows] = {ds_low.x,  ds_low.y,  ds_low.z,  ds_low.w,
+                                   ds_high.x, ds_high.y, ds_high.z, ds_high.w};
+#pragma unroll
+      for (int c = 0; c < kColumnsQk; ++c) {
+        const int column = c * kWarpSize + lane;
+        if (kDimQk % kWarpSize == 0 || column < kDimQk) {
+          const float key_value = k_tile[key * kStrideQk + column];
+#pragma unroll
+          for (int j = 0; j < kRows; ++j) dq[j][c] = fmaf(dscore[j], key_value, dq[j][c]);
+        }
+      }
+    }
+  }
+
+  // Every query row inside the sequence is written, zeros where no key reached it.
+#pragma unroll
+  for (int j = 0; j < kRows; ++j) {
+    const int q = first_q + j;
+    if (q >= span.q_len) continue;
+    const long long dq_row = view_index(p.dq, batch, span.q_offset + q, head);
+#pragma unroll
+    for (int c = 0; c < kColumnsQk; ++c) {
+      const int column = c * kWarpSize + lane;
+      if (column < kDimQk)
+        store_from_float(Tag{}, p.dq.data, dq_row + column, dq[j][c] * p.fwd.scale);
+    }
+  }
+  if constexpr (Modifier::kHasTensorGrads) Modifier::flush_tensor_grads(invariants, p, at, local);
+}
+
+}  // namespace flexattn_kernels

@@ -1,0 +1,90 @@
+// Helpers shared by the cuda engine's device tests (test_cuda_forward.cpp,
+// test_cuda_backward.cpp): the engine when a device is usable, host tensors copied to the device
+// (outputs poisoned with NaN so an element never written fails), and the golden data's
+// conventions (LSE regrouping, rounding floors).
+#pragma once
+
+#include <gtest/gtest.h>
+
+#include <cstdint>
+#include <limits>
+#include <memory>
+#include <vector>
+
+#include "flexattn/flexattn.hpp"
+#include "support/test_support.hpp"
+
+namespace flexattn::test {
+
+// The cuda engine when this machine can run it, else null.
+inline std::shared_ptr<const Engine> device_engine() {
+  const std::shared_ptr<const Engine> engine = builtin_engine("cuda");
+  if (engine == nullptr || !engine->available()) return nullptr;
+  return engine;
+}
+
+#define SKIP_WITHOUT_DEVICE()                           \
+  do {                                                  \
+    if (::flexattn::test::device_engine() == nullptr) { \
+      GTEST_SKIP() << "no usable CUDA device";          \
+    }                                                   \
+  } while (false)
+
+// A device copy of a host tensor (or an output filled with NaN bytes, so unwritten elements fail).
+class DeviceTensor {
+ public:
+  DeviceTensor(const DeviceMemory& memory, const HostTensor& host, bool poison = false)
+      : memory_(memory), host_(host.to(host.dtype())) {
+    pointer_ = memory_.allocate(host_.bytes());
+    if (poison) {
+      std::vector<unsigned char> nan_bytes(host_.bytes(), 0xff);  // NaN in every float dtype
+      memory_.copy_to_device(pointer_, nan_bytes.data(), nan_bytes.size());
+    } else {
+      memory_.copy_to_device(pointer_, host_.data(), host_.bytes());
+    }
+  }
+  ~DeviceTensor() { memory_.release(pointer_); }
+  DeviceTensor(const DeviceTensor&) = delete;
+  DeviceTensor& operator=(const DeviceTensor&) = delete;
+
+  TensorView view() const {
+    TensorView view = host_.view();
+    view.data = pointer_;
+    view.device = Device::kCuda;
+    return view;
+  }
+  HostTensor download() {
+    memory_.synchronize();
+    memory_.copy_to_host(host_.data(), pointer_, host_.bytes());
+    return host_.to(host_.dtype());
+  }
+
+ private:
+  const DeviceMemory& memory_;
+  HostTensor host_;
+  void* pointer_ = nullptr;
+};
+
+// thd LSE (Hq, B * Sq) as (B, Hq, Sq).
+inline HostTensor lse_as_bhs(const HostTensor& lse, Layout layout, const GoldenCase& golden) {
+  if (layout != Layout::kTHD) return lse.to(DType::kF64);
+  HostTensor result(DType::kF64, {golden.batch, golden.heads_q, golden.seq_len_q});
+  for (std::int64_t b = 0; b < golden.batch; ++b) {
+    for (std::int64_t h = 0; h < golden.heads_q; ++h) {
+      for (std::int64_t q = 0; q < golden.seq_len_q; ++q) {
+        result.set((b * golden.heads_q + h) * golden.seq_len_q + q,
+                   lse.at(h * golden.batch * golden.seq_len_q + b * golden.seq_len_q + q));
+      }
+    }
+  }
+  return result;
+}
+
+// One rounding in `dtype`, relative: the tolerance floor of an output stored in it.
+inline double epsilon(DType dtype) {
+  if (dtype == DType::kBF16) return 0x1p-7;
+  if (dtype == DType::kF16) return 0x1p-10;
+  return std::numeric_limits<float>::epsilon();
+}
+
+}  // namespace flexattn::test
