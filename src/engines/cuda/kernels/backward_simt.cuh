@@ -20,7 +20,7 @@ namespace flexattn_kernels {
 // The host sizes the dynamic shared memory of both kernels as
 //   4 * (2 * 32 * (dqk + dv) + 2 * 32 + 2 * 32 * 33) bytes
 // (four row tiles, lse and delta, P and dS); this layout uses at most that (see the config).
-constexpr int backward_simt_shared_bytes(int head_dim_qk, int head_dim_v) {
+__host__ __device__ constexpr int backward_simt_shared_bytes(int head_dim_qk, int head_dim_v) {
   return static_cast<int>(sizeof(float)) *
          (2 * 32 * (head_dim_qk + head_dim_v) + 2 * 32 + 2 * 32 * (32 + 1));
 }
@@ -29,7 +29,7 @@ namespace simt_backward {
 
 // A row stride whose rows start in different banks for 32 consecutive rows: any odd number of
 // floats (an even head dim gets one float of padding).
-constexpr int odd_stride(int head_dim) { return head_dim % 2 == 0 ? head_dim + 1 : head_dim; }
+__host__ __device__ constexpr int odd_stride(int head_dim) { return head_dim % 2 == 0 ? head_dim + 1 : head_dim; }
 
 // Rows [0, kRows) of a (token, d) slice of a view, as float, into a tile of row stride kStride.
 // `first` is the index of element (row 0, d 0); rows at or past `rows_valid` become zeros.
