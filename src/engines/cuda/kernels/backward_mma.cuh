@@ -404,6 +404,23 @@ __device__ __forceinline__ void backward_dq_mma(const BackwardParams& bp) {
   const LaneOffsets<Config::kChunksV> v_n((lane / 16) * 8 + lane % 8, (lane / 8) % 2);
   const LaneOffsets<Config::kChunksQk> k_k(lane % 8 + ((lane / 8) % 2) * 8, lane / 16);
 
+  // With tensor gradients, a first pass recomputes delta as rowsum(P * dP) (see
+  // exact_delta_rows in backward_common.cuh); the second pass computes the gradients.
+  constexpr int kFirstPass = Modifier::kHasTensorGrads ? 0 : 1;
+  float row_pdp[2] = {0.0f, 0.0f};
+  for (int pass = kFirstPass; pass < 2; ++pass) {
+  const bool delta_pass = pass == 0;
+  if (pass == 1 && kFirstPass == 0) {
+    wait_copies<0>();
+    __syncthreads();  // every warp is done with the last K/V stage of the first pass
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+      const float sum = quad_sum(row_pdp[half]);
+      if (row_valid[half]) delta[half] = sum;
+    }
+    if (entries.begin < entries.end) load_keys_and_values(entries.begin, 0);
+    commit_copies();
+  }
   for (int entry_index = entries.begin; entry_index < entries.end; ++entry_index) {
     const int iteration = entry_index - entries.begin;
     const int stage = iteration % Config::kStages;
@@ -460,6 +477,10 @@ __device__ __forceinline__ void backward_dq_mma(const BackwardParams& bp) {
             check ? element_logit<Modifier, true, true>(dot, p, invariants, at, query[half], kv)
                   : element_logit<Modifier, false, true>(dot, p, invariants, at, query[half], kv);
         const float probability = probability_log2(logit2, lse2[half]);
+        if (delta_pass) {
+          row_pdp[half] += probability * dp[j][e];
+          continue;
+        }
         const float dlogit = probability * (dp[j][e] - delta[half]);
         float dscore = 0.0f;
         if (dlogit != 0.0f) {
@@ -475,6 +496,7 @@ __device__ __forceinline__ void backward_dq_mma(const BackwardParams& bp) {
       }
     }
 
+    if (delta_pass) continue;
     // dQ += dS K (k = the 64 keys).
 #pragma unroll
     for (int step = 0; step < Config::kBlockKv / 16; ++step) {
@@ -492,6 +514,7 @@ __device__ __forceinline__ void backward_dq_mma(const BackwardParams& bp) {
       }
     }
   }
+  }  // passes
   if constexpr (Modifier::kHasTensorGrads) {
     Modifier::flush_tensor_grads(invariants, bp, at, local);
   }

@@ -86,20 +86,23 @@ struct ElementGradient {
   bool kept;
 };
 
-// `dot` is q . k, `dp` is dO . v; `lse2` the row's LSE in the log2 domain and `delta`
+// `dot` is q . k, `dp` is dO . v; `lse` the row's (natural) LSE and `delta`
 // rowsum(dO * O). `q` is clamped into the sequence (`row_valid` says whether it was inside);
 // with kCheck, `kv` may lie past the keys and is clamped before the modifier sees it.
 template <class Modifier, bool kCheck>
 __device__ __forceinline__ ElementGradient element_gradient(
-    float dot, float dp, float lse2, float delta, bool row_valid, const ForwardParams& p,
+    float dot, float dp, float lse, float delta, bool row_valid, const ForwardParams& p,
     const typename Modifier::Invariants& invariants, const Coordinates& at, int q, int kv) {
-  const float logit2 = element_logit<Modifier, kCheck, true>(dot, p, invariants, at, q, kv);
+  // P = exp(logit - lse) in the natural domain with expf, as a plain fp32 implementation computes
+  // it: the fp32 path's tensor gradients sum P over whole rows, where the log2 domain's extra
+  // rounding (logit * log2(e)) and ex2.approx showed up beyond the fp32 tolerance.
+  const float logit = element_logit<Modifier, kCheck, false>(dot, p, invariants, at, q, kv);
   ElementGradient result{0.0f, 0.0f, 0.0f, false};
   // A row with LSE -inf kept no key: every P is 0 and so is every gradient (skipping it also
   // keeps 0 * inf from producing NaN).
-  if (row_valid && logit2 != negative_infinity() && lse2 != negative_infinity()) {
+  if (row_valid && logit != negative_infinity() && lse != negative_infinity()) {
     result.kept = true;
-    result.probability = probability_log2(logit2, lse2);
+    result.probability = expf(logit - lse);
     result.dlogit = result.probability * (dp - delta);
     const int kv_inside = kCheck ? ir_min(kv, at.kv_len - 1) : kv;
     result.dscore =
@@ -242,8 +245,8 @@ __device__ __forceinline__ void backward_dkdv_simt(const BackwardParams& p) {
       const int q = q_start + lane;  // this lane's query row in the element phase
       const bool row_valid = q < span.q_len;
       const int q_inside = ir_min(q, span.q_len - 1);
-      const float lse2 =
-          row_valid ? *lse_row(p, batch, head, span.q_offset + q) * kLog2e : negative_infinity();
+      const float row_lse =
+          row_valid ? *lse_row(p, batch, head, span.q_offset + q) : negative_infinity();
       const float delta = row_valid ? *delta_address(p, batch, head, span.q_offset + q) : 0.0f;
       __syncthreads();  // Q and dO (and, the first time, K and V) are visible
 
@@ -264,9 +267,9 @@ __device__ __forceinline__ void backward_dkdv_simt(const BackwardParams& p) {
       for (int j = 0; j < kRows; ++j) {
         const int kv = first_kv + j;
         const ElementGradient element =
-            check ? element_gradient<Modifier, true>(dots[j], dps[j], lse2, delta, row_valid, p.fwd,
+            check ? element_gradient<Modifier, true>(dots[j], dps[j], row_lse, delta, row_valid, p.fwd,
                                                      invariants, at, q_inside, kv)
-                  : element_gradient<Modifier, false>(dots[j], dps[j], lse2, delta, row_valid,
+                  : element_gradient<Modifier, false>(dots[j], dps[j], row_lse, delta, row_valid,
                                                       p.fwd, invariants, at, q_inside, kv);
         probabilities[j] = element.probability;
         dscores[j] = element.dscore;
@@ -387,15 +390,15 @@ __device__ __forceinline__ void backward_dq_simt(const BackwardParams& p) {
 
   // The warp's 8 query rows: statistics for the element phase, dQ for the accumulation phase.
   const int first_q = q_start + warp * kRows;
-  float lse2[kRows];
+  float row_lse[kRows];
   float delta[kRows];
   float dq[kRows][kColumnsQk];  // columns lane + 32 c
 #pragma unroll
   for (int j = 0; j < kRows; ++j) {
     const int q = first_q + j;
     const bool row_valid = q < span.q_len;
-    lse2[j] =
-        row_valid ? *lse_row(p, batch, head, span.q_offset + q) * kLog2e : negative_infinity();
+    row_lse[j] =
+        row_valid ? *lse_row(p, batch, head, span.q_offset + q) : negative_infinity();
     delta[j] = row_valid ? *delta_address(p, batch, head, span.q_offset + q) : 0.0f;
 #pragma unroll
     for (int c = 0; c < kColumnsQk; ++c) dq[j][c] = 0.0f;
@@ -409,6 +412,52 @@ __device__ __forceinline__ void backward_dq_simt(const BackwardParams& p) {
   const long long v_base = view_index(p.fwd.v, batch, span.kv_offset, head_kv);
   const float* q_rows_of_warp = q_tile + warp * kRows * kDimQk;   // (rows_per_warp, dqk)
   const float* do_rows_of_warp = do_tile + warp * kRows * kDimV;  // (rows_per_warp, dv)
+
+  // With tensor gradients, delta is recomputed as rowsum(P * dP) (exact_delta_rows).
+  if constexpr (Modifier::kHasTensorGrads) {
+    float sums[kRows];
+#pragma unroll
+    for (int j = 0; j < kRows; ++j) sums[j] = 0.0f;
+    for (int entry_index = entries.begin; entry_index < entries.end; ++entry_index) {
+      const int entry = p.fwd.tile_entries[entry_index];
+      const int kv_start = entry_kv_tile(entry) * kBlockKv;
+      const int kv_rows = ir_min(kBlockKv, span.kv_len - kv_start);
+      __syncthreads();
+      load_rows_as_float<Tag, kBlockKv, kDimQk, kStrideQk, kThreads>(
+          k_tile, p.fwd.k, k_base + kv_start * p.fwd.k.token_stride, kv_rows, thread);
+      load_rows_as_float<Tag, kBlockKv, kDimV, kStrideV, kThreads>(
+          v_tile, p.fwd.v, v_base + kv_start * p.fwd.v.token_stride, kv_rows, thread);
+      __syncthreads();
+      float dots[kRows];
+      float dps[kRows];
+#pragma unroll
+      for (int j = 0; j < kRows; ++j) {
+        dots[j] = 0.0f;
+        dps[j] = 0.0f;
+      }
+      dot_with_rows<kDimQk>(k_tile + lane * kStrideQk, q_rows_of_warp, dots);
+      dot_with_rows<kDimV>(v_tile + lane * kStrideV, do_rows_of_warp, dps);
+      const bool check = entry_is_mixed(entry) || kv_rows < kBlockKv;
+      const int kv = kv_start + lane;
+#pragma unroll
+      for (int j = 0; j < kRows; ++j) {
+        const int q = first_q + j;
+        const ElementGradient element =
+            check ? element_gradient<Modifier, true>(dots[j], dps[j], row_lse[j], 0.0f,
+                                                     q < span.q_len, p.fwd, invariants, at,
+                                                     ir_min(q, span.q_len - 1), kv)
+                  : element_gradient<Modifier, false>(dots[j], dps[j], row_lse[j], 0.0f,
+                                                      q < span.q_len, p.fwd, invariants, at,
+                                                      ir_min(q, span.q_len - 1), kv);
+        sums[j] += element.dlogit;  // P * dP
+      }
+    }
+#pragma unroll
+    for (int j = 0; j < kRows; ++j) {
+      const float sum = warp_sum(sums[j]);
+      if (first_q + j < span.q_len) delta[j] = sum;
+    }
+  }
 
   for (int entry_index = entries.begin; entry_index < entries.end; ++entry_index) {
     const int entry = p.fwd.tile_entries[entry_index];
@@ -441,9 +490,9 @@ __device__ __forceinline__ void backward_dq_simt(const BackwardParams& p) {
       const bool row_valid = q < span.q_len;
       const int q_inside = ir_min(q, span.q_len - 1);
       const ElementGradient element =
-          check ? element_gradient<Modifier, true>(dots[j], dps[j], lse2[j], delta[j], row_valid,
+          check ? element_gradient<Modifier, true>(dots[j], dps[j], row_lse[j], delta[j], row_valid,
                                                    p.fwd, invariants, at, q_inside, kv)
-                : element_gradient<Modifier, false>(dots[j], dps[j], lse2[j], delta[j], row_valid,
+                : element_gradient<Modifier, false>(dots[j], dps[j], row_lse[j], delta[j], row_valid,
                                                     p.fwd, invariants, at, q_inside, kv);
       dscores[j] = element.dscore;
       if constexpr (Modifier::kHasTensorGrads) {
