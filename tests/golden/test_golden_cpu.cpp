@@ -25,22 +25,6 @@ void expect_close(const HostTensor& result, const HostTensor& expected, const st
   EXPECT_TRUE(within_tolerance(result, expected, allowed)) << what;
 }
 
-// thd keeps the LSE as (heads_q, tokens); the golden data as (batch, heads_q, seq_len_q).
-HostTensor lse_as_bhs(const HostTensor& lse, Layout layout, const GoldenCase& golden) {
-  if (layout != Layout::kTHD) return lse.to(DType::kF64);
-  HostTensor regrouped(DType::kF64, {golden.batch, golden.heads_q, golden.seq_len_q});
-  const std::int64_t tokens = golden.batch * golden.seq_len_q;
-  for (std::int64_t b = 0; b < golden.batch; ++b) {
-    for (std::int64_t h = 0; h < golden.heads_q; ++h) {
-      for (std::int64_t q = 0; q < golden.seq_len_q; ++q) {
-        regrouped.set((b * golden.heads_q + h) * golden.seq_len_q + q,
-                      lse.at(h * tokens + b * golden.seq_len_q + q));
-      }
-    }
-  }
-  return regrouped;
-}
-
 TEST_P(GoldenCpu, ForwardAndBackwardMatchFlexAttention) {
   FLEXATTN_SKIP_WITHOUT_GOLDEN();
   const auto& [name, layout] = GetParam();

@@ -42,20 +42,7 @@ TEST_P(GoldenCpuRef, ForwardAndBackwardMatchFlexAttention) {
   const std::int64_t batch = golden.batch;
 
   expect_close(to_bhsd(outputs.out, layout, batch), golden.array("out"), "out");
-  HostTensor lse = outputs.lse.to(outputs.lse.dtype());
-  if (layout == Layout::kTHD) {  // (Hq, B * Sq) -> (B, Hq, Sq)
-    HostTensor regrouped(lse.dtype(), {batch, golden.heads_q, golden.seq_len_q});
-    for (std::int64_t b = 0; b < batch; ++b) {
-      for (std::int64_t h = 0; h < golden.heads_q; ++h) {
-        for (std::int64_t q = 0; q < golden.seq_len_q; ++q) {
-          regrouped.set((b * golden.heads_q + h) * golden.seq_len_q + q,
-                        lse.at(h * batch * golden.seq_len_q + b * golden.seq_len_q + q));
-        }
-      }
-    }
-    lse = std::move(regrouped);
-  }
-  expect_close(lse, golden.array("lse"), "lse");
+  expect_close(lse_as_bhs(outputs.lse, layout, golden), golden.array("lse"), "lse");
   expect_close(to_bhsd(outputs.dq, layout, batch), golden.array("dq"), "dq");
   expect_close(to_bhsd(outputs.dk, layout, batch), golden.array("dk"), "dk");
   expect_close(to_bhsd(outputs.dv, layout, batch), golden.array("dv"), "dv");

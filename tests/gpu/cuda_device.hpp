@@ -65,21 +65,6 @@ class DeviceTensor {
   void* pointer_ = nullptr;
 };
 
-// thd LSE (Hq, B * Sq) as (B, Hq, Sq).
-inline HostTensor lse_as_bhs(const HostTensor& lse, Layout layout, const GoldenCase& golden) {
-  if (layout != Layout::kTHD) return lse.to(DType::kF64);
-  HostTensor result(DType::kF64, {golden.batch, golden.heads_q, golden.seq_len_q});
-  for (std::int64_t b = 0; b < golden.batch; ++b) {
-    for (std::int64_t h = 0; h < golden.heads_q; ++h) {
-      for (std::int64_t q = 0; q < golden.seq_len_q; ++q) {
-        result.set((b * golden.heads_q + h) * golden.seq_len_q + q,
-                   lse.at(h * golden.batch * golden.seq_len_q + b * golden.seq_len_q + q));
-      }
-    }
-  }
-  return result;
-}
-
 // One rounding in `dtype`, relative: the tolerance floor of an output stored in it.
 inline double epsilon(DType dtype) {
   if (dtype == DType::kBF16) return 0x1p-7;

@@ -162,6 +162,21 @@ HostTensor from_bhsd(const HostTensor& bhsd, Layout layout) {
   return result;
 }
 
+HostTensor lse_as_bhs(const HostTensor& lse, Layout layout, const GoldenCase& golden) {
+  if (layout != Layout::kTHD) return lse.to(DType::kF64);
+  HostTensor result(DType::kF64, {golden.batch, golden.heads_q, golden.seq_len_q});
+  const std::int64_t tokens = golden.batch * golden.seq_len_q;
+  for (std::int64_t b = 0; b < golden.batch; ++b) {
+    for (std::int64_t h = 0; h < golden.heads_q; ++h) {
+      for (std::int64_t q = 0; q < golden.seq_len_q; ++q) {
+        result.set((b * golden.heads_q + h) * golden.seq_len_q + q,
+                   lse.at(h * tokens + b * golden.seq_len_q + q));
+      }
+    }
+  }
+  return result;
+}
+
 HostTensor to_bhsd(const HostTensor& tensor, Layout layout, std::int64_t batch) {
   const TensorView source = bhsd_view(tensor, layout, batch);
   HostTensor result(tensor.dtype(), source.shape);

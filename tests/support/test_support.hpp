@@ -55,6 +55,9 @@ GoldenCase load_golden_case(const std::string& name);
 HostTensor from_bhsd(const HostTensor& bhsd, Layout layout);
 // The inverse; thd needs the batch size.
 HostTensor to_bhsd(const HostTensor& tensor, Layout layout, std::int64_t batch = 0);
+// An LSE output as the golden data keeps it, (batch, heads_q, seq_len_q) in float64: thd keeps
+// the LSE as (heads_q, tokens).
+HostTensor lse_as_bhs(const HostTensor& lse, Layout layout, const GoldenCase& golden);
 // Equal-length thd offsets: {0, length, 2 * length, ..., batch * length}.
 std::vector<std::int64_t> uniform_offsets(std::int64_t batch, std::int64_t length);
 
