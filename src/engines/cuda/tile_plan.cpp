@@ -42,7 +42,8 @@ constexpr int kBackwardThreads = 128;
 // (64 x (head_dim_qk + head_dim_v) fp32 over 128 threads) fit the registers up to head dim 128.
 constexpr int kBackwardMmaBlock = 64;
 constexpr int kBackwardMmaMaxHeadDim = 128;
-// Its accumulators take most of the registers: one block per multiprocessor.
+// Its accumulators take most of the registers: the launch bounds promise only one block per
+// multiprocessor, so a thread may use up to 255 registers (two blocks still fit at that count).
 constexpr int kBackwardMmaMinBlocks = 1;
 // Q and dO (dK/dV kernel) or K and V (dQ kernel) are double-buffered.
 constexpr int kBackwardMmaStages = 2;
