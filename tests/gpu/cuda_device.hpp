@@ -9,6 +9,8 @@
 #include <cstdint>
 #include <limits>
 #include <memory>
+#include <string>
+#include <tuple>
 #include <vector>
 
 #include "flexattn/flexattn.hpp"
@@ -70,6 +72,26 @@ inline double epsilon(DType dtype) {
   if (dtype == DType::kBF16) return 0x1p-7;
   if (dtype == DType::kF16) return 0x1p-10;
   return std::numeric_limits<float>::epsilon();
+}
+
+// The golden cases, each in every layout and storage dtype the engine serves.
+using GoldenParam = std::tuple<std::string, Layout, DType>;
+inline std::vector<GoldenParam> golden_params() {
+  std::vector<std::string> names = golden_case_names();
+  if (names.empty()) names.push_back("missing");  // one test that reports the skip
+  std::vector<GoldenParam> params;
+  for (const std::string& name : names) {
+    for (Layout layout : {Layout::kBSHD, Layout::kSBHD, Layout::kBHSD, Layout::kTHD}) {
+      for (DType dtype : {DType::kF32, DType::kF16, DType::kBF16}) {
+        params.emplace_back(name, layout, dtype);
+      }
+    }
+  }
+  return params;
+}
+inline std::string golden_name(const ::testing::TestParamInfo<GoldenParam>& info) {
+  return std::get<0>(info.param) + "_" + std::string(to_string(std::get<1>(info.param))) + "_" +
+         std::string(to_string(std::get<2>(info.param)));
 }
 
 }  // namespace flexattn::test

@@ -182,7 +182,6 @@ Outputs plain_outputs(const GoldenCase& golden, DType dtype,
   return within_tolerance(result, expected, allowed_error(max_abs_error(plain, expected), floor));
 }
 
-using GoldenParam = std::tuple<std::string, Layout, DType>;
 class CudaBackwardGolden : public ::testing::TestWithParam<GoldenParam> {};
 
 TEST_P(CudaBackwardGolden, GradientsMatchFlexAttention) {
@@ -226,25 +225,6 @@ TEST_P(CudaBackwardGolden, GradientsMatchFlexAttention) {
                                 golden.array("d" + tensor), DType::kF32))
         << "d" << tensor;
   }
-}
-
-std::vector<GoldenParam> golden_params() {
-  std::vector<std::string> names = golden_case_names();
-  if (names.empty()) names.push_back("missing");  // one test that reports the skip
-  std::vector<GoldenParam> params;
-  for (const std::string& name : names) {
-    for (Layout layout : {Layout::kBSHD, Layout::kSBHD, Layout::kBHSD, Layout::kTHD}) {
-      for (DType dtype : {DType::kF32, DType::kF16, DType::kBF16}) {
-        params.emplace_back(name, layout, dtype);
-      }
-    }
-  }
-  return params;
-}
-
-std::string golden_name(const ::testing::TestParamInfo<GoldenParam>& info) {
-  return std::get<0>(info.param) + "_" + std::string(to_string(std::get<1>(info.param))) + "_" +
-         std::string(to_string(std::get<2>(info.param)));
 }
 
 INSTANTIATE_TEST_SUITE_P(Cases, CudaBackwardGolden, ::testing::ValuesIn(golden_params()),

@@ -168,7 +168,6 @@ DeviceOutputs plain_forward(const GoldenCase& golden, const Problem& problem, DT
   return DeviceOutputs{std::move(out), std::move(lse)};
 }
 
-using GoldenParam = std::tuple<std::string, Layout, DType>;
 class CudaGolden : public ::testing::TestWithParam<GoldenParam> {};
 
 TEST_P(CudaGolden, ForwardMatchesFlexAttention) {
@@ -200,25 +199,6 @@ TEST_P(CudaGolden, ForwardMatchesFlexAttention) {
   EXPECT_TRUE(within_tolerance(
       lse, expected_lse, allowed_error(max_abs_error(plain.lse, expected_lse), lse_floor)))
       << "lse";
-}
-
-std::vector<GoldenParam> golden_params() {
-  std::vector<std::string> names = golden_case_names();
-  if (names.empty()) names.push_back("missing");
-  std::vector<GoldenParam> params;
-  for (const std::string& name : names) {
-    for (Layout layout : {Layout::kBSHD, Layout::kSBHD, Layout::kBHSD, Layout::kTHD}) {
-      for (DType dtype : {DType::kF32, DType::kF16, DType::kBF16}) {
-        params.emplace_back(name, layout, dtype);
-      }
-    }
-  }
-  return params;
-}
-
-std::string golden_name(const ::testing::TestParamInfo<GoldenParam>& info) {
-  return std::get<0>(info.param) + "_" + std::string(to_string(std::get<1>(info.param))) + "_" +
-         std::string(to_string(std::get<2>(info.param)));
 }
 
 INSTANTIATE_TEST_SUITE_P(Cases, CudaGolden, ::testing::ValuesIn(golden_params()), golden_name);

@@ -109,6 +109,21 @@ KernelChoice simt_choice(const Problem& problem) {
   return c;
 }
 
+// What neither the forward nor the backward kernels serve (both hold the same dtypes and head
+// dims); empty when the problem is served.
+std::string unserved_reason(const Problem& problem) {
+  const DType dtype = problem.dtype();
+  if (dtype != DType::kBF16 && dtype != DType::kF16 && dtype != DType::kF32) {
+    return fmt::format("storage {} is not served (bf16, fp16 and fp32 are)", to_string(dtype));
+  }
+  const std::int64_t largest = std::max(problem.head_dim_qk(), problem.head_dim_v());
+  if (largest > kMaxHeadDim) {
+    return fmt::format("head dim {} exceeds the largest the kernels hold ({})", largest,
+                       kMaxHeadDim);
+  }
+  return {};
+}
+
 BackwardChoice backward_mma_choice(const Problem& problem) {
   BackwardChoice c;
   c.kind = KernelKind::kMma;
@@ -198,18 +213,9 @@ std::string KernelChoice::describe() const {
 
 KernelSelection choose_kernel(const Problem& problem) {
   KernelSelection selection;
+  selection.reason = unserved_reason(problem);
+  if (!selection.reason.empty()) return selection;
   const DType dtype = problem.dtype();
-  if (dtype != DType::kBF16 && dtype != DType::kF16 && dtype != DType::kF32) {
-    selection.reason = fmt::format("storage {} is not served (bf16, fp16 and fp32 are)",
-                                   to_string(dtype));
-    return selection;
-  }
-  const std::int64_t largest = std::max(problem.head_dim_qk(), problem.head_dim_v());
-  if (largest > kMaxHeadDim) {
-    selection.reason =
-        fmt::format("head dim {} exceeds the largest the kernels hold ({})", largest, kMaxHeadDim);
-    return selection;
-  }
   const bool sixteen_bit = dtype == DType::kBF16 || dtype == DType::kF16;
   const bool whole_chunks = problem.head_dim_qk() % kChunkElements == 0 &&
                             problem.head_dim_v() % kChunkElements == 0;
@@ -255,18 +261,10 @@ std::string BackwardChoice::describe() const {
 
 BackwardSelection choose_backward_kernel(const Problem& problem) {
   BackwardSelection selection;
+  selection.reason = unserved_reason(problem);
+  if (!selection.reason.empty()) return selection;
   const DType dtype = problem.dtype();
-  if (dtype != DType::kBF16 && dtype != DType::kF16 && dtype != DType::kF32) {
-    selection.reason = fmt::format("the backward serves bf16, fp16 and fp32 storage, not {}",
-                                   to_string(dtype));
-    return selection;
-  }
   const std::int64_t largest = std::max(problem.head_dim_qk(), problem.head_dim_v());
-  if (largest > kMaxHeadDim) {
-    selection.reason = fmt::format(
-        "head dim {} exceeds the largest the backward kernels hold ({})", largest, kMaxHeadDim);
-    return selection;
-  }
   if (dtype == DType::kF32) {
     selection.choice = backward_simt_choice(problem, "fp32 storage");
   } else if (problem.head_dim_qk() % kChunkElements != 0 ||
