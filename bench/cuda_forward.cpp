@@ -7,6 +7,9 @@
 // (another fresh instance, whose kernel comes from the disk cache).
 //
 //   bench_cuda_forward [--quick] [--pass fwd|fwdbwd|both] [--engine cuda|cudnn] [--json out.json]
+//                      [--only KEY,...]
+// --only keeps the problems whose key (e.g. d128/causal/softcap; sweep rows never match) is listed:
+// a short run of a few rows, e.g. under a profiler (scripts/gpu-kernel-times).
 //
 // An engine this build lacks or this machine cannot run, and a problem the engine refuses, are
 // reported as skip lines (with the engine's reason), not errors. A problem the engine fails on is
@@ -23,6 +26,8 @@
 #include <fstream>
 #include <map>
 #include <memory>
+#include <set>
+#include <sstream>
 #include <string>
 #include <vector>
 
@@ -282,6 +287,11 @@ Result run(const std::string& engine_name, const Config& config, InputCache& inp
   return result;
 }
 
+// The key --only matches: d<head dim>/<causal|none>/<variant>.
+std::string problem_key(const Config& c) {
+  return fmt::format("d{}/{}/{}", c.head_dim, c.causal ? "causal" : "none", c.variant.name);
+}
+
 // The warm plan time in seconds, or `absent` where it was not measured.
 std::string warm_text(const Result& r, const char* absent) {
   return r.plan_warm_s < 0.0 ? absent : fmt::format("{:.4f}", r.plan_warm_s);
@@ -372,6 +382,7 @@ std::vector<std::pair<std::string, Config>> configs(bool quick, bool forward, bo
 int main(int argc, char** argv) {
   bool quick = false;
   std::string json_path, pass = "both", engine_name = "cuda";
+  std::set<std::string> only;
   for (int i = 1; i < argc; ++i) {
     const std::string arg = argv[i];
     if (arg == "--quick") {
@@ -382,10 +393,15 @@ int main(int argc, char** argv) {
       pass = argv[++i];
     } else if (arg == "--engine" && i + 1 < argc) {
       engine_name = argv[++i];
+    } else if (arg == "--only" && i + 1 < argc) {
+      std::stringstream list(argv[++i]);
+      for (std::string key; std::getline(list, key, ',');) {
+        if (!key.empty()) only.insert(key);
+      }
     } else {
       fmt::print(stderr,
                  "usage: bench_cuda_forward [--quick] [--pass fwd|fwdbwd|both] "
-                 "[--engine cuda|cudnn] [--json out.json]\n");
+                 "[--engine cuda|cudnn] [--json out.json] [--only d128/causal/softcap,...]\n");
       return 2;
     }
   }
@@ -419,6 +435,7 @@ int main(int argc, char** argv) {
     bool described_forward = false, described_backward = false;
     int errors = 0;
     for (const auto& [group, config] : configs(quick, pass != "fwdbwd", pass != "fwd")) {
+      if (!only.empty() && (group != "main" || only.count(problem_key(config)) == 0)) continue;
       Result r;
       try {
         r = run(engine_name, config, inputs);

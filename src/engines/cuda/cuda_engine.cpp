@@ -361,6 +361,7 @@ class CudaPlan final : public Plan {
       p.grad_fixed[gradient.slot] =
           reinterpret_cast<unsigned long long*>(scratch.address() + gradient.offset);
     }
+    p.tensor_grads_wanted = gradients.empty() ? 0 : 1;
 
     const auto heads_kv = static_cast<unsigned>(problem_.heads_kv());
     const auto grid_q = [&](int rows) {

@@ -78,9 +78,12 @@ __device__ __forceinline__ float score_gradient(float dlogit,
 // tensor gradient sums dlogit = P (dP - delta) over whole rows, where the exact terms cancel and
 // the residual (sum_kv P dP - delta, one rounding of O per row) is multiplied by the derivative
 // (e.g. kv - q for ALiBi slopes) and summed over the sequence: measured on the H200 up to 2x the
-// fp32 tolerance. So when the modifier has tensor gradients, the dQ kernels recompute delta as
-// rowsum(P * dP) in a first pass over the row's tiles (two extra mma per tile) before computing
-// dQ and the tensor gradients with it; dK and dV keep the delta of this kernel.
+// fp32 tolerance. So when tensor gradients are wanted (BackwardParams::tensor_grads_wanted), the
+// dQ kernels recompute delta as rowsum(P * dP) in a first pass over the row's tiles (two extra
+// mma per tile) before computing dQ and the tensor gradients with it; dK and dV keep the delta of
+// this kernel. The same pass sums P itself and renormalises the row by it (LSE += log(sum P),
+// delta /= sum P): the stored LSE carries the forward's rounding, which scales a whole row of P,
+// and a tensor gradient summed over rows with different such factors no longer cancels.
 //
 // delta[b, h, q] = sum_d dO[b, q, h, d] * O[b, q, h, d] in fp32 (O and dO as stored). One warp
 // per row at a time; grid (ceil(seq_len_q / kDeltaRows), heads_q, batch), kDeltaThreads threads.

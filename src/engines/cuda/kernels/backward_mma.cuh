@@ -404,19 +404,26 @@ __device__ __forceinline__ void backward_dq_mma(const BackwardParams& bp) {
   const LaneOffsets<Config::kChunksV> v_n((lane / 16) * 8 + lane % 8, (lane / 8) % 2);
   const LaneOffsets<Config::kChunksQk> k_k(lane % 8 + ((lane / 8) % 2) * 8, lane / 16);
 
-  // With tensor gradients, a first pass recomputes delta as rowsum(P * dP) (see
-  // exact_delta_rows in backward_common.cuh); the second pass computes the gradients.
-  constexpr int kFirstPass = Modifier::kHasTensorGrads ? 0 : 1;
+  // When tensor gradients are wanted, a first pass recomputes delta as rowsum(P * dP) and
+  // renormalises P by its own row sum (see exact_delta_rows in backward_common.cuh); the second
+  // pass computes the gradients.
+  const bool tensor_grads = Modifier::kHasTensorGrads && bp.tensor_grads_wanted != 0;
+  const int first_pass = tensor_grads ? 0 : 1;
   float row_pdp[2] = {0.0f, 0.0f};
-  for (int pass = kFirstPass; pass < 2; ++pass) {
+  float row_p[2] = {0.0f, 0.0f};
+  for (int pass = first_pass; pass < 2; ++pass) {
   const bool delta_pass = pass == 0;
-  if (pass == 1 && kFirstPass == 0) {
+  if (pass == 1 && first_pass == 0) {
     wait_copies<0>();
     __syncthreads();  // every warp is done with the last K/V stage of the first pass
 #pragma unroll
     for (int half = 0; half < 2; ++half) {
-      const float sum = quad_sum(row_pdp[half]);
-      if (row_valid[half]) delta[half] = sum;
+      const float sum_pdp = quad_sum(row_pdp[half]);
+      const float sum_p = quad_sum(row_p[half]);
+      if (row_valid[half] && sum_p > 0.0f) {
+        lse2[half] += log2f(sum_p);
+        delta[half] = sum_pdp / sum_p;
+      }
     }
     if (entries.begin < entries.end) load_keys_and_values(entries.begin, 0);
     commit_copies();
@@ -479,6 +486,7 @@ __device__ __forceinline__ void backward_dq_mma(const BackwardParams& bp) {
         const float probability = probability_log2(logit2, lse2[half]);
         if (delta_pass) {
           row_pdp[half] += probability * dp[j][e];
+          row_p[half] += probability;
           continue;
         }
         const float dlogit = probability * (dp[j][e] - delta[half]);
@@ -488,8 +496,10 @@ __device__ __forceinline__ void backward_dq_mma(const BackwardParams& bp) {
           dscore = score_gradient<Modifier>(dlogit, invariants, p, at, score, query[half],
                                             kv_inside);
           if constexpr (Modifier::kHasTensorGrads) {
-            Modifier::tensor_grads(invariants, bp, at, score, query[half], kv_inside, dlogit,
-                                   local);
+            if (tensor_grads) {
+              Modifier::tensor_grads(invariants, bp, at, score, query[half], kv_inside, dlogit,
+                                     local);
+            }
           }
         }
         dp[j][e] = dscore;
@@ -516,7 +526,7 @@ __device__ __forceinline__ void backward_dq_mma(const BackwardParams& bp) {
   }
   }  // passes
   if constexpr (Modifier::kHasTensorGrads) {
-    Modifier::flush_tensor_grads(invariants, bp, at, local);
+    if (tensor_grads) Modifier::flush_tensor_grads(invariants, bp, at, local);
   }
   wait_copies<0>();
   __syncthreads();  // every warp is done with Q and K: the K stages now stage dQ

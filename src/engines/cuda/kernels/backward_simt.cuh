@@ -413,11 +413,17 @@ __device__ __forceinline__ void backward_dq_simt(const BackwardParams& p) {
   const float* q_rows_of_warp = q_tile + warp * kRows * kDimQk;   // (rows_per_warp, dqk)
   const float* do_rows_of_warp = do_tile + warp * kRows * kDimV;  // (rows_per_warp, dv)
 
-  // With tensor gradients, delta is recomputed as rowsum(P * dP) (exact_delta_rows).
-  if constexpr (Modifier::kHasTensorGrads) {
+  // When tensor gradients are wanted, delta is recomputed as rowsum(P * dP) and P renormalised
+  // by its own row sum (exact_delta_rows).
+  const bool tensor_grads = Modifier::kHasTensorGrads && p.tensor_grads_wanted != 0;
+  if (tensor_grads) {
     float sums[kRows];
+    float probability_sums[kRows];
 #pragma unroll
-    for (int j = 0; j < kRows; ++j) sums[j] = 0.0f;
+    for (int j = 0; j < kRows; ++j) {
+      sums[j] = 0.0f;
+      probability_sums[j] = 0.0f;
+    }
     for (int entry_index = entries.begin; entry_index < entries.end; ++entry_index) {
       const int entry = p.fwd.tile_entries[entry_index];
       const int kv_start = entry_kv_tile(entry) * kBlockKv;
@@ -450,12 +456,17 @@ __device__ __forceinline__ void backward_dq_simt(const BackwardParams& p) {
                                                       q < span.q_len, p.fwd, invariants, at,
                                                       ir_min(q, span.q_len - 1), kv);
         sums[j] += element.dlogit;  // P * dP
+        probability_sums[j] += element.probability;
       }
     }
 #pragma unroll
     for (int j = 0; j < kRows; ++j) {
       const float sum = warp_sum(sums[j]);
-      if (first_q + j < span.q_len) delta[j] = sum;
+      const float probability_sum = warp_sum(probability_sums[j]);
+      if (first_q + j < span.q_len && probability_sum > 0.0f) {
+        row_lse[j] += logf(probability_sum);
+        delta[j] = sum / probability_sum;
+      }
     }
   }
 
@@ -496,7 +507,7 @@ __device__ __forceinline__ void backward_dq_simt(const BackwardParams& p) {
                                                     p.fwd, invariants, at, q_inside, kv);
       dscores[j] = element.dscore;
       if constexpr (Modifier::kHasTensorGrads) {
-        if (element.kept) {
+        if (tensor_grads && element.kept) {
           Modifier::tensor_grads(invariants, p, at, dots[j] * p.fwd.scale, q_inside, kv_inside,
                                  element.dlogit, local);
         }
@@ -540,7 +551,9 @@ __device__ __forceinline__ void backward_dq_simt(const BackwardParams& p) {
         store_from_float(Tag{}, p.dq.data, dq_row + column, dq[j][c] * p.fwd.scale);
     }
   }
-  if constexpr (Modifier::kHasTensorGrads) Modifier::flush_tensor_grads(invariants, p, at, local);
+  if constexpr (Modifier::kHasTensorGrads) {
+    if (tensor_grads) Modifier::flush_tensor_grads(invariants, p, at, local);
+  }
 }
 
 }  // namespace flexattn_kernels

@@ -76,6 +76,10 @@ struct BackwardParams {
   // Per tensor slot (as fwd.tensors): the fixed-point accumulator of its gradient (one long long
   // per element, zeroed before the launch), or null where no gradient is wanted.
   unsigned long long* grad_fixed[kMaxTensors];
+  // 1 when some grad_fixed slot is set: only then does the dQ kernel run the exact-delta pass and
+  // the tensor-gradient scatter (a modifier with tensor loads whose gradients nobody asked for
+  // costs what one without them does).
+  int tensor_grads_wanted;
 };
 
 // Converts one fixed-point accumulator to the gradient tensor (fp32 or fp64, contiguous).
