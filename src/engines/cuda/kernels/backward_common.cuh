@@ -58,6 +58,14 @@ __device__ __forceinline__ float probability_log2(float logit2, float lse2) {
   return lse2 == negative_infinity() ? 0.0f : fast_exp2(logit2 - lse2);
 }
 
+// unmasked_then_masked: the tensor-core kernels compute every element of a tile with the same
+// code, the modifier on the unmasked logit (kv clamped into the sequence, a no-op inside it), then
+// the mask as a select on mixed and boundary tiles, and the derivative unconditionally with a
+// select for dlogit == 0 (keeps 0 * inf or NaN of masked elements out). Per-element branches
+// between a masked and an unmasked copy of the modifier (the first version) made the compiler
+// keep both copies and serialise the elements' tanh chains: causal softcap's dK/dV and dQ kernels
+// took as long as non-causal ones on half the tiles (Nsight Compute on the H200, 2026-12-02).
+
 // The gradient of the loss with respect to the score (before the modifier) of one kept
 // element, from the probability P, dP = dO . V and delta = rowsum(dO * O):
 //   dlogit = P (dP - delta),  dscore = dlogit * d score_mod / d score.

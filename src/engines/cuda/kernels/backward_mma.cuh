@@ -261,19 +261,17 @@ __device__ __forceinline__ void backward_dkdv_mma(const BackwardParams& bp) {
         const int kv = kv_row[e / 2];
         const int kv_inside = ir_min(kv, span.kv_len - 1);
         const float dot = st[j][e];
-        const float logit2 =
-            check ? element_logit<Modifier, true, true>(dot, p, invariants, at, q_inside, kv)
-                  : element_logit<Modifier, false, true>(dot, p, invariants, at, q_inside, kv);
+        // Straight-line element code (see unmasked_then_masked in backward_common.cuh).
+        float logit2 =
+            element_logit<Modifier, false, true>(dot, p, invariants, at, q_inside, kv_inside);
+        if (check) logit2 = masked_logit<Modifier>(logit2, p, invariants, at, q_inside, kv);
         const float lse2 = q_valid ? lse_stage[column] * kLog2e : negative_infinity();
         const float probability = probability_log2(logit2, lse2);
         const float dlogit = probability * (dpt[j][e] - delta_stage[column]);
-        float dscore = 0.0f;
-        if (dlogit != 0.0f) {
-          dscore = score_gradient<Modifier>(dlogit, invariants, p, at, dot * p.scale, q_inside,
-                                            kv_inside);
-        }
+        const float dscore = score_gradient<Modifier>(dlogit, invariants, p, at, dot * p.scale,
+                                                      q_inside, kv_inside);
         st[j][e] = probability;
-        dpt[j][e] = dscore;
+        dpt[j][e] = dlogit != 0.0f ? dscore : 0.0f;
       }
     }
 
@@ -480,9 +478,10 @@ __device__ __forceinline__ void backward_dq_mma(const BackwardParams& bp) {
         const int kv = kv_start + j * 8 + 2 * quad_lane + e % 2;
         const int kv_inside = ir_min(kv, span.kv_len - 1);
         const float dot = s[j][e];
-        const float logit2 =
-            check ? element_logit<Modifier, true, true>(dot, p, invariants, at, query[half], kv)
-                  : element_logit<Modifier, false, true>(dot, p, invariants, at, query[half], kv);
+        // Straight-line element code (see unmasked_then_masked in backward_common.cuh).
+        float logit2 =
+            element_logit<Modifier, false, true>(dot, p, invariants, at, query[half], kv_inside);
+        if (check) logit2 = masked_logit<Modifier>(logit2, p, invariants, at, query[half], kv);
         const float probability = probability_log2(logit2, lse2[half]);
         if (delta_pass) {
           row_pdp[half] += probability * dp[j][e];
@@ -490,19 +489,16 @@ __device__ __forceinline__ void backward_dq_mma(const BackwardParams& bp) {
           continue;
         }
         const float dlogit = probability * (dp[j][e] - delta[half]);
-        float dscore = 0.0f;
-        if (dlogit != 0.0f) {
-          const float score = dot * p.scale;
-          dscore = score_gradient<Modifier>(dlogit, invariants, p, at, score, query[half],
-                                            kv_inside);
-          if constexpr (Modifier::kHasTensorGrads) {
-            if (tensor_grads) {
-              Modifier::tensor_grads(invariants, bp, at, score, query[half], kv_inside, dlogit,
-                                     local);
-            }
+        const float score = dot * p.scale;
+        const float dscore =
+            score_gradient<Modifier>(dlogit, invariants, p, at, score, query[half], kv_inside);
+        if constexpr (Modifier::kHasTensorGrads) {
+          if (tensor_grads && dlogit != 0.0f) {
+            Modifier::tensor_grads(invariants, bp, at, score, query[half], kv_inside, dlogit,
+                                   local);
           }
         }
-        dp[j][e] = dscore;
+        dp[j][e] = dlogit != 0.0f ? dscore : 0.0f;
       }
     }
 

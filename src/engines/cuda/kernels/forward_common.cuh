@@ -81,6 +81,19 @@ __device__ __forceinline__ EntryRange visited_tiles(const ForwardParams& p, int 
 __device__ __forceinline__ int entry_kv_tile(int entry) { return entry >> 1; }
 __device__ __forceinline__ bool entry_is_mixed(int entry) { return (entry & 1) != 0; }
 
+// The mask and the key bound applied to a logit computed without them (`kv` may lie past the
+// keys; the mask sees it clamped): the logit, or -inf where the element is not kept.
+template <class Modifier>
+__device__ __forceinline__ float masked_logit(float logit, const ForwardParams& p,
+                                              const typename Modifier::Invariants& invariants,
+                                              const Coordinates& at, int q, int kv) {
+  bool keep = kv < at.kv_len;
+  if constexpr (Modifier::kHasMask) {
+    keep = keep && Modifier::mask_mod(invariants, p, at, q, ir_min(kv, at.kv_len - 1));
+  }
+  return keep ? logit : negative_infinity();
+}
+
 // The logit of one element: score = scale * dot, then score_mod, then the mask and the key
 // bounds (only when kCheck: mixed or boundary tiles). `q` is already clamped into the sequence;
 // with kCheck, `kv` may lie past it and is clamped before the modifier reads anything, so a
@@ -97,13 +110,7 @@ __device__ __forceinline__ float element_logit(float dot, const ForwardParams& p
     logit = Modifier::score_mod(invariants, p, at, dot * p.scale, q, kv_inside);
     if constexpr (kLog2Domain) logit *= kLog2e;
   }
-  if constexpr (kCheck) {
-    bool keep = kv < at.kv_len;
-    if constexpr (Modifier::kHasMask) {
-      keep = keep && Modifier::mask_mod(invariants, p, at, q, kv_inside);
-    }
-    if (!keep) logit = negative_infinity();
-  }
+  if constexpr (kCheck) logit = masked_logit<Modifier>(logit, p, invariants, at, q, kv);
   return logit;
 }
 
