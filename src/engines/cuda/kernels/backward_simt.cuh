@@ -89,10 +89,16 @@ struct ElementGradient {
 // `dot` is q . k, `dp` is dO . v; `lse` the row's (natural) LSE and `delta`
 // rowsum(dO * O). `q` is clamped into the sequence (`row_valid` says whether it was inside);
 // with kCheck, `kv` may lie past the keys and is clamped before the modifier sees it.
+// `precise` (the dQ kernel when tensor gradients are wanted) computes P and dlogit in double:
+// a tensor gradient sums dlogit * derivative over whole sequences, where a plain fp32
+// implementation's own rounding of each P (expf, 2 ulp) and of dP - delta add up; with double
+// here, only the fp32 logit, dP and delta carry rounding, and the fp32 tolerance holds (the
+// thd ALiBi slopes case of the conformance matrix was 5% beyond it with expf).
 template <class Modifier, bool kCheck>
 __device__ __forceinline__ ElementGradient element_gradient(
     float dot, float dp, float lse, float delta, bool row_valid, const ForwardParams& p,
-    const typename Modifier::Invariants& invariants, const Coordinates& at, int q, int kv) {
+    const typename Modifier::Invariants& invariants, const Coordinates& at, int q, int kv,
+    bool precise = false) {
   // P = exp(logit - lse) in the natural domain with expf, as a plain fp32 implementation computes
   // it: the fp32 path's tensor gradients sum P over whole rows, where the log2 domain's extra
   // rounding (logit * log2(e)) and ex2.approx showed up beyond the fp32 tolerance.
@@ -102,8 +108,15 @@ __device__ __forceinline__ ElementGradient element_gradient(
   // keeps 0 * inf from producing NaN).
   if (row_valid && logit != negative_infinity() && lse != negative_infinity()) {
     result.kept = true;
-    result.probability = expf(logit - lse);
-    result.dlogit = result.probability * (dp - delta);
+    if (precise) {
+      const double probability = exp(static_cast<double>(logit) - static_cast<double>(lse));
+      result.probability = static_cast<float>(probability);
+      result.dlogit = static_cast<float>(probability *
+                                         (static_cast<double>(dp) - static_cast<double>(delta)));
+    } else {
+      result.probability = expf(logit - lse);
+      result.dlogit = result.probability * (dp - delta);
+    }
     const int kv_inside = kCheck ? ir_min(kv, at.kv_len - 1) : kv;
     result.dscore =
         score_gradient<Modifier>(result.dlogit, invariants, p, at, dot * p.scale, q, kv_inside);
@@ -451,10 +464,10 @@ __device__ __forceinline__ void backward_dq_simt(const BackwardParams& p) {
         const ElementGradient element =
             check ? element_gradient<Modifier, true>(dots[j], dps[j], row_lse[j], 0.0f,
                                                      q < span.q_len, p.fwd, invariants, at,
-                                                     ir_min(q, span.q_len - 1), kv)
+                                                     ir_min(q, span.q_len - 1), kv, true)
                   : element_gradient<Modifier, false>(dots[j], dps[j], row_lse[j], 0.0f,
                                                       q < span.q_len, p.fwd, invariants, at,
-                                                      ir_min(q, span.q_len - 1), kv);
+                                                      ir_min(q, span.q_len - 1), kv, true);
         sums[j] += element.dlogit;  // P * dP
         probability_sums[j] += element.probability;
       }
@@ -502,9 +515,10 @@ __device__ __forceinline__ void backward_dq_simt(const BackwardParams& p) {
       const int q_inside = ir_min(q, span.q_len - 1);
       const ElementGradient element =
           check ? element_gradient<Modifier, true>(dots[j], dps[j], row_lse[j], delta[j], row_valid,
-                                                   p.fwd, invariants, at, q_inside, kv)
+                                                   p.fwd, invariants, at, q_inside, kv, tensor_grads)
                 : element_gradient<Modifier, false>(dots[j], dps[j], row_lse[j], delta[j], row_valid,
-                                                    p.fwd, invariants, at, q_inside, kv);
+                                                    p.fwd, invariants, at, q_inside, kv,
+                                                    tensor_grads);
       dscores[j] = element.dscore;
       if constexpr (Modifier::kHasTensorGrads) {
         if (tensor_grads && element.kept) {
