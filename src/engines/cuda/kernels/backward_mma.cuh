@@ -78,6 +78,54 @@ __device__ __forceinline__ void zero_accumulators(float (&tiles)[kTiles][4]) {
   }
 }
 
+// The warp's 16 x (8 kTiles) tile of A B^T over kSteps k-steps of 16: A's 16 rows (this warp's)
+// from `a_tile` at lane offsets `a`, B's 8 kTiles rows (n-major) from `b_tile` at lane offsets
+// `b`. Overwrites `product`.
+template <class Tag, int kSteps, int kTiles, class OffsetsA, class OffsetsB>
+__device__ __forceinline__ void product_a_bt(float (&product)[kTiles][4], unsigned a_tile,
+                                             const OffsetsA& a, unsigned b_tile,
+                                             const OffsetsB& b) {
+  zero_accumulators(product);
+#pragma unroll
+  for (int step = 0; step < kSteps; ++step) {
+    unsigned a_fragment[4];
+    load_matrix_x4(a_fragment, a_tile + a.at(step, 0));
+#pragma unroll
+    for (int pair = 0; pair < kTiles / 2; ++pair) {
+      unsigned b_fragment[4];
+      load_matrix_x4(b_fragment, b_tile + b.at(step, pair * 16));
+      mma_16x8x16(Tag{}, product[2 * pair], a_fragment, b_fragment[0], b_fragment[1]);
+      mma_16x8x16(Tag{}, product[2 * pair + 1], a_fragment, b_fragment[2], b_fragment[3]);
+    }
+  }
+}
+
+// The A fragment (16 x 16, rounded to the storage type) of k-step `step` from the accumulator
+// tiles of an earlier product: its 8-column tiles 2 step and 2 step + 1.
+template <class Tag, int kTiles>
+__device__ __forceinline__ void pack_fragment(unsigned (&fragment)[4],
+                                              const float (&tiles)[kTiles][4], int step) {
+  fragment[0] = pack_pair(Tag{}, tiles[2 * step][0], tiles[2 * step][1]);
+  fragment[1] = pack_pair(Tag{}, tiles[2 * step][2], tiles[2 * step][3]);
+  fragment[2] = pack_pair(Tag{}, tiles[2 * step + 1][0], tiles[2 * step + 1][1]);
+  fragment[3] = pack_pair(Tag{}, tiles[2 * step + 1][2], tiles[2 * step + 1][3]);
+}
+
+// accumulator += A B for k-step `step`: A in registers (pack_fragment), B's rows k-major from
+// `b_tile` at lane offsets `b` (transposing ldmatrix), 2 kPairs 8-column tiles.
+template <class Tag, int kPairs, int kTiles, class OffsetsB>
+__device__ __forceinline__ void accumulate_a_b(float (&accumulator)[kTiles][4],
+                                               const unsigned (&a_fragment)[4], unsigned b_tile,
+                                               const OffsetsB& b, int step) {
+#pragma unroll
+  for (int pair = 0; pair < kPairs; ++pair) {
+    unsigned b_fragment[4];
+    load_matrix_x4_transposed(b_fragment, b_tile + b.at(pair, step * 16));
+    mma_16x8x16(Tag{}, accumulator[2 * pair], a_fragment, b_fragment[0], b_fragment[1]);
+    mma_16x8x16(Tag{}, accumulator[2 * pair + 1], a_fragment, b_fragment[2], b_fragment[3]);
+  }
+}
+
 // Stages a warp's 16 accumulator rows (as storage type) at rows `row0`.. of a swizzled tile.
 template <class Tag, int kChunks, int kTiles>
 __device__ __forceinline__ void stage_rows(unsigned char* tile, const float (&acc)[kTiles][4],
@@ -217,36 +265,11 @@ __device__ __forceinline__ void backward_dkdv_mma(const BackwardParams& bp) {
     const float* lse_stage = row_floats + stage * 2 * 64;
     const float* delta_stage = lse_stage + 64;
 
-    // S^T = K Q^T: 16 keys x 64 queries per warp.
+    // S^T = K Q^T and dP^T = V dO^T: 16 keys x 64 queries per warp.
     float st[kTilesQ][4];
-    zero_accumulators(st);
-#pragma unroll
-    for (int step = 0; step < Config::kStepsQk; ++step) {
-      unsigned a[4];
-      load_matrix_x4(a, k_tile + k_a.at(step, 0));
-#pragma unroll
-      for (int pair = 0; pair < kTilesQ / 2; ++pair) {
-        unsigned b[4];
-        load_matrix_x4(b, q_tile + q_n.at(step, pair * 16));
-        mma_16x8x16(Tag{}, st[2 * pair], a, b[0], b[1]);
-        mma_16x8x16(Tag{}, st[2 * pair + 1], a, b[2], b[3]);
-      }
-    }
-    // dP^T = V dO^T.
+    product_a_bt<Tag, Config::kStepsQk>(st, k_tile, k_a, q_tile, q_n);
     float dpt[kTilesQ][4];
-    zero_accumulators(dpt);
-#pragma unroll
-    for (int step = 0; step < Config::kStepsV; ++step) {
-      unsigned a[4];
-      load_matrix_x4(a, v_tile + v_a.at(step, 0));
-#pragma unroll
-      for (int pair = 0; pair < kTilesQ / 2; ++pair) {
-        unsigned b[4];
-        load_matrix_x4(b, do_tile + do_n.at(step, pair * 16));
-        mma_16x8x16(Tag{}, dpt[2 * pair], a, b[0], b[1]);
-        mma_16x8x16(Tag{}, dpt[2 * pair + 1], a, b[2], b[3]);
-      }
-    }
+    product_a_bt<Tag, Config::kStepsV>(dpt, v_tile, v_a, do_tile, do_n);
 
     // Element pipeline: st becomes P^T, dpt becomes dS^T.
     const bool check = entry_is_mixed(entry) || kv_boundary;
@@ -279,28 +302,10 @@ __device__ __forceinline__ void backward_dkdv_mma(const BackwardParams& bp) {
 #pragma unroll
     for (int step = 0; step < Config::kBlockQ / 16; ++step) {
       unsigned pa[4], sa[4];
-      pa[0] = pack_pair(Tag{}, st[2 * step][0], st[2 * step][1]);
-      pa[1] = pack_pair(Tag{}, st[2 * step][2], st[2 * step][3]);
-      pa[2] = pack_pair(Tag{}, st[2 * step + 1][0], st[2 * step + 1][1]);
-      pa[3] = pack_pair(Tag{}, st[2 * step + 1][2], st[2 * step + 1][3]);
-      sa[0] = pack_pair(Tag{}, dpt[2 * step][0], dpt[2 * step][1]);
-      sa[1] = pack_pair(Tag{}, dpt[2 * step][2], dpt[2 * step][3]);
-      sa[2] = pack_pair(Tag{}, dpt[2 * step + 1][0], dpt[2 * step + 1][1]);
-      sa[3] = pack_pair(Tag{}, dpt[2 * step + 1][2], dpt[2 * step + 1][3]);
-#pragma unroll
-      for (int pair = 0; pair < Config::kStepsV; ++pair) {
-        unsigned b[4];
-        load_matrix_x4_transposed(b, do_tile + do_k.at(pair, step * 16));
-        mma_16x8x16(Tag{}, dv[2 * pair], pa, b[0], b[1]);
-        mma_16x8x16(Tag{}, dv[2 * pair + 1], pa, b[2], b[3]);
-      }
-#pragma unroll
-      for (int pair = 0; pair < Config::kStepsQk; ++pair) {
-        unsigned b[4];
-        load_matrix_x4_transposed(b, q_tile + q_k.at(pair, step * 16));
-        mma_16x8x16(Tag{}, dk[2 * pair], sa, b[0], b[1]);
-        mma_16x8x16(Tag{}, dk[2 * pair + 1], sa, b[2], b[3]);
-      }
+      pack_fragment<Tag>(pa, st, step);
+      pack_fragment<Tag>(sa, dpt, step);
+      accumulate_a_b<Tag, Config::kStepsV>(dv, pa, do_tile, do_k, step);
+      accumulate_a_b<Tag, Config::kStepsQk>(dk, sa, q_tile, q_k, step);
     }
   }
   wait_copies<0>();
@@ -440,34 +445,11 @@ __device__ __forceinline__ void backward_dq_mma(const BackwardParams& bp) {
     const int entry = p.tile_entries[entry_index];
     const int kv_start = entry_kv_tile(entry) * Config::kBlockKv;
 
+    // S = Q K^T and dP = dO V^T: 16 queries x 64 keys per warp.
     float s[kTilesKv][4];
-    zero_accumulators(s);
-#pragma unroll
-    for (int step = 0; step < Config::kStepsQk; ++step) {
-      unsigned a[4];
-      load_matrix_x4(a, q_tile + q_a.at(step, 0));
-#pragma unroll
-      for (int pair = 0; pair < kTilesKv / 2; ++pair) {
-        unsigned b[4];
-        load_matrix_x4(b, k_tile + k_n.at(step, pair * 16));
-        mma_16x8x16(Tag{}, s[2 * pair], a, b[0], b[1]);
-        mma_16x8x16(Tag{}, s[2 * pair + 1], a, b[2], b[3]);
-      }
-    }
+    product_a_bt<Tag, Config::kStepsQk>(s, q_tile, q_a, k_tile, k_n);
     float dp[kTilesKv][4];
-    zero_accumulators(dp);
-#pragma unroll
-    for (int step = 0; step < Config::kStepsV; ++step) {
-      unsigned a[4];
-      load_matrix_x4(a, do_tile + do_a.at(step, 0));
-#pragma unroll
-      for (int pair = 0; pair < kTilesKv / 2; ++pair) {
-        unsigned b[4];
-        load_matrix_x4(b, v_tile + v_n.at(step, pair * 16));
-        mma_16x8x16(Tag{}, dp[2 * pair], a, b[0], b[1]);
-        mma_16x8x16(Tag{}, dp[2 * pair + 1], a, b[2], b[3]);
-      }
-    }
+    product_a_bt<Tag, Config::kStepsV>(dp, do_tile, do_a, v_tile, v_n);
 
     const bool check = entry_is_mixed(entry) || kv_start + Config::kBlockKv > span.kv_len;
 #pragma unroll
@@ -507,17 +489,8 @@ __device__ __forceinline__ void backward_dq_mma(const BackwardParams& bp) {
 #pragma unroll
     for (int step = 0; step < Config::kBlockKv / 16; ++step) {
       unsigned sa[4];
-      sa[0] = pack_pair(Tag{}, dp[2 * step][0], dp[2 * step][1]);
-      sa[1] = pack_pair(Tag{}, dp[2 * step][2], dp[2 * step][3]);
-      sa[2] = pack_pair(Tag{}, dp[2 * step + 1][0], dp[2 * step + 1][1]);
-      sa[3] = pack_pair(Tag{}, dp[2 * step + 1][2], dp[2 * step + 1][3]);
-#pragma unroll
-      for (int pair = 0; pair < Config::kStepsQk; ++pair) {
-        unsigned b[4];
-        load_matrix_x4_transposed(b, k_tile + k_k.at(pair, step * 16));
-        mma_16x8x16(Tag{}, dq[2 * pair], sa, b[0], b[1]);
-        mma_16x8x16(Tag{}, dq[2 * pair + 1], sa, b[2], b[3]);
-      }
+      pack_fragment<Tag>(sa, dp, step);
+      accumulate_a_b<Tag, Config::kStepsQk>(dq, sa, k_tile, k_k, step);
     }
   }
   }  // passes

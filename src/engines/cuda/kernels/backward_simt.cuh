@@ -77,6 +77,36 @@ __device__ __forceinline__ void dot_with_rows(const float* own, const float* row
   }
 }
 
+// The 8 values a lane puts in a warp buffer (two float4 at `slot`), and reading them back.
+__device__ __forceinline__ void store_eight(float* slot, const float (&values)[8]) {
+  float4* row = reinterpret_cast<float4*>(slot);
+  row[0] = make_float4(values[0], values[1], values[2], values[3]);
+  row[1] = make_float4(values[4], values[5], values[6], values[7]);
+}
+__device__ __forceinline__ void load_eight(const float* slot, float (&values)[8]) {
+  const float4 low = reinterpret_cast<const float4*>(slot)[0];
+  const float4 high = reinterpret_cast<const float4*>(slot)[1];
+  values[0] = low.x, values[1] = low.y, values[2] = low.z, values[3] = low.w;
+  values[4] = high.x, values[5] = high.y, values[6] = high.z, values[7] = high.w;
+}
+
+// accumulator[j][c] += weights[j] * row[c * 32 + lane] for the lane's columns of one tile row
+// (kDim columns).
+template <int kDim, int kRows, int kColumns>
+__device__ __forceinline__ void accumulate_row(float (&accumulator)[kRows][kColumns],
+                                               const float (&weights)[kRows], const float* row,
+                                               int lane) {
+#pragma unroll
+  for (int c = 0; c < kColumns; ++c) {
+    const int column = c * kWarpSize + lane;
+    if (kDim % kWarpSize == 0 || column < kDim) {
+      const float value = row[column];
+#pragma unroll
+      for (int j = 0; j < kRows; ++j) accumulator[j][c] = fmaf(weights[j], value, accumulator[j][c]);
+    }
+  }
+}
+
 // What one element (q, kv) contributes. An element not kept (masked, out of range, a query row
 // past the sequence, or a row that kept no key) contributes nothing.
 struct ElementGradient {
@@ -133,6 +163,25 @@ __device__ __forceinline__ long long view_index(const SequenceView& view, int ba
   return batch * view.batch_stride + token * view.token_stride + head * view.head_stride;
 }
 
+// Writes rows first..first + kRows of `view` (head `head`, tokens from `offset`; rows at or past
+// `length` are skipped) from the lane's columns of `rows`, times `scale`.
+template <class Tag, int kDim, int kRows, int kColumns>
+__device__ __forceinline__ void store_rows(const SequenceView& view, int batch, int offset,
+                                           int head, int first, int length,
+                                           const float (&rows)[kRows][kColumns], float scale,
+                                           int lane) {
+#pragma unroll
+  for (int j = 0; j < kRows; ++j) {
+    if (first + j >= length) continue;
+    const long long base = view_index(view, batch, offset + first + j, head);
+#pragma unroll
+    for (int c = 0; c < kColumns; ++c) {
+      const int column = c * kWarpSize + lane;
+      if (column < kDim) store_from_float(Tag{}, view.data, base + column, rows[j][c] * scale);
+    }
+  }
+}
+
 }  // namespace simt_backward
 
 template <class ElementTag, int kHeadDimQk_, int kHeadDimV_, int kSharedDkdv, int kSharedDq>
@@ -183,6 +232,10 @@ __device__ __forceinline__ void backward_dkdv_simt(const BackwardParams& p) {
   using simt_backward::ElementGradient;
   using simt_backward::load_rows_as_float;
   using simt_backward::view_index;
+  using simt_backward::accumulate_row;
+  using simt_backward::load_eight;
+  using simt_backward::store_eight;
+  using simt_backward::store_rows;
   constexpr int kDimQk = Config::kHeadDimQk;
   constexpr int kDimV = Config::kHeadDimV;
   constexpr int kBlockQ = Config::kBlockQ;
@@ -287,70 +340,28 @@ __device__ __forceinline__ void backward_dkdv_simt(const BackwardParams& p) {
         probabilities[j] = element.probability;
         dscores[j] = element.dscore;
       }
-      float4* p_row = reinterpret_cast<float4*>(p_buffer + lane * kRows);
-      float4* ds_row = reinterpret_cast<float4*>(ds_buffer + lane * kRows);
-      p_row[0] =
-          make_float4(probabilities[0], probabilities[1], probabilities[2], probabilities[3]);
-      p_row[1] =
-          make_float4(probabilities[4], probabilities[5], probabilities[6], probabilities[7]);
-      ds_row[0] = make_float4(dscores[0], dscores[1], dscores[2], dscores[3]);
-      ds_row[1] = make_float4(dscores[4], dscores[5], dscores[6], dscores[7]);
+      store_eight(p_buffer + lane * kRows, probabilities);
+      store_eight(ds_buffer + lane * kRows, dscores);
       __syncwarp();
 
       // Accumulation phase: dV += P^T dO and dK += dS^T Q for the warp's 8 keys, query rows in
       // order (rows past the sequence contribute nothing).
       for (int row = 0; row < q_rows; ++row) {
-        const float4* p_values = reinterpret_cast<const float4*>(p_buffer + row * kRows);
-        const float4* ds_values = reinterpret_cast<const float4*>(ds_buffer + row * kRows);
-        const float4 p_low = p_values[0];
-        const float4 p_high = p_values[1];
-        const float4 ds_low = ds_values[0];
-        const float4 ds_high = ds_values[1];
-        const float probability[kRows] = {p_low.x,  p_low.y,  p_low.z,  p_low.w,
-                                          p_high.x, p_high.y, p_high.z, p_high.w};
-        const float dscore[kRows] = {ds_low.x,  ds_low.y,  ds_low.z,  ds_low.w,
-                                     ds_high.x, ds_high.y, ds_high.z, ds_high.w};
-#pragma unroll
-        for (int c = 0; c < kColumnsV; ++c) {
-          const int column = c * kWarpSize + lane;
-          if (kDimV % kWarpSize == 0 || column < kDimV) {
-            const float dout = do_tile[row * kStrideV + column];
-#pragma unroll
-            for (int j = 0; j < kRows; ++j) dv[j][c] = fmaf(probability[j], dout, dv[j][c]);
-          }
-        }
-#pragma unroll
-        for (int c = 0; c < kColumnsQk; ++c) {
-          const int column = c * kWarpSize + lane;
-          if (kDimQk % kWarpSize == 0 || column < kDimQk) {
-            const float query = q_tile[row * kStrideQk + column];
-#pragma unroll
-            for (int j = 0; j < kRows; ++j) dk[j][c] = fmaf(dscore[j], query, dk[j][c]);
-          }
-        }
+        float probability[kRows];
+        float dscore[kRows];
+        load_eight(p_buffer + row * kRows, probability);
+        load_eight(ds_buffer + row * kRows, dscore);
+        accumulate_row<kDimV>(dv, probability, do_tile + row * kStrideV, lane);
+        accumulate_row<kDimQk>(dk, dscore, q_tile + row * kStrideQk, lane);
       }
     }
   }
 
   // Every key row inside the sequence is written, zeros where no query row reached it.
-#pragma unroll
-  for (int j = 0; j < kRows; ++j) {
-    const int kv = first_kv + j;
-    if (kv >= span.kv_len) continue;
-    const long long dk_row = view_index(p.dk, batch, span.kv_offset + kv, head_kv);
-    const long long dv_row = view_index(p.dv, batch, span.kv_offset + kv, head_kv);
-#pragma unroll
-    for (int c = 0; c < kColumnsQk; ++c) {
-      const int column = c * kWarpSize + lane;
-      if (column < kDimQk)
-        store_from_float(Tag{}, p.dk.data, dk_row + column, dk[j][c] * p.fwd.scale);
-    }
-#pragma unroll
-    for (int c = 0; c < kColumnsV; ++c) {
-      const int column = c * kWarpSize + lane;
-      if (column < kDimV) store_from_float(Tag{}, p.dv.data, dv_row + column, dv[j][c]);
-    }
-  }
+  store_rows<Tag, kDimQk>(p.dk, batch, span.kv_offset, head_kv, first_kv, span.kv_len, dk,
+                          p.fwd.scale, lane);
+  store_rows<Tag, kDimV>(p.dv, batch, span.kv_offset, head_kv, first_kv, span.kv_len, dv, 1.0f,
+                         lane);
 }
 
 // dQ of q block blockIdx.x (from the end, as the forward: heavy causal blocks start first) of
@@ -364,6 +375,10 @@ __device__ __forceinline__ void backward_dq_simt(const BackwardParams& p) {
   using simt_backward::ElementGradient;
   using simt_backward::load_rows_as_float;
   using simt_backward::view_index;
+  using simt_backward::accumulate_row;
+  using simt_backward::load_eight;
+  using simt_backward::store_eight;
+  using simt_backward::store_rows;
   constexpr int kDimQk = Config::kHeadDimQk;
   constexpr int kDimV = Config::kHeadDimV;
   constexpr int kBlockQ = Config::kBlockQ;
@@ -527,44 +542,21 @@ __device__ __forceinline__ void backward_dq_simt(const BackwardParams& p) {
         }
       }
     }
-    float4* ds_row = reinterpret_cast<float4*>(ds_buffer + lane * kRows);
-    ds_row[0] = make_float4(dscores[0], dscores[1], dscores[2], dscores[3]);
-    ds_row[1] = make_float4(dscores[4], dscores[5], dscores[6], dscores[7]);
+    store_eight(ds_buffer + lane * kRows, dscores);
     __syncwarp();
 
     // Accumulation phase: dQ += dS K for the warp's 8 query rows, keys in order (keys past the
     // sequence contribute nothing).
     for (int key = 0; key < kv_rows; ++key) {
-      const float4* ds_values = reinterpret_cast<const float4*>(ds_buffer + key * kRows);
-      const float4 ds_low = ds_values[0];
-      const float4 ds_high = ds_values[1];
-      const float dscore[kRows] = {ds_low.x,  ds_low.y,  ds_low.z,  ds_low.w,
-                                   ds_high.x, ds_high.y, ds_high.z, ds_high.w};
-#pragma unroll
-      for (int c = 0; c < kColumnsQk; ++c) {
-        const int column = c * kWarpSize + lane;
-        if (kDimQk % kWarpSize == 0 || column < kDimQk) {
-          const float key_value = k_tile[key * kStrideQk + column];
-#pragma unroll
-          for (int j = 0; j < kRows; ++j) dq[j][c] = fmaf(dscore[j], key_value, dq[j][c]);
-        }
-      }
+      float dscore[kRows];
+      load_eight(ds_buffer + key * kRows, dscore);
+      accumulate_row<kDimQk>(dq, dscore, k_tile + key * kStrideQk, lane);
     }
   }
 
   // Every query row inside the sequence is written, zeros where no key reached it.
-#pragma unroll
-  for (int j = 0; j < kRows; ++j) {
-    const int q = first_q + j;
-    if (q >= span.q_len) continue;
-    const long long dq_row = view_index(p.dq, batch, span.q_offset + q, head);
-#pragma unroll
-    for (int c = 0; c < kColumnsQk; ++c) {
-      const int column = c * kWarpSize + lane;
-      if (column < kDimQk)
-        store_from_float(Tag{}, p.dq.data, dq_row + column, dq[j][c] * p.fwd.scale);
-    }
-  }
+  store_rows<Tag, kDimQk>(p.dq, batch, span.q_offset, head, first_q, span.q_len, dq, p.fwd.scale,
+                          lane);
   if constexpr (Modifier::kHasTensorGrads) {
     if (tensor_grads) Modifier::flush_tensor_grads(invariants, p, at, local);
   }
