@@ -452,39 +452,60 @@ __device__ __forceinline__ void backward_dq_mma(const BackwardParams& bp) {
     product_a_bt<Tag, Config::kStepsV>(dp, do_tile, do_a, v_tile, v_n);
 
     const bool check = entry_is_mixed(entry) || kv_start + Config::kBlockKv > span.kv_len;
+    // The logit of element (j, e), straight-line (see unmasked_then_masked in
+    // backward_common.cuh).
+    auto logit_of = [&](int j, int e, int kv, int kv_inside) {
+      float logit2 = element_logit<Modifier, false, true>(s[j][e], p, invariants, at,
+                                                          query[e / 2], kv_inside);
+      if (check) logit2 = masked_logit<Modifier>(logit2, p, invariants, at, query[e / 2], kv);
+      return logit2;
+    };
+    // The pass (exact delta or gradients) and whether tensor gradients are scattered are decided
+    // per tile, outside the element loop: a branch per element would split the loop's
+    // straight-line code (unmasked_then_masked).
+    if (delta_pass) {
 #pragma unroll
-    for (int j = 0; j < kTilesKv; ++j) {
+      for (int j = 0; j < kTilesKv; ++j) {
 #pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        const int half = e / 2;
-        const int kv = kv_start + j * 8 + 2 * quad_lane + e % 2;
-        const int kv_inside = ir_min(kv, span.kv_len - 1);
-        const float dot = s[j][e];
-        // Straight-line element code (see unmasked_then_masked in backward_common.cuh).
-        float logit2 =
-            element_logit<Modifier, false, true>(dot, p, invariants, at, query[half], kv_inside);
-        if (check) logit2 = masked_logit<Modifier>(logit2, p, invariants, at, query[half], kv);
-        const float probability = probability_log2(logit2, lse2[half]);
-        if (delta_pass) {
-          row_pdp[half] += probability * dp[j][e];
-          row_p[half] += probability;
-          continue;
+        for (int e = 0; e < 4; ++e) {
+          const int kv = kv_start + j * 8 + 2 * quad_lane + e % 2;
+          const float probability =
+              probability_log2(logit_of(j, e, kv, ir_min(kv, span.kv_len - 1)), lse2[e / 2]);
+          row_pdp[e / 2] += probability * dp[j][e];
+          row_p[e / 2] += probability;
         }
-        const float dlogit = probability * (dp[j][e] - delta[half]);
-        const float score = dot * p.scale;
-        const float dscore =
-            score_gradient<Modifier>(dlogit, invariants, p, at, score, query[half], kv_inside);
-        if constexpr (Modifier::kHasTensorGrads) {
-          if (tensor_grads && dlogit != 0.0f) {
+      }
+      continue;
+    }
+    // dp becomes dS; with `scatter`, each element also adds its tensor gradients. Called with
+    // constants, each call inlined: no branch on it inside the element loop.
+    auto gradients = [&](bool scatter) {
+#pragma unroll
+      for (int j = 0; j < kTilesKv; ++j) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const int half = e / 2;
+          const int kv = kv_start + j * 8 + 2 * quad_lane + e % 2;
+          const int kv_inside = ir_min(kv, span.kv_len - 1);
+          const float probability = probability_log2(logit_of(j, e, kv, kv_inside), lse2[half]);
+          const float dlogit = probability * (dp[j][e] - delta[half]);
+          const float score = s[j][e] * p.scale;
+          const float dscore =
+              score_gradient<Modifier>(dlogit, invariants, p, at, score, query[half], kv_inside);
+          if (Modifier::kHasTensorGrads && scatter && dlogit != 0.0f) {
             Modifier::tensor_grads(invariants, bp, at, score, query[half], kv_inside, dlogit,
                                    local);
           }
+          dp[j][e] = dlogit != 0.0f ? dscore : 0.0f;
         }
-        dp[j][e] = dlogit != 0.0f ? dscore : 0.0f;
       }
+    };
+    if (tensor_grads) {
+      gradients(true);
+    } else {
+      gradients(false);
     }
 
-    if (delta_pass) continue;
     // dQ += dS K (k = the 64 keys).
 #pragma unroll
     for (int step = 0; step < Config::kBlockKv / 16; ++step) {
