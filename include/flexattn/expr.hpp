@@ -34,6 +34,8 @@ enum class Op : std::uint8_t {
   kLiteral,   // a constant of the node's type (f32 literals include inf)
   kParam,     // named scalar parameter, f32
   kLoad,      // named tensor load `name[i, j, ...]`; f32 for float tensors, i32 for integer ones
+  // The elementwise operations, from here to the end of the enum (is_elementwise): keep them
+  // last and contiguous.
   // arithmetic (i32 op i32 -> i32; anything with f32 -> f32)
   kAdd,
   kSub,
@@ -72,6 +74,11 @@ enum class Op : std::uint8_t {
   kToFloat,  // float(x)
   kToInt,    // int(x): truncation toward zero; NaN -> 0; saturates to the i32 range
 };
+
+// Whether `op` is an elementwise operation: its value follows from its arguments' values alone
+// (kAdd .. kToInt). The other ops are the leaves (kScore .. kParam) and kLoad. Code that treats
+// every elementwise op alike switches on the others and handles these in one place.
+constexpr bool is_elementwise(Op op) { return op >= Op::kAdd; }
 
 std::string_view to_string(Op op);  // the text-syntax spelling: "+", "tanh", "where", "score", ...
 int arity(Op op);                   // -1 for kLoad (rank-dependent), 0 for leaves

@@ -214,37 +214,8 @@ void evaluate_all(const Graph& graph, const EvalPoint& point, const Bindings& bi
       case Op::kLoad:
         value = load_value(graph, node, bindings, values);
         break;
-      case Op::kAdd:
-      case Op::kSub:
-      case Op::kMul:
-      case Op::kDiv:
-      case Op::kMod:
-      case Op::kNeg:
-      case Op::kLess:
-      case Op::kLessEqual:
-      case Op::kGreater:
-      case Op::kGreaterEqual:
-      case Op::kEqual:
-      case Op::kNotEqual:
-      case Op::kAnd:
-      case Op::kOr:
-      case Op::kNot:
-      case Op::kWhere:
-      case Op::kMin:
-      case Op::kMax:
-      case Op::kClamp:
-      case Op::kAbs:
-      case Op::kExp:
-      case Op::kExp2:
-      case Op::kLog:
-      case Op::kLog2:
-      case Op::kSqrt:
-      case Op::kRsqrt:
-      case Op::kTanh:
-      case Op::kSigmoid:
-      case Op::kFloor:
-      case Op::kToFloat:
-      case Op::kToInt:
+      default:
+        if (!is_elementwise(node.op)) throw_internal("evaluate: unknown op");
         operands.clear();
         for (std::int32_t arg : node.args)
           operands.push_back(values[static_cast<std::size_t>(arg)]);

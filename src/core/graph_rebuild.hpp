@@ -42,38 +42,9 @@ inline ir::Expr rebuild_node(const GraphNode& node, std::vector<ir::Expr> args) 
       return ir::param(node.name);
     case Op::kLoad:
       return ir::load(node.name, node.type, std::move(args));
-    case Op::kAdd:
-    case Op::kSub:
-    case Op::kMul:
-    case Op::kDiv:
-    case Op::kMod:
-    case Op::kNeg:
-    case Op::kLess:
-    case Op::kLessEqual:
-    case Op::kGreater:
-    case Op::kGreaterEqual:
-    case Op::kEqual:
-    case Op::kNotEqual:
-    case Op::kAnd:
-    case Op::kOr:
-    case Op::kNot:
-    case Op::kWhere:
-    case Op::kMin:
-    case Op::kMax:
-    case Op::kClamp:
-    case Op::kAbs:
-    case Op::kExp:
-    case Op::kExp2:
-    case Op::kLog:
-    case Op::kLog2:
-    case Op::kSqrt:
-    case Op::kRsqrt:
-    case Op::kTanh:
-    case Op::kSigmoid:
-    case Op::kFloor:
-    case Op::kToFloat:
-    case Op::kToInt:
-      return ir::make(node.op, std::move(args));
+    default:
+      if (is_elementwise(node.op)) return ir::make(node.op, std::move(args));
+      break;
   }
   throw_internal("graph node with an unknown op");
 }

@@ -119,37 +119,8 @@ class TapeBuilder {
         instruction.load = static_cast<std::int32_t>(tape_.loads_.size());
         tape_.loads_.push_back({node.name, args});
         break;
-      case Op::kAdd:
-      case Op::kSub:
-      case Op::kMul:
-      case Op::kDiv:
-      case Op::kMod:
-      case Op::kNeg:
-      case Op::kLess:
-      case Op::kLessEqual:
-      case Op::kGreater:
-      case Op::kGreaterEqual:
-      case Op::kEqual:
-      case Op::kNotEqual:
-      case Op::kAnd:
-      case Op::kOr:
-      case Op::kNot:
-      case Op::kWhere:
-      case Op::kMin:
-      case Op::kMax:
-      case Op::kClamp:
-      case Op::kAbs:
-      case Op::kExp:
-      case Op::kExp2:
-      case Op::kLog:
-      case Op::kLog2:
-      case Op::kSqrt:
-      case Op::kRsqrt:
-      case Op::kTanh:
-      case Op::kSigmoid:
-      case Op::kFloor:
-      case Op::kToFloat:
-      case Op::kToInt:
+      default:
+        if (!is_elementwise(node.op)) throw_internal("cpu tape: unknown op");
         break;
     }
     tape_.instructions_.push_back(instruction);

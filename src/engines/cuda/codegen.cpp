@@ -145,52 +145,8 @@ class GraphLowering {
  private:
   // Nodes that get a named value (everything but leaves, literals and params).
   bool is_computed(std::size_t index) const {
-    switch (graph_.nodes()[index].op) {
-      case Op::kScore:
-      case Op::kBatch:
-      case Op::kHead:
-      case Op::kQuery:
-      case Op::kKey:
-      case Op::kQueryLen:
-      case Op::kKeyLen:
-      case Op::kLiteral:
-      case Op::kParam:
-        return false;
-      case Op::kLoad:
-      case Op::kAdd:
-      case Op::kSub:
-      case Op::kMul:
-      case Op::kDiv:
-      case Op::kMod:
-      case Op::kNeg:
-      case Op::kLess:
-      case Op::kLessEqual:
-      case Op::kGreater:
-      case Op::kGreaterEqual:
-      case Op::kEqual:
-      case Op::kNotEqual:
-      case Op::kAnd:
-      case Op::kOr:
-      case Op::kNot:
-      case Op::kWhere:
-      case Op::kMin:
-      case Op::kMax:
-      case Op::kClamp:
-      case Op::kAbs:
-      case Op::kExp:
-      case Op::kExp2:
-      case Op::kLog:
-      case Op::kLog2:
-      case Op::kSqrt:
-      case Op::kRsqrt:
-      case Op::kTanh:
-      case Op::kSigmoid:
-      case Op::kFloor:
-      case Op::kToFloat:
-      case Op::kToInt:
-        return true;
-    }
-    throw_internal("cuda codegen: unknown op");
+    const Op op = graph_.nodes()[index].op;
+    return op == Op::kLoad || is_elementwise(op);
   }
 
   // How another expression refers to node `index`.
@@ -217,38 +173,7 @@ class GraphLowering {
         return node.literal != 0.0 ? "true" : "false";
       case Op::kParam:
         return fmt::format("p.params[{}]", slot_of(bindings_.params, node.name));
-      case Op::kLoad:
-      case Op::kAdd:
-      case Op::kSub:
-      case Op::kMul:
-      case Op::kDiv:
-      case Op::kMod:
-      case Op::kNeg:
-      case Op::kLess:
-      case Op::kLessEqual:
-      case Op::kGreater:
-      case Op::kGreaterEqual:
-      case Op::kEqual:
-      case Op::kNotEqual:
-      case Op::kAnd:
-      case Op::kOr:
-      case Op::kNot:
-      case Op::kWhere:
-      case Op::kMin:
-      case Op::kMax:
-      case Op::kClamp:
-      case Op::kAbs:
-      case Op::kExp:
-      case Op::kExp2:
-      case Op::kLog:
-      case Op::kLog2:
-      case Op::kSqrt:
-      case Op::kRsqrt:
-      case Op::kTanh:
-      case Op::kSigmoid:
-      case Op::kFloor:
-      case Op::kToFloat:
-      case Op::kToInt:
+      default:  // kLoad and the elementwise ops: a named value
         break;
     }
     return varying_[index] ? fmt::format("{}{}", prefix_, index)
