@@ -227,15 +227,7 @@ struct BackwardSimtConfig {
 template <class Config, class Modifier>
 __device__ __forceinline__ void backward_dkdv_simt(const BackwardParams& p) {
   using Tag = typename Config::Tag;
-  using simt_backward::dot_with_rows;
-  using simt_backward::element_gradient;
-  using simt_backward::ElementGradient;
-  using simt_backward::load_rows_as_float;
-  using simt_backward::view_index;
-  using simt_backward::accumulate_row;
-  using simt_backward::load_eight;
-  using simt_backward::store_eight;
-  using simt_backward::store_rows;
+  using namespace simt_backward;  // the helpers above
   constexpr int kDimQk = Config::kHeadDimQk;
   constexpr int kDimV = Config::kHeadDimV;
   constexpr int kBlockQ = Config::kBlockQ;
@@ -370,15 +362,7 @@ __device__ __forceinline__ void backward_dkdv_simt(const BackwardParams& p) {
 template <class Config, class Modifier>
 __device__ __forceinline__ void backward_dq_simt(const BackwardParams& p) {
   using Tag = typename Config::Tag;
-  using simt_backward::dot_with_rows;
-  using simt_backward::element_gradient;
-  using simt_backward::ElementGradient;
-  using simt_backward::load_rows_as_float;
-  using simt_backward::view_index;
-  using simt_backward::accumulate_row;
-  using simt_backward::load_eight;
-  using simt_backward::store_eight;
-  using simt_backward::store_rows;
+  using namespace simt_backward;  // the helpers above
   constexpr int kDimQk = Config::kHeadDimQk;
   constexpr int kDimV = Config::kHeadDimV;
   constexpr int kBlockQ = Config::kBlockQ;
