@@ -143,12 +143,12 @@ std::filesystem::path cache_directory() {
 }
 
 std::vector<char> compile_to_cubin(const std::string& source, const std::string& source_name,
-                                   int capability) {
+                                   int capability, std::string_view suffix) {
   nvrtcProgram program = nullptr;
   check_nvrtc(nvrtcCreateProgram(&program, source.c_str(), source_name.c_str(), 0, nullptr,
                                  nullptr),
               "nvrtcCreateProgram");
-  const std::string architecture = fmt::format("--gpu-architecture=sm_{}", capability);
+  const std::string architecture = fmt::format("--gpu-architecture=sm_{}{}", capability, suffix);
   const std::array<const char*, 2> options = {architecture.c_str(), "-std=c++17"};
   const nvrtcResult compiled =
       nvrtcCompileProgram(program, static_cast<int>(options.size()), options.data());

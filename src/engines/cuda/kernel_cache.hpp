@@ -21,10 +21,11 @@
 
 namespace flexattn::cuda {
 
-// Compiles `source` to a cubin for compute capability `capability` (e.g. 90). Needs no GPU.
+// Compiles `source` to a cubin for compute capability `capability` (e.g. 90; `suffix` "a" for
+// the architecture-specific target sm_90a that wgmma needs). Needs no GPU.
 // Throws Error(kCompile) with NVRTC's log and the source name on failure.
 std::vector<char> compile_to_cubin(const std::string& source, const std::string& source_name,
-                                   int capability);
+                                   int capability, std::string_view suffix = "");
 // "13.0"
 std::string nvrtc_version();
 // Where compiled kernels are kept; empty when no directory can be determined.
