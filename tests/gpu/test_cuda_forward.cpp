@@ -168,12 +168,9 @@ DeviceOutputs plain_forward(const GoldenCase& golden, const Problem& problem, DT
   return DeviceOutputs{std::move(out), std::move(lse)};
 }
 
-class CudaGolden : public ::testing::TestWithParam<GoldenParam> {};
-
-TEST_P(CudaGolden, ForwardMatchesFlexAttention) {
-  FLEXATTN_SKIP_WITHOUT_GOLDEN();
-  SKIP_WITHOUT_DEVICE();
-  const auto& [name, layout, dtype] = GetParam();
+// One golden case's forward on the device against FlexAttention's float64 output.
+void check_golden_forward(const GoldenParam& param) {
+  const auto& [name, layout, dtype] = param;
   const GoldenCase golden = load_golden_case(name);
   ProblemDesc desc = golden.desc(layout, dtype, Direction::kForward);
   desc.device = Device::kCuda;
@@ -201,7 +198,32 @@ TEST_P(CudaGolden, ForwardMatchesFlexAttention) {
       << "lse";
 }
 
+class CudaGolden : public ::testing::TestWithParam<GoldenParam> {};
+
+TEST_P(CudaGolden, ForwardMatchesFlexAttention) {
+  FLEXATTN_SKIP_WITHOUT_GOLDEN();
+  SKIP_WITHOUT_DEVICE();
+  check_golden_forward(GetParam());
+}
+
 INSTANTIATE_TEST_SUITE_P(Cases, CudaGolden, ::testing::ValuesIn(golden_params()), golden_name);
+
+// The mma.sync kernel where sm_90 would get the wgmma one (FLEXATTN_CUDA_WGMMA=0), so both stay
+// verified on the H200; other devices run the mma.sync kernel in CudaGolden already.
+class CudaGoldenMmaSync : public ::testing::TestWithParam<GoldenParam> {
+ protected:
+  void SetUp() override { setenv("FLEXATTN_CUDA_WGMMA", "0", 1); }
+  void TearDown() override { unsetenv("FLEXATTN_CUDA_WGMMA"); }
+};
+
+TEST_P(CudaGoldenMmaSync, ForwardMatchesFlexAttention) {
+  FLEXATTN_SKIP_WITHOUT_GOLDEN();
+  SKIP_WITHOUT_DEVICE();
+  check_golden_forward(GetParam());
+}
+
+INSTANTIATE_TEST_SUITE_P(Cases, CudaGoldenMmaSync, ::testing::ValuesIn(golden_params()),
+                         golden_name);
 
 // ---- plans, caches, arguments -------------------------------------------------------------------
 
@@ -228,6 +250,22 @@ TEST(CudaPlan, ProvesTheModifierItLowered) {
   EXPECT_EQ(plan->info().engine, "cuda");
   EXPECT_EQ(plan->info().lowered_hash, problem.modifier_hash());
   EXPECT_EQ(plan->info().signature, problem.signature());
+}
+
+// Which forward kernel serves a bf16 head-dim-128 problem: wgmma on sm_90 unless switched off,
+// mma.sync elsewhere (the description names it).
+TEST(CudaPlan, Sm90GetsTheWgmmaKernelUnlessSwitchedOff) {
+  SKIP_WITHOUT_DEVICE();
+  ProblemDesc desc = small_desc("score");
+  desc.head_dim_qk = 128;
+  const Problem problem(desc);
+  const std::string description = device_engine()->plan(problem)->info().description;
+  const bool sm90 = description.find("(sm_90") != std::string::npos;
+  EXPECT_EQ(description.find("wgmma, sm_90a") != std::string::npos, sm90) << description;
+  setenv("FLEXATTN_CUDA_WGMMA", "0", 1);
+  const std::string switched_off = device_engine()->plan(problem)->info().description;
+  unsetenv("FLEXATTN_CUDA_WGMMA");
+  EXPECT_NE(switched_off.find("mma.sync"), std::string::npos) << switched_off;
 }
 
 // Every plan in this test sees a fresh cache folder through FLEXATTN_CACHE_DIR.

@@ -2,10 +2,13 @@
 // dtypes, head dims and layouts contains the lowering of each IR feature and compiles with NVRTC
 // for sm_90 (NVRTC needs no GPU); the backward's Modifier members and entry points, its kernel
 // choice and its kv-major tile list. Skipped in builds without CUDA.
+#include <fmt/format.h>
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <optional>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "flexattn/flexattn.hpp"
@@ -13,6 +16,7 @@
 
 // The engine's internals (tile plan, NVRTC compilation) exist only in builds with the engine.
 #if FLEXATTN_HAVE_CUDA
+#include "engines/cuda/codegen.hpp"
 #include "engines/cuda/kernel_cache.hpp"
 #include "engines/cuda/tile_plan.hpp"
 #endif
@@ -448,6 +452,81 @@ TEST(CudaBackwardTiles, TransposeMatchesTheQueryMajorList) {
                   static_cast<int>(tile << 1) | 1);
       }
     }
+  }
+}
+
+// ---- forward kernel choice: wgmma on sm_90, mma.sync elsewhere ----------------------------------
+
+TEST(CudaForwardChoice, WgmmaOnlyOnSm90ForSixteenBitHeadDims64And128) {
+  const auto choose = [](DType dtype, std::int64_t qk, std::int64_t v, int capability,
+                         bool allow = true) {
+    GeneratedCase c{"choice", dtype, qk, v, "", "", {}, {}, Layout::kBSHD, {}};
+    const cuda::KernelSelection selection = cuda::choose_kernel(make_problem(c), capability, allow);
+    EXPECT_TRUE(selection.reason.empty()) << selection.reason;
+    return selection.choice;
+  };
+  const cuda::KernelChoice d128 = choose(DType::kBF16, 128, 128, 90);
+  EXPECT_EQ(d128.kind, cuda::KernelKind::kWgmma);
+  EXPECT_EQ(d128.block_m, 128);
+  EXPECT_EQ(d128.block_n, 128);
+  EXPECT_EQ(d128.threads(), 256);
+  EXPECT_EQ(d128.architecture_suffix(), "a");
+  EXPECT_EQ(d128.kernel_template(), "forward_wgmma");
+  // kernels/forward_wgmma.cuh: 1024 (alignment) + Q 128 rows + 2 stages of 128 keys of K and V.
+  EXPECT_EQ(d128.shared_bytes, 1024 + 128 * 128 * 2 + 2 * 128 * (128 + 128) * 2);
+  EXPECT_EQ(d128.config_type(),
+            fmt::format("flexattn_kernels::WgmmaConfig<flexattn_kernels::BFloat16Tag, 128, 128, "
+                        "128, 2, {}>",
+                        d128.shared_bytes));
+  EXPECT_EQ(choose(DType::kF16, 64, 64, 90).kind, cuda::KernelKind::kWgmma);
+  EXPECT_EQ(choose(DType::kBF16, 128, 64, 90).kind, cuda::KernelKind::kWgmma);
+  // Elsewhere the portable kernels: another architecture or none known, head dims wgmma does not
+  // hold unpadded, fp32 storage, or the switch off.
+  for (const cuda::KernelChoice& other :
+       {choose(DType::kBF16, 128, 128, 80), choose(DType::kBF16, 128, 128, 0),
+        choose(DType::kBF16, 128, 128, 100), choose(DType::kBF16, 96, 96, 90),
+        choose(DType::kBF16, 128, 128, 90, false)}) {
+    EXPECT_EQ(other.kind, cuda::KernelKind::kMma);
+    EXPECT_EQ(other.architecture_suffix(), "");
+  }
+  EXPECT_EQ(choose(DType::kF32, 128, 128, 90).kind, cuda::KernelKind::kSimt);
+}
+
+// The wgmma translation units, forward and forward + backward, compile for sm_90a with NVRTC (no
+// GPU) and hold the warpgroup instructions: the engine's module on an H200.
+TEST(CudaForwardCompile, WgmmaTranslationUnitsCompileForSm90a) {
+  SKIP_WITHOUT_CUDA_ENGINE();
+  constexpr int kCapability = 90;
+  const TensorDecl slopes{DType::kF32, {4}};
+  for (const auto& [c, backward] :
+       {std::pair{GeneratedCase{"wgmma_bf16_d128_softcap_causal", DType::kBF16, 128, 128,
+                                "30 * tanh(score / 30)", "q >= kv", {}, {}, Layout::kBSHD, {}},
+                  false},
+        std::pair{GeneratedCase{"wgmma_f16_d64_alibi_thd", DType::kF16, 64, 64,
+                                "score + slopes[h] * (kv - q)", "", {{"slopes", slopes}}, {},
+                                Layout::kTHD, {}},
+                  true}}) {
+    SCOPED_TRACE(c.name);
+    const Problem problem = backward ? make_backward_problem(c) : make_problem(c);
+    const cuda::KernelSelection selection = cuda::choose_kernel(problem, kCapability);
+    ASSERT_EQ(selection.choice.kind, cuda::KernelKind::kWgmma);
+    const cuda::BindingSelection bindings = cuda::bind_modifier(problem);
+    ASSERT_TRUE(bindings.reason.empty()) << bindings.reason;
+    std::optional<cuda::BackwardCode> backward_code;
+    if (backward) {
+      backward_code = cuda::backward_code(problem, cuda::choose_backward_kernel(problem).choice);
+    }
+    const std::string source = cuda::generate_translation_unit(
+        problem, bindings.bindings, selection.choice, backward_code ? &*backward_code : nullptr);
+    EXPECT_NE(source.find("flexattn_kernels::forward_wgmma<FlexattnConfig"), std::string::npos);
+    std::vector<char> cubin;
+    try {
+      cubin = cuda::compile_to_cubin(source, c.name + ".cu", kCapability,
+                                     selection.choice.architecture_suffix());
+    } catch (const Error& error) {
+      ADD_FAILURE() << error.what();
+    }
+    EXPECT_FALSE(cubin.empty());
   }
 }
 

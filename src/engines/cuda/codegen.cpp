@@ -539,14 +539,13 @@ std::string generate_modifier_source(const Problem& problem, const ModifierBindi
   text += backward_text;
   text += "};\n\n}  // namespace flexattn_generated\n\n";
 
-  const bool mma = choice.kind == KernelKind::kMma;
+  const bool tensor_cores = choice.kind != KernelKind::kSimt;
   text += fmt::format("using FlexattnConfig = {};\n", choice.config_type());
   text += fmt::format(
       "extern \"C\" __global__ void __launch_bounds__(FlexattnConfig::kThreads{}) {}(\n"
       "    const flexattn_kernels::ForwardParams params) {{\n"
       "  flexattn_kernels::{}<FlexattnConfig, flexattn_generated::Modifier>(params);\n}}\n",
-      mma ? ", FlexattnConfig::kMinBlocks" : "", kKernelName,
-      mma ? "forward_mma" : "forward_simt");
+      tensor_cores ? ", FlexattnConfig::kMinBlocks" : "", kKernelName, choice.kernel_template());
   if (backward != nullptr) text += backward_entry_points(problem, backward->choice);
   return text;
 }

@@ -3,6 +3,7 @@
 #include <fmt/format.h>
 
 #include <array>
+#include <cstdlib>
 #include <limits>
 #include <map>
 #include <numbers>
@@ -67,8 +68,16 @@ Support lower_backward(const Problem& problem, Lowering& lowering) {
   return Support::yes();
 }
 
-Support lower_problem(const Problem& problem, Lowering& lowering) {
-  const KernelSelection selection = choose_kernel(problem);
+// Whether the wgmma forward may be chosen on sm_90: FLEXATTN_CUDA_WGMMA=0 keeps the mma.sync
+// kernel (comparisons, and a way around a wgmma problem without a rebuild).
+bool wgmma_allowed() {
+  const char* value = std::getenv("FLEXATTN_CUDA_WGMMA");
+  return value == nullptr || std::string_view(value) != "0";
+}
+
+// `capability`: the device's compute capability, 0 without a device (the portable kernels).
+Support lower_problem(const Problem& problem, Lowering& lowering, int capability) {
+  const KernelSelection selection = choose_kernel(problem, capability, wgmma_allowed());
   if (!selection.reason.empty()) return Support::no(selection.reason);
   const BindingSelection binding = bind_modifier(problem);
   if (!binding.reason.empty()) return Support::no(binding.reason);
@@ -296,7 +305,7 @@ class CudaPlan final : public Plan {
     p.v.data = args.v.data;
     p.o.data = args.out.data;
     p.lse = static_cast<float*>(args.lse.data);
-    if (choice_.kind == KernelKind::kMma) {
+    if (choice_.kind != KernelKind::kSimt) {
       for (const auto& [name, view] : {std::pair{"q", &args.q}, std::pair{"k", &args.k},
                                        std::pair{"v", &args.v}, std::pair{"out", &args.out}}) {
         check_chunk_aligned(name, view->data);
@@ -438,7 +447,7 @@ class CudaEngine final : public Engine {
 
   std::string generated_source(const Problem& problem) const override {
     Lowering lowering;
-    const Support support = lower_problem(problem, lowering);
+    const Support support = lower_problem(problem, lowering, capability());
     if (!support) return fmt::format("// cuda: not supported: {}\n", support.reason());
     return lowering.source;
   }
@@ -447,7 +456,7 @@ class CudaEngine final : public Engine {
   Lowered lower(const Problem& problem, Stage stage) const override {
     Lowered result;
     Lowering lowering;
-    result.support = lower_problem(problem, lowering);
+    result.support = lower_problem(problem, lowering, capability());
     if (!result.support || stage == Stage::kCheck) return result;
 
     const std::vector<KernelFunction> functions = kernel_functions(lowering);
@@ -472,16 +481,18 @@ class CudaEngine final : public Engine {
           backward.describe(), backward_tiles->tiles - backward_tiles->skipped,
           backward_tiles->tiles, backward_tiles->mixed);
     }
-    KernelLookup kernel = kernels_.get(lowering.source, functions);
+    KernelLookup kernel =
+        kernels_.get(lowering.source, functions, lowering.choice.architecture_suffix());
 
     PlanInfo info;
     info.engine = std::string(kEngineName);
     info.description = fmt::format(
-        "{}; {} of {} kv tiles visited ({} with the mask evaluated){}; kernel {} on {} (sm_{}), "
-        "{} in {:.3f} s",
+        "{}; {} of {} kv tiles visited ({} with the mask evaluated){}; kernel {} on {} "
+        "(sm_{}{}), {} in {:.3f} s",
         lowering.choice.describe(), tiles.tiles - tiles.skipped, tiles.tiles, tiles.mixed,
         backward_text, kernel.key.substr(0, 16), driver_->device_name(),
-        driver_->compute_capability(), kernel.origin, kernel.seconds);
+        driver_->compute_capability(), lowering.choice.architecture_suffix(), kernel.origin,
+        kernel.seconds);
     info.lowered_hash = modifier_hash(problem.score_mod(), problem.mask_mod(), problem.scale());
     info.signature = problem.signature();
     result.plan = std::make_unique<CudaPlan>(std::move(info), problem, driver_, lowering,
@@ -491,6 +502,10 @@ class CudaEngine final : public Engine {
   }
 
  private:
+  int capability() const {
+    return driver_->availability() ? driver_->compute_capability() : 0;
+  }
+
   std::shared_ptr<const Driver> driver_;
   DriverMemory memory_;
   mutable KernelCache kernels_;

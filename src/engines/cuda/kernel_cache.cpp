@@ -223,14 +223,15 @@ CompiledKernel::~CompiledKernel() {
 }
 
 KernelLookup KernelCache::get(const std::string& source,
-                              const std::vector<KernelFunction>& functions) {
+                              const std::vector<KernelFunction>& functions,
+                              std::string_view suffix) {
   const auto start = std::chrono::steady_clock::now();
   // The names are in the source; the shared bytes are set when loading, so they are part of the
   // in-memory entry ("|shared 98304" for a forward-only module, as before the backward existed).
   std::vector<int> shared;
   for (const KernelFunction& kernel : functions) shared.push_back(kernel.shared_bytes);
   const std::string versions =
-      fmt::format("|sm_{}|nvrtc {}|driver {}|shared {}", driver_->compute_capability(),
+      fmt::format("|sm_{}{}|nvrtc {}|driver {}|shared {}", driver_->compute_capability(), suffix,
                   nvrtc_version(), driver_->driver_version(), fmt::join(shared, ","));
   KernelLookup lookup;
   lookup.key = fmt::format("{:016x}{:016x}", fnv1a(versions, fnv1a(source, kFnvOffset)),
@@ -253,7 +254,7 @@ KernelLookup KernelCache::get(const std::string& source,
     lookup.origin = "disk cache";
   } else {
     cubin = compile_to_cubin(source, "flexattn_" + lookup.key + ".cu",
-                             driver_->compute_capability());
+                             driver_->compute_capability(), suffix);
     if (!entry.empty()) write_entry(entry, lookup.key, cubin);
     lookup.origin = "compiled (NVRTC)";
   }

@@ -64,8 +64,10 @@ struct KernelLookup {
 class KernelCache {
  public:
   explicit KernelCache(std::shared_ptr<const Driver> driver) : driver_(std::move(driver)) {}
-  // The module of `source`, with each of `functions` set up for its dynamic shared memory.
-  KernelLookup get(const std::string& source, const std::vector<KernelFunction>& functions);
+  // The module of `source` compiled for the device's architecture plus `suffix` ("a": sm_90a),
+  // with each of `functions` set up for its dynamic shared memory.
+  KernelLookup get(const std::string& source, const std::vector<KernelFunction>& functions,
+                   std::string_view suffix = "");
 
  private:
   std::shared_ptr<const Driver> driver_;

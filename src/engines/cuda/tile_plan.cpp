@@ -32,6 +32,16 @@ constexpr int kSimtWarps = 4;
 constexpr int kSimtRowsPerWarp = 4;
 // The fp32 kernel's rows per classified block: 4 of its blocks share one class row.
 constexpr int kSimtClassBlockQ = 64;
+// wgmma (kernels/forward_wgmma.cuh): two warpgroups of 64 rows; 128-key tiles (each S = Q K^T is
+// one m64n128 product; the accumulators, 64 for S and up to 64 for O per thread, fit the
+// registers of 256 threads at one block per multiprocessor); two stages of K and V (161 KB with
+// Q at head dim 128). Only the head dims it holds unpadded, on the architecture it exists on.
+constexpr int kWgmmaBlockM = 128;
+constexpr int kWgmmaBlockN = 128;
+constexpr int kWgmmaWarps = 8;
+constexpr int kWgmmaStages = 2;
+constexpr int kWgmmaAlignment = 1024;  // the dynamic shared memory rounded up to the swizzle
+constexpr int kWgmmaCapability = 90;
 // Bound on the tile list (4 bytes an entry): 64 Mi entries, e.g. sequences of about 250k tokens.
 constexpr std::int64_t kMaxTileEntries = std::int64_t{1} << 26;
 
@@ -87,6 +97,30 @@ KernelChoice mma_choice(const Problem& problem) {
   const int staging = std::max(c.padded_qk, c.padded_v);
   c.shared_bytes = c.block_m * staging * kBytes +
                    c.stages * c.block_n * (c.padded_qk + c.padded_v) * kBytes;
+  return c;
+}
+
+bool wgmma_head_dim(std::int64_t head_dim) { return head_dim == 64 || head_dim == 128; }
+
+KernelChoice wgmma_choice(const Problem& problem) {
+  KernelChoice c;
+  c.kind = KernelKind::kWgmma;
+  c.dtype = problem.dtype();
+  c.head_dim_qk = static_cast<int>(problem.head_dim_qk());
+  c.head_dim_v = static_cast<int>(problem.head_dim_v());
+  c.padded_qk = c.head_dim_qk;
+  c.padded_v = c.head_dim_v;
+  c.tiles_per_warp = 1;
+  c.warps = kWgmmaWarps;
+  c.block_m = kWgmmaBlockM;
+  c.block_n = kWgmmaBlockN;
+  c.stages = kWgmmaStages;
+  c.min_blocks = 1;
+  c.class_block_q = c.block_m;
+  constexpr int kBytes = 2;  // bf16 / fp16
+  const int staging = std::max(c.head_dim_qk, c.head_dim_v);
+  c.shared_bytes = kWgmmaAlignment + c.block_m * staging * kBytes +
+                   c.stages * c.block_n * (c.head_dim_qk + c.head_dim_v) * kBytes;
   return c;
 }
 
@@ -189,6 +223,10 @@ const char* element_tag(DType dtype) {
 int KernelChoice::threads() const { return warps * kWarpSize; }
 
 std::string KernelChoice::config_type() const {
+  if (kind == KernelKind::kWgmma) {
+    return fmt::format("flexattn_kernels::WgmmaConfig<{}, {}, {}, {}, {}, {}>", element_tag(dtype),
+                       head_dim_qk, head_dim_v, block_n, stages, shared_bytes);
+  }
   if (kind == KernelKind::kMma) {
     return fmt::format("flexattn_kernels::MmaConfig<{}, {}, {}, {}, {}, {}, {}, {}, {}, {}>",
                        element_tag(dtype), head_dim_qk, head_dim_v, padded_qk, padded_v,
@@ -198,7 +236,30 @@ std::string KernelChoice::config_type() const {
                      head_dim_v);
 }
 
+std::string KernelChoice::kernel_template() const {
+  switch (kind) {
+    case KernelKind::kMma:
+      return "forward_mma";
+    case KernelKind::kWgmma:
+      return "forward_wgmma";
+    case KernelKind::kSimt:
+      return "forward_simt";
+  }
+  throw_internal("cuda: unknown kernel kind");
+}
+
+std::string KernelChoice::architecture_suffix() const {
+  return kind == KernelKind::kWgmma ? "a" : "";
+}
+
 std::string KernelChoice::describe() const {
+  if (kind == KernelKind::kWgmma) {
+    return fmt::format(
+        "tensor-core (wgmma, sm_90a) {}, {}x{} tiles, {} warps, {} stages, head dims {} and {}, "
+        "{} KB shared",
+        to_string(dtype), block_m, block_n, warps, stages, head_dim_qk, head_dim_v,
+        shared_bytes / 1024);
+  }
   if (kind == KernelKind::kMma) {
     return fmt::format(
         "tensor-core (mma.sync) {}, {}x{} tiles, {} warps, {} stages, head dims {} (padded {}) "
@@ -211,7 +272,7 @@ std::string KernelChoice::describe() const {
                      shared_bytes / 1024);
 }
 
-KernelSelection choose_kernel(const Problem& problem) {
+KernelSelection choose_kernel(const Problem& problem, int capability, bool allow_wgmma) {
   KernelSelection selection;
   selection.reason = unserved_reason(problem);
   if (!selection.reason.empty()) return selection;
@@ -219,7 +280,11 @@ KernelSelection choose_kernel(const Problem& problem) {
   const bool sixteen_bit = dtype == DType::kBF16 || dtype == DType::kF16;
   const bool whole_chunks = problem.head_dim_qk() % kChunkElements == 0 &&
                             problem.head_dim_v() % kChunkElements == 0;
-  if (sixteen_bit && whole_chunks && strides_chunk_aligned(problem)) {
+  const bool tensor_cores = sixteen_bit && whole_chunks && strides_chunk_aligned(problem);
+  if (tensor_cores && allow_wgmma && capability == kWgmmaCapability &&
+      wgmma_head_dim(problem.head_dim_qk()) && wgmma_head_dim(problem.head_dim_v())) {
+    selection.choice = wgmma_choice(problem);
+  } else if (tensor_cores) {
     selection.choice = mma_choice(problem);
   } else {
     selection.choice = simt_choice(problem);

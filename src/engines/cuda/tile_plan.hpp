@@ -12,7 +12,8 @@
 namespace flexattn::cuda {
 
 enum class KernelKind {
-  kMma,   // tensor cores, bf16/fp16 storage (kernels/forward_mma.cuh)
+  kMma,    // tensor cores (mma.sync, sm_80+), bf16/fp16 storage (kernels/forward_mma.cuh)
+  kWgmma,  // Hopper's warpgroup tensor cores (sm_90a), head dims 64/128 (kernels/forward_wgmma.cuh)
   kSimt,  // fp32 units: fp32 storage, or head dims the tensor-core kernel cannot take
 };
 
@@ -39,14 +40,21 @@ struct KernelChoice {
   // The C++ type of the kernel configuration ("flexattn_kernels::MmaConfig<...>").
   std::string config_type() const;
   std::string describe() const;  // "mma bf16, 128x64 tiles, 4 warps, 2 stages, qk 80->128, v 80"
+  // The kernel template ("forward_mma", ...) and the NVRTC architecture suffix its instructions
+  // need ("a" for sm_90a: wgmma), which the kernel cache adds to its key.
+  std::string kernel_template() const;
+  std::string architecture_suffix() const;
 };
 
 // The kernel for `problem`, or an empty `reason` explaining why the engine cannot serve it.
+// `capability` is the device's compute capability (90 for sm_90), 0 when unknown: only a known
+// sm_90 gets the wgmma kernel; `allow_wgmma` false keeps the mma.sync kernel there too (the
+// FLEXATTN_CUDA_WGMMA=0 switch, for comparisons).
 struct KernelSelection {
   KernelChoice choice;
   std::string reason;  // empty when a kernel fits
 };
-KernelSelection choose_kernel(const Problem& problem);
+KernelSelection choose_kernel(const Problem& problem, int capability, bool allow_wgmma = true);
 
 // For every classified query block c (class_block_q rows), the kv tiles to visit:
 // entries[offsets[c] .. offsets[c + 1]), each kv_tile << 1 | mixed (the mask must be evaluated

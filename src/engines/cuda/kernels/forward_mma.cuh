@@ -35,12 +35,12 @@ struct MmaConfig {
   // Real data, in chunks; and the chunks the mma steps read (whole 16-column steps).
   static constexpr int kRealChunksQk = kHeadDimQk / kChunkElements;
   static constexpr int kRealChunksV = kHeadDimV / kChunkElements;
-  static constexpr int kStepsQk = (kHeadDimQk + 15) / 16;      // k-steps of Q K^T
-  static constexpr int kStepsV = (kHeadDimV + 15) / 16;        // 16-column steps of O
+  static constexpr int kStepsQk = (kHeadDimQk + 15) / 16;  // k-steps of Q K^T
+  static constexpr int kStepsV = (kHeadDimV + 15) / 16;    // 16-column steps of O
   static constexpr int kLoadedChunksQk = 2 * kStepsQk;
   static constexpr int kLoadedChunksV = 2 * kStepsV;
-  static constexpr int kOutputTiles = 2 * kStepsV;             // 8-column accumulator tiles of O
-  static constexpr int kScoreTiles = kBlockN / 8;              // 8-column accumulator tiles of S
+  static constexpr int kOutputTiles = 2 * kStepsV;  // 8-column accumulator tiles of O
+  static constexpr int kScoreTiles = kBlockN / 8;   // 8-column accumulator tiles of S
   static constexpr int kStagingChunks = kChunksQk > kChunksV ? kChunksQk : kChunksV;
   static constexpr int kQBytes = kBlockM * kStagingChunks * kChunkBytes;  // Q, then O staging
   static constexpr int kKBytes = kBlockN * kChunksQk * kChunkBytes;
@@ -63,8 +63,8 @@ template <class Modifier, bool kCheck, int kTiles, int kScoreTiles>
 __device__ __forceinline__ void compute_logits(float (&score)[kTiles][kScoreTiles][4],
                                                const ForwardParams& p,
                                                const typename Modifier::Invariants& invariants,
-                                               const Coordinates& at,
-                                               const int (&query)[kTiles][2], int kv_first) {
+                                               const Coordinates& at, const int (&query)[kTiles][2],
+                                               int kv_first) {
 #pragma unroll
   for (int i = 0; i < kTiles; ++i) {
 #pragma unroll
@@ -74,6 +74,111 @@ __device__ __forceinline__ void compute_logits(float (&score)[kTiles][kScoreTile
         score[i][j][e] = element_logit<Modifier, kCheck, true>(
             score[i][j][e], p, invariants, at, query[i][e / 2], kv_first + j * 8 + e % 2);
       }
+    }
+  }
+}
+
+// Online softmax of one kv tile in exp2 form: the new row max, P = exp2(S - max) in place of the
+// logits, the row sums, and the old O rescaled by the factor for the new max (skipped when no
+// row of the warp changed its max).
+template <int kTiles, int kScoreTiles, int kOutputTiles>
+__device__ __forceinline__ void online_softmax(float (&score)[kTiles][kScoreTiles][4],
+                                               float (&row_max)[kTiles][2],
+                                               float (&row_sum)[kTiles][2],
+                                               float (&output)[kTiles][kOutputTiles][4]) {
+  float correction[kTiles][2];
+  bool max_changed = false;
+#pragma unroll
+  for (int i = 0; i < kTiles; ++i) {
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+      float tile_max = negative_infinity();
+#pragma unroll
+      for (int j = 0; j < kScoreTiles; ++j) {
+        tile_max = fmaxf(tile_max, fmaxf(score[i][j][2 * half], score[i][j][2 * half + 1]));
+      }
+      const float new_max = fmaxf(row_max[i][half], quad_max(tile_max));
+      const float subtract = safe_max(new_max);
+      correction[i][half] = fast_exp2(row_max[i][half] - subtract);
+      max_changed = max_changed || new_max != row_max[i][half];
+      row_max[i][half] = new_max;
+      float sum = row_sum[i][half] * correction[i][half];
+#pragma unroll
+      for (int j = 0; j < kScoreTiles; ++j) {
+#pragma unroll
+        for (int c = 0; c < 2; ++c) {
+          const float probability = fast_exp2(score[i][j][2 * half + c] - subtract);
+          score[i][j][2 * half + c] = probability;
+          sum += probability;
+        }
+      }
+      row_sum[i][half] = sum;
+    }
+  }
+  if (__any_sync(0xffffffffu, max_changed)) {
+#pragma unroll
+    for (int i = 0; i < kTiles; ++i) {
+#pragma unroll
+      for (int j = 0; j < kOutputTiles; ++j) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) output[i][j][e] *= correction[i][e / 2];
+      }
+    }
+  }
+}
+
+// The block's epilogue, once every warp is done with the shared tiles: normalises O, writes the
+// LSE, stages O (as the storage type) in shared memory and stores the rows inside the sequence
+// with coalesced 16-byte stores. Config names the warps' rows (kRowsPerWarp, kTilesPerWarp).
+template <class Config>
+__device__ __forceinline__ void store_output(
+    const ForwardParams& p, unsigned char* shared,
+    const float (&output)[Config::kTilesPerWarp][Config::kOutputTiles][4],
+    const float (&row_max)[Config::kTilesPerWarp][2],
+    const float (&row_sum)[Config::kTilesPerWarp][2], const SequenceSpan& span, int batch, int head,
+    int q_start, int thread) {
+  using Tag = typename Config::Tag;
+  constexpr int kTiles = Config::kTilesPerWarp;
+  constexpr int kOutputTiles = Config::kOutputTiles;
+  constexpr int kBlockM = Config::kBlockM;
+  constexpr int kThreads = Config::kThreads;
+  const int warp = thread / kWarpSize;
+  const int lane = thread % kWarpSize;
+  const int group = lane / 4;
+  const int quad_lane = lane % 4;
+  // Normalise, write the LSE, stage O (as storage type) in shared memory.
+#pragma unroll
+  for (int i = 0; i < kTiles; ++i) {
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+      const RowResult result = finish_row_log2(row_max[i][half], quad_sum(row_sum[i][half]));
+      const int row = warp * Config::kRowsPerWarp + i * 16 + group + half * 8;
+      if (p.lse != nullptr && quad_lane == 0 && q_start + row < span.q_len) {
+        *lse_address(p, batch, head, span.q_offset + q_start + row) = result.lse;
+      }
+#pragma unroll
+      for (int j = 0; j < kOutputTiles; ++j) {
+        const unsigned packed = pack_pair(Tag{}, output[i][j][2 * half] * result.inverse_sum,
+                                          output[i][j][2 * half + 1] * result.inverse_sum);
+        *reinterpret_cast<unsigned*>(shared + swizzled_offset<Config::kChunksV>(row, j) +
+                                     quad_lane * sizeof(unsigned)) = packed;
+      }
+    }
+  }
+  __syncthreads();
+
+  // Coalesced 16-byte stores of the rows inside the sequence.
+  unsigned short* o_destination =
+      view_row<unsigned short>(p.o, batch, span.q_offset + q_start, head);
+  constexpr int kStoreChunks = kBlockM * Config::kRealChunksV;
+  for (int index = thread; index < kStoreChunks; index += kThreads) {
+    const int row = index / Config::kRealChunksV;
+    const int chunk = index % Config::kRealChunksV;
+    if (q_start + row < span.q_len) {
+      *reinterpret_cast<SharedChunk*>(o_destination + row * p.o.token_stride +
+                                      chunk * kChunkElements) =
+          *reinterpret_cast<const SharedChunk*>(shared +
+                                                swizzled_offset<Config::kChunksV>(row, chunk));
     }
   }
 }
@@ -107,13 +212,13 @@ __device__ __forceinline__ void forward_mma(const ForwardParams& p) {
 
   const unsigned short* q_source =
       view_row<const unsigned short>(p.q, batch, span.q_offset + q_start, head);
-  const unsigned short* k_source = view_row<const unsigned short>(p.k, batch, span.kv_offset,
-                                                                  head_kv);
-  const unsigned short* v_source = view_row<const unsigned short>(p.v, batch, span.kv_offset,
-                                                                  head_kv);
-  const unsigned q_tile = shared_address(shared);                     // (kBlockM, padded qk)
-  const unsigned k_tiles = q_tile + Config::kQBytes;                  // kStages x (kBlockN, qk)
-  const unsigned v_tiles = k_tiles + kStages * Config::kKBytes;       // kStages x (kBlockN, v)
+  const unsigned short* k_source =
+      view_row<const unsigned short>(p.k, batch, span.kv_offset, head_kv);
+  const unsigned short* v_source =
+      view_row<const unsigned short>(p.v, batch, span.kv_offset, head_kv);
+  const unsigned q_tile = shared_address(shared);                // (kBlockM, padded qk)
+  const unsigned k_tiles = q_tile + Config::kQBytes;             // kStages x (kBlockN, qk)
+  const unsigned v_tiles = k_tiles + kStages * Config::kKBytes;  // kStages x (kBlockN, v)
 
   const EntryRange entries = visited_tiles(p, q_start, kBlockN, span.kv_len);
 
@@ -125,11 +230,11 @@ __device__ __forceinline__ void forward_mma(const ForwardParams& p) {
     const int kv_start = entry_kv_tile(p.tile_entries[entry_index]) * kBlockN;
     const int rows_valid = span.kv_len - kv_start;
     load_tile_async<kBlockN, Config::kChunksQk, Config::kLoadedChunksQk, kThreads>(
-        k_tiles + stage * Config::kKBytes, k_source + kv_start * p.k.token_stride,
-        p.k.token_stride, rows_valid, Config::kRealChunksQk, thread);
+        k_tiles + stage * Config::kKBytes, k_source + kv_start * p.k.token_stride, p.k.token_stride,
+        rows_valid, Config::kRealChunksQk, thread);
     load_tile_async<kBlockN, Config::kChunksV, Config::kLoadedChunksV, kThreads>(
-        v_tiles + stage * Config::kVBytes, v_source + kv_start * p.v.token_stride,
-        p.v.token_stride, rows_valid, Config::kRealChunksV, thread);
+        v_tiles + stage * Config::kVBytes, v_source + kv_start * p.v.token_stride, p.v.token_stride,
+        rows_valid, Config::kRealChunksV, thread);
   };
 #pragma unroll
   for (int stage = 0; stage < kStages - 1; ++stage) {
@@ -200,8 +305,7 @@ __device__ __forceinline__ void forward_mma(const ForwardParams& p) {
 #pragma unroll
         for (int i = 0; i < kTiles; ++i) {
           mma_16x8x16(Tag{}, score[i][2 * pair], q_fragment[i], k_fragment[0], k_fragment[1]);
-          mma_16x8x16(Tag{}, score[i][2 * pair + 1], q_fragment[i], k_fragment[2],
-                      k_fragment[3]);
+          mma_16x8x16(Tag{}, score[i][2 * pair + 1], q_fragment[i], k_fragment[2], k_fragment[3]);
         }
       }
     }
@@ -213,47 +317,7 @@ __device__ __forceinline__ void forward_mma(const ForwardParams& p) {
       compute_logits<Modifier, false>(score, p, invariants, at, query, kv_first);
     }
 
-    // Online softmax: new row max, P = exp2(S - max), and the factor that rescales what was
-    // accumulated under the old max (skipped when no row of the warp changed its max).
-    float correction[kTiles][2];
-    bool max_changed = false;
-#pragma unroll
-    for (int i = 0; i < kTiles; ++i) {
-#pragma unroll
-      for (int half = 0; half < 2; ++half) {
-        float tile_max = negative_infinity();
-#pragma unroll
-        for (int j = 0; j < kScoreTiles; ++j) {
-          tile_max = fmaxf(tile_max, fmaxf(score[i][j][2 * half], score[i][j][2 * half + 1]));
-        }
-        const float new_max = fmaxf(row_max[i][half], quad_max(tile_max));
-        const float subtract = safe_max(new_max);
-        correction[i][half] = fast_exp2(row_max[i][half] - subtract);
-        max_changed = max_changed || new_max != row_max[i][half];
-        row_max[i][half] = new_max;
-        float sum = row_sum[i][half] * correction[i][half];
-#pragma unroll
-        for (int j = 0; j < kScoreTiles; ++j) {
-#pragma unroll
-          for (int c = 0; c < 2; ++c) {
-            const float probability = fast_exp2(score[i][j][2 * half + c] - subtract);
-            score[i][j][2 * half + c] = probability;
-            sum += probability;
-          }
-        }
-        row_sum[i][half] = sum;
-      }
-    }
-    if (__any_sync(0xffffffffu, max_changed)) {
-#pragma unroll
-      for (int i = 0; i < kTiles; ++i) {
-#pragma unroll
-        for (int j = 0; j < kOutputTiles; ++j) {
-#pragma unroll
-          for (int e = 0; e < 4; ++e) output[i][j][e] *= correction[i][e / 2];
-        }
-      }
-    }
+    online_softmax(score, row_max, row_sum, output);
 
     // O += P V: the S accumulators of two adjacent key tiles form one A fragment.
 #pragma unroll
@@ -273,8 +337,7 @@ __device__ __forceinline__ void forward_mma(const ForwardParams& p) {
 #pragma unroll
         for (int i = 0; i < kTiles; ++i) {
           mma_16x8x16(Tag{}, output[i][2 * pair], p_fragment[i], v_fragment[0], v_fragment[1]);
-          mma_16x8x16(Tag{}, output[i][2 * pair + 1], p_fragment[i], v_fragment[2],
-                      v_fragment[3]);
+          mma_16x8x16(Tag{}, output[i][2 * pair + 1], p_fragment[i], v_fragment[2], v_fragment[3]);
         }
       }
     }
@@ -282,41 +345,7 @@ __device__ __forceinline__ void forward_mma(const ForwardParams& p) {
   wait_copies<0>();
   __syncthreads();  // every warp is done with Q, K and V: the Q buffer now stages O
 
-  // Normalise, write the LSE, stage O (as storage type) in shared memory.
-#pragma unroll
-  for (int i = 0; i < kTiles; ++i) {
-#pragma unroll
-    for (int half = 0; half < 2; ++half) {
-      const RowResult result = finish_row_log2(row_max[i][half], quad_sum(row_sum[i][half]));
-      const int row = warp * Config::kRowsPerWarp + i * 16 + group + half * 8;
-      if (p.lse != nullptr && quad_lane == 0 && q_start + row < span.q_len) {
-        *lse_address(p, batch, head, span.q_offset + q_start + row) = result.lse;
-      }
-#pragma unroll
-      for (int j = 0; j < kOutputTiles; ++j) {
-        const unsigned packed = pack_pair(Tag{}, output[i][j][2 * half] * result.inverse_sum,
-                                          output[i][j][2 * half + 1] * result.inverse_sum);
-        *reinterpret_cast<unsigned*>(shared + swizzled_offset<Config::kChunksV>(row, j) +
-                                     quad_lane * sizeof(unsigned)) = packed;
-      }
-    }
-  }
-  __syncthreads();
-
-  // Coalesced 16-byte stores of the rows inside the sequence.
-  unsigned short* o_destination =
-      view_row<unsigned short>(p.o, batch, span.q_offset + q_start, head);
-  constexpr int kStoreChunks = kBlockM * Config::kRealChunksV;
-  for (int index = thread; index < kStoreChunks; index += kThreads) {
-    const int row = index / Config::kRealChunksV;
-    const int chunk = index % Config::kRealChunksV;
-    if (q_start + row < span.q_len) {
-      *reinterpret_cast<SharedChunk*>(o_destination + row * p.o.token_stride +
-                                      chunk * kChunkElements) =
-          *reinterpret_cast<const SharedChunk*>(shared +
-                                                swizzled_offset<Config::kChunksV>(row, chunk));
-    }
-  }
+  store_output<Config>(p, shared, output, row_max, row_sum, span, batch, head, q_start, thread);
 }
 
 }  // namespace flexattn_kernels

@@ -12,9 +12,9 @@
 namespace flexattn_kernels {
 
 constexpr int kWarpSize = 32;
-constexpr int kChunkBytes = 16;     // one cp.async / one ldmatrix row: 8 16-bit values
+constexpr int kChunkBytes = 16;  // one cp.async / one ldmatrix row: 8 16-bit values
 constexpr int kChunkElements = 8;
-constexpr int kSwizzleRows = 8;     // rows whose chunks are permuted so ldmatrix is conflict-free
+constexpr int kSwizzleRows = 8;  // rows whose chunks are permuted so ldmatrix is conflict-free
 
 __device__ __forceinline__ unsigned shared_address(const void* pointer) {
   unsigned long long address;
@@ -44,9 +44,9 @@ struct LaneOffsets {
   __device__ __forceinline__ LaneOffsets(int row, int half) {
 #pragma unroll
     for (int pair = 0; pair < 4; ++pair) {
-      offset[pair] = static_cast<unsigned>(
-          row * kChunksPerRow * kChunkBytes + (((2 * pair + half) ^ (row % kSwizzleRows)) *
-                                               kChunkBytes));
+      offset[pair] =
+          static_cast<unsigned>(row * kChunksPerRow * kChunkBytes +
+                                (((2 * pair + half) ^ (row % kSwizzleRows)) * kChunkBytes));
     }
   }
   // Byte offset of chunk 2 * step + half of row `row + extra_rows` (extra_rows % 8 == 0).
@@ -61,8 +61,8 @@ struct LaneOffsets {
 __device__ __forceinline__ void copy_chunk_async(unsigned destination, const void* source,
                                                  bool valid) {
   const int source_bytes = valid ? kChunkBytes : 0;
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(destination),
-               "l"(source), "r"(source_bytes)
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(destination), "l"(source),
+               "r"(source_bytes)
                : "memory");
 }
 __device__ __forceinline__ void commit_copies() {
@@ -74,31 +74,55 @@ __device__ __forceinline__ void wait_copies() {
   asm volatile("cp.async.wait_group %0;\n" ::"n"(kPending) : "memory");
 }
 
-// Loads the first kLoadedChunks chunks of rows [0, kRows) of a tile whose rows hold
-// kChunksPerRow chunks. Rows at or past `rows_valid` and chunks at or past `real_chunks` are
-// zero-filled instead of read.
-template <int kRows, int kChunksPerRow, int kLoadedChunks, int kThreads>
-__device__ __forceinline__ void load_tile_async(unsigned tile, const unsigned short* source,
+// Shared-memory tile layouts: where chunk `chunk` of row `row` lives, and how far apart two rows
+// that keep the same swizzle phase are (kRowBytes per row).
+//   SwizzledRows: whole rows side by side (swizzled_offset), for ldmatrix.
+//   SwizzledPanels: the row split into panels of 64 values (128 bytes) each holding all kRows
+//     rows, chunk c of row r at c ^ (r % 8) within its 128-byte row: the 128-byte swizzle the
+//     wgmma shared-memory descriptors read (panels 1024-byte aligned).
+template <int kChunksPerRow>
+struct SwizzledRows {
+  static constexpr int kChunks = kChunksPerRow;
+  static constexpr unsigned kRowBytes = kChunksPerRow * kChunkBytes;
+  __device__ __forceinline__ static unsigned offset(int row, int chunk) {
+    return swizzled_offset<kChunksPerRow>(row, chunk);
+  }
+};
+template <int kRows, int kChunksPerRow>
+struct SwizzledPanels {
+  static constexpr int kChunks = kChunksPerRow;
+  static constexpr unsigned kRowBytes = kSwizzleRows * kChunkBytes;  // 128
+  static constexpr unsigned kPanelBytes = kRows * kRowBytes;
+  static_assert(kChunksPerRow % kSwizzleRows == 0, "panels hold 8 chunks per row");
+  __device__ __forceinline__ static unsigned offset(int row, int chunk) {
+    return static_cast<unsigned>((chunk / kSwizzleRows) * kPanelBytes + row * kRowBytes +
+                                 ((chunk % kSwizzleRows) ^ (row % kSwizzleRows)) * kChunkBytes);
+  }
+};
+
+// Loads the first kLoadedChunks chunks of rows [0, kRows) of a tile laid out as `Layout`. Rows at
+// or past `rows_valid` and chunks at or past `real_chunks` are zero-filled instead of read.
+template <int kRows, class Layout, int kLoadedChunks, int kThreads>
+__device__ __forceinline__ void load_rows_async(unsigned tile, const unsigned short* source,
                                                 long long row_stride, int rows_valid,
                                                 int real_chunks, int thread) {
   constexpr int kChunks = kRows * kLoadedChunks;
   static_assert(kChunks % kThreads == 0, "every thread copies the same number of chunks");
-  static_assert(kLoadedChunks <= kChunksPerRow, "a row holds the loaded chunks");
-  if constexpr (kThreads % kLoadedChunks == 0 &&
-                (kThreads / kLoadedChunks) % kSwizzleRows == 0) {
+  static_assert(kLoadedChunks <= Layout::kChunks, "a row holds the loaded chunks");
+  if constexpr (kThreads % kLoadedChunks == 0 && (kThreads / kLoadedChunks) % kSwizzleRows == 0) {
     // The thread copies the same chunk of every kRowStep-th row: one source pointer advanced by
     // a stride, and destinations at immediate offsets (kRowStep is a multiple of the swizzle).
     constexpr int kRowStep = kThreads / kLoadedChunks;
     const int first_row = thread / kLoadedChunks;
     const int chunk = thread % kLoadedChunks;
     const bool chunk_valid = chunk < real_chunks;
-    const unsigned destination = tile + swizzled_offset<kChunksPerRow>(first_row, chunk);
+    const unsigned destination = tile + Layout::offset(first_row, chunk);
     const unsigned short* row_source = source + first_row * row_stride + chunk * kChunkElements;
     const long long step_stride = kRowStep * row_stride;
 #pragma unroll
     for (int step = 0; step < kRows / kRowStep; ++step) {
       const bool valid = chunk_valid && first_row + step * kRowStep < rows_valid;
-      copy_chunk_async(destination + step * kRowStep * kChunksPerRow * kChunkBytes,
+      copy_chunk_async(destination + step * kRowStep * Layout::kRowBytes,
                        valid ? row_source : source, valid);
       row_source += step_stride;
     }
@@ -111,9 +135,18 @@ __device__ __forceinline__ void load_tile_async(unsigned tile, const unsigned sh
       const bool valid = row < rows_valid && chunk < real_chunks;
       const unsigned short* address =
           valid ? source + row * row_stride + chunk * kChunkElements : source;
-      copy_chunk_async(tile + swizzled_offset<kChunksPerRow>(row, chunk), address, valid);
+      copy_chunk_async(tile + Layout::offset(row, chunk), address, valid);
     }
   }
+}
+
+// The same for the whole-row layout of the mma.sync kernels (kChunksPerRow chunks per row).
+template <int kRows, int kChunksPerRow, int kLoadedChunks, int kThreads>
+__device__ __forceinline__ void load_tile_async(unsigned tile, const unsigned short* source,
+                                                long long row_stride, int rows_valid,
+                                                int real_chunks, int thread) {
+  load_rows_async<kRows, SwizzledRows<kChunksPerRow>, kLoadedChunks, kThreads>(
+      tile, source, row_stride, rows_valid, real_chunks, thread);
 }
 
 // ---- tensor-core operations ------------------------------------------------------------------

@@ -1,0 +1,229 @@
+// Flash-attention-2 forward on Hopper's warpgroup tensor cores (wgmma, sm_90a; bf16/fp16 storage,
+// fp32 accumulation). Step 2 of docs/design/wgmma-plan.md: the mma.sync kernel's pipeline
+// (forward_mma.cuh) with both products on wgmma.
+//
+// A thread block of kWarpgroups warpgroups computes kBlockM = 64 * kWarpgroups query rows of one
+// (batch, head); warpgroup g owns rows 64 g .. 64 g + 63, and warp w (of the block) rows 16 w ..
+// 16 w + 15 as in the mma.sync kernel, so the element code, the online softmax and the epilogue
+// are that kernel's. Q stays in shared memory; K and V tiles of kBlockN keys stream through
+// kStages buffers filled by cp.async. All tiles use the 128-byte-swizzled panel layout
+// (SwizzledPanels) that the wgmma descriptors read. Per kv tile and warpgroup:
+//   S = Q K^T   wgmma m64 n kBlockN k16, Q and K from shared memory (K-major both)
+//   logits, online softmax as in forward_mma.cuh
+//   O += P V    wgmma m64 n head_dim_v k16, P from registers (the S accumulators re-packed),
+//               V from shared memory as an MN-major operand
+// Each product is waited for before its result is read; the two warpgroups of a block overlap
+// one's element work with the other's products.
+#pragma once
+
+#include "forward_mma.cuh"
+#include "wgmma_ops.cuh"
+
+namespace flexattn_kernels {
+
+template <class ElementTag, int kHeadDimQk, int kHeadDimV, int kBlockN_, int kStages_,
+          int kSharedBytes_>
+struct WgmmaConfig {
+  using Tag = ElementTag;
+  static constexpr int kWarpgroups = 2;
+  static constexpr int kWarpgroupRows = 64;  // the M of every wgmma
+  static constexpr int kWarps = 4 * kWarpgroups;
+  static constexpr int kThreads = kWarps * kWarpSize;
+  static constexpr int kTilesPerWarp = 1;  // 16-row accumulator tiles per warp
+  static constexpr int kRowsPerWarp = 16;
+  static constexpr int kBlockM = kWarpgroupRows * kWarpgroups;
+  static constexpr int kBlockN = kBlockN_;
+  static constexpr int kStages = kStages_;
+  static constexpr int kMinBlocks = 1;
+  static constexpr int kChunksQk = kHeadDimQk / kChunkElements;
+  static constexpr int kChunksV = kHeadDimV / kChunkElements;
+  static constexpr int kRealChunksV = kChunksV;  // head dims are 64 or 128: nothing padded
+  static constexpr int kStepsQk = kHeadDimQk / 16;  // k-steps of Q K^T
+  static constexpr int kStepsKv = kBlockN / 16;     // k-steps of P V
+  static constexpr int kScoreTiles = kBlockN / 8;   // 8-column accumulator tiles of S
+  static constexpr int kOutputTiles = kHeadDimV / 8;
+  using QLayout = SwizzledPanels<kBlockM, kChunksQk>;
+  using KLayout = SwizzledPanels<kBlockN, kChunksQk>;
+  using VLayout = SwizzledPanels<kBlockN, kChunksV>;
+  static constexpr int kStagingChunks = kChunksQk > kChunksV ? kChunksQk : kChunksV;
+  static constexpr int kQBytes = kBlockM * kStagingChunks * kChunkBytes;  // Q, then O staging
+  static constexpr int kKBytes = kBlockN * kChunksQk * kChunkBytes;
+  static constexpr int kVBytes = kBlockN * kChunksV * kChunkBytes;
+  // The swizzle is a function of address bits 4-9: tiles start on 1024-byte boundaries, and the
+  // dynamic shared memory is rounded up to one inside its first 1024 bytes.
+  static constexpr int kAlignment = 1024;
+  static constexpr int kSharedBytes = kAlignment + kQBytes + kStages * (kKBytes + kVBytes);
+
+  static_assert((kHeadDimQk == 64 || kHeadDimQk == 128) && (kHeadDimV == 64 || kHeadDimV == 128),
+                "the wgmma kernel takes head dims 64 and 128");
+  static_assert(kBlockN == 64 || kBlockN == 128, "kv tiles are one wgmma of width 64 or 128");
+  static_assert(kQBytes % kAlignment == 0 && kKBytes % kAlignment == 0 &&
+                    kVBytes % kAlignment == 0,
+                "every tile starts on a 1024-byte boundary");
+  static_assert(kStages >= 2, "at least double buffering");
+  static_assert(kSharedBytes == kSharedBytes_, "the host's shared-memory size (tile_plan.cpp)");
+};
+
+template <class Config, class Modifier>
+__device__ __forceinline__ void forward_wgmma(const ForwardParams& p) {
+  using Tag = typename Config::Tag;
+  using KLayout = typename Config::KLayout;
+  using VLayout = typename Config::VLayout;
+  constexpr int kBlockM = Config::kBlockM;
+  constexpr int kBlockN = Config::kBlockN;
+  constexpr int kStages = Config::kStages;
+  constexpr int kThreads = Config::kThreads;
+  constexpr int kScoreTiles = Config::kScoreTiles;
+  constexpr int kOutputTiles = Config::kOutputTiles;
+  constexpr int kPanelRowBytes = kSwizzleRows * kChunkBytes;  // 128
+  constexpr int kCoreGroupBytes = kSwizzleRows * kPanelRowBytes;  // 8 rows: a descriptor stride
+  constexpr int kStepBytes = 16 * 2;  // one k-step of 16 values along a K-major row
+  extern __shared__ __align__(128) unsigned char shared_memory[];
+  const unsigned shared_start = shared_address(shared_memory);
+  const unsigned aligned_start =
+      (shared_start + Config::kAlignment - 1) & ~static_cast<unsigned>(Config::kAlignment - 1);
+  unsigned char* shared = shared_memory + (aligned_start - shared_start);
+
+  const int thread = threadIdx.x;
+  const int warp = thread / kWarpSize;
+  const int lane = thread % kWarpSize;
+  const int group = lane / 4;      // accumulator row within an 8-row half
+  const int quad_lane = lane % 4;  // accumulator column pair
+  const int warpgroup = warp / 4;
+  // Blocks with the most kv tiles (the last rows under causal masks) start first.
+  const int q_block = gridDim.x - 1 - blockIdx.x;
+  const int head = blockIdx.y;
+  const int batch = blockIdx.z;
+  const SequenceSpan span = sequence_span(p, batch);
+  const int q_start = q_block * kBlockM;
+  if (q_start >= span.q_len) return;
+  const int head_kv = head / p.heads_per_kv;
+  const Coordinates at{batch, head, span.q_len, span.kv_len};
+
+  const unsigned short* q_source =
+      view_row<const unsigned short>(p.q, batch, span.q_offset + q_start, head);
+  const unsigned short* k_source =
+      view_row<const unsigned short>(p.k, batch, span.kv_offset, head_kv);
+  const unsigned short* v_source =
+      view_row<const unsigned short>(p.v, batch, span.kv_offset, head_kv);
+  const unsigned q_tile = aligned_start;                        // (kBlockM, qk) panels
+  const unsigned k_tiles = q_tile + Config::kQBytes;            // kStages x (kBlockN, qk)
+  const unsigned v_tiles = k_tiles + kStages * Config::kKBytes;  // kStages x (kBlockN, v)
+
+  const EntryRange entries = visited_tiles(p, q_start, kBlockN, span.kv_len);
+
+  load_rows_async<kBlockM, typename Config::QLayout, Config::kChunksQk, kThreads>(
+      q_tile, q_source, p.q.token_stride, span.q_len - q_start, Config::kChunksQk, thread);
+  commit_copies();
+
+  auto load_keys_and_values = [&](int entry_index, int stage) {
+    const int kv_start = entry_kv_tile(p.tile_entries[entry_index]) * kBlockN;
+    const int rows_valid = span.kv_len - kv_start;
+    load_rows_async<kBlockN, KLayout, Config::kChunksQk, kThreads>(
+        k_tiles + stage * Config::kKBytes, k_source + kv_start * p.k.token_stride,
+        p.k.token_stride, rows_valid, Config::kChunksQk, thread);
+    load_rows_async<kBlockN, VLayout, Config::kChunksV, kThreads>(
+        v_tiles + stage * Config::kVBytes, v_source + kv_start * p.v.token_stride,
+        p.v.token_stride, rows_valid, Config::kChunksV, thread);
+  };
+#pragma unroll
+  for (int stage = 0; stage < kStages - 1; ++stage) {
+    if (entries.begin + stage < entries.end) load_keys_and_values(entries.begin + stage, stage);
+    commit_copies();
+  }
+
+  float output[1][kOutputTiles][4];  // (rows, head_dim_v) accumulators
+  float row_max[1][2];               // log2 domain
+  float row_sum[1][2];               // this thread's share of the row sum
+  int query[1][2];                   // the rows' positions, clamped into the sequence
+#pragma unroll
+  for (int j = 0; j < kOutputTiles; ++j) {
+#pragma unroll
+    for (int e = 0; e < 4; ++e) output[0][j][e] = 0.0f;
+  }
+#pragma unroll
+  for (int half = 0; half < 2; ++half) {
+    row_max[0][half] = negative_infinity();
+    row_sum[0][half] = 0.0f;
+    const int row = q_start + warp * Config::kRowsPerWarp + group + half * 8;
+    query[0][half] = ir_min(row, span.q_len - 1);
+  }
+  const typename Modifier::Invariants invariants = Modifier::prepare(p, at);
+  // The accumulators as the flat lists wgmma takes.
+  float(&output_flat)[kOutputTiles * 4] = reinterpret_cast<float(&)[kOutputTiles * 4]>(output);
+  // This warpgroup's 64 rows of Q.
+  const unsigned long long q_descriptor = matrix_descriptor(
+      q_tile + warpgroup * Config::kWarpgroupRows * kPanelRowBytes, 16, kCoreGroupBytes);
+
+  for (int entry_index = entries.begin; entry_index < entries.end; ++entry_index) {
+    const int iteration = entry_index - entries.begin;
+    const int stage = iteration % kStages;
+    wait_copies<kStages - 2>();
+    fence_async_shared();  // this thread's copies, visible to the wgmma reads after the barrier
+    __syncthreads();  // tile `iteration` visible; the buffer refilled below is no longer read
+    if (entry_index + kStages - 1 < entries.end) {
+      load_keys_and_values(entry_index + kStages - 1, (iteration + kStages - 1) % kStages);
+    }
+    commit_copies();
+    const unsigned k_tile = k_tiles + stage * Config::kKBytes;
+    const unsigned v_tile = v_tiles + stage * Config::kVBytes;
+    const int entry = p.tile_entries[entry_index];
+    const int kv_start = entry_kv_tile(entry) * kBlockN;
+
+    // S = Q K^T: (64, kBlockN) per warpgroup.
+    float score[1][kScoreTiles][4];
+    float(&score_flat)[kScoreTiles * 4] = reinterpret_cast<float(&)[kScoreTiles * 4]>(score);
+    const unsigned long long k_descriptor = matrix_descriptor(k_tile, 16, kCoreGroupBytes);
+    fence_operands(score_flat);
+    wgmma_fence();
+#pragma unroll
+    for (int step = 0; step < Config::kStepsQk; ++step) {
+      const unsigned along = (step % 4) * kStepBytes;
+      const unsigned panel = step / 4;
+      wgmma_from_shared(
+          Tag{}, score_flat,
+          advance_descriptor(q_descriptor, panel * Config::QLayout::kPanelBytes + along),
+          advance_descriptor(k_descriptor, panel * KLayout::kPanelBytes + along), step > 0);
+    }
+    wgmma_commit();
+    wgmma_wait<0>();
+    fence_operands(score_flat);
+
+    const int kv_first = kv_start + 2 * quad_lane;
+    if (entry_is_mixed(entry) || kv_start + kBlockN > span.kv_len) {
+      compute_logits<Modifier, true>(score, p, invariants, at, query, kv_first);
+    } else {
+      compute_logits<Modifier, false>(score, p, invariants, at, query, kv_first);
+    }
+    online_softmax(score, row_max, row_sum, output);
+
+    // O += P V: the S accumulators of two adjacent 8-key slices form one A fragment.
+    unsigned p_fragment[Config::kStepsKv][4];
+#pragma unroll
+    for (int step = 0; step < Config::kStepsKv; ++step) {
+      p_fragment[step][0] = pack_pair(Tag{}, score[0][2 * step][0], score[0][2 * step][1]);
+      p_fragment[step][1] = pack_pair(Tag{}, score[0][2 * step][2], score[0][2 * step][3]);
+      p_fragment[step][2] = pack_pair(Tag{}, score[0][2 * step + 1][0], score[0][2 * step + 1][1]);
+      p_fragment[step][3] = pack_pair(Tag{}, score[0][2 * step + 1][2], score[0][2 * step + 1][3]);
+      fence_operands(p_fragment[step]);
+    }
+    fence_operands(output_flat);
+    wgmma_fence();
+    const unsigned long long v_descriptor =
+        matrix_descriptor(v_tile, VLayout::kPanelBytes, kCoreGroupBytes);
+#pragma unroll
+    for (int step = 0; step < Config::kStepsKv; ++step) {
+      wgmma_from_registers(Tag{}, output_flat, p_fragment[step],
+                           advance_descriptor(v_descriptor, step * 16 * kPanelRowBytes), 1);
+    }
+    wgmma_commit();
+    wgmma_wait<0>();
+    fence_operands(output_flat);
+  }
+  wait_copies<0>();
+  __syncthreads();  // every warp is done with Q, K and V: the Q buffer now stages O
+
+  store_output<Config>(p, shared, output, row_max, row_sum, span, batch, head, q_start, thread);
+}
+
+}  // namespace flexattn_kernels
