@@ -472,11 +472,12 @@ TEST(CudaForwardChoice, WgmmaOnlyOnSm90ForSixteenBitHeadDims64And128) {
   EXPECT_EQ(d128.threads(), 256);
   EXPECT_EQ(d128.architecture_suffix(), "a");
   EXPECT_EQ(d128.kernel_template(), "forward_wgmma");
-  // kernels/forward_wgmma.cuh: 1024 (alignment) + Q 128 rows + 2 stages of 128 keys of K and V.
-  EXPECT_EQ(d128.shared_bytes, 1024 + 128 * 128 * 2 + 2 * 128 * (128 + 128) * 2);
+  // kernels/forward_wgmma.cuh: 1024 (alignment) + Q 128 rows + 3 stages of 128 keys of K and V.
+  EXPECT_EQ(d128.shared_bytes, 1024 + 128 * 128 * 2 + 3 * 128 * (128 + 128) * 2);
+  EXPECT_LE(d128.shared_bytes, 227 * 1024);  // what one block may have on sm_90
   EXPECT_EQ(d128.config_type(),
             fmt::format("flexattn_kernels::WgmmaConfig<flexattn_kernels::BFloat16Tag, 128, 128, "
-                        "128, 2, {}>",
+                        "128, 3, {}>",
                         d128.shared_bytes));
   EXPECT_EQ(choose(DType::kF16, 64, 64, 90).kind, cuda::KernelKind::kWgmma);
   EXPECT_EQ(choose(DType::kBF16, 128, 64, 90).kind, cuda::KernelKind::kWgmma);

@@ -34,12 +34,14 @@ constexpr int kSimtRowsPerWarp = 4;
 constexpr int kSimtClassBlockQ = 64;
 // wgmma (kernels/forward_wgmma.cuh): two warpgroups of 64 rows; 128-key tiles (each S = Q K^T is
 // one m64n128 product; the accumulators, 64 for S and up to 64 for O per thread, fit the
-// registers of 256 threads at one block per multiprocessor); two stages of K and V (161 KB with
-// Q at head dim 128). Only the head dims it holds unpadded, on the architecture it exists on.
+// registers of 256 threads at one block per multiprocessor); three stages of K and V (tile j's
+// K, tile j - 1's V in its P V product, and the copy of tile j + 1: 225 KB with Q at head dim
+// 128, of the 227 KB a block may have). Only the head dims it holds unpadded, on the
+// architecture it exists on.
 constexpr int kWgmmaBlockM = 128;
 constexpr int kWgmmaBlockN = 128;
 constexpr int kWgmmaWarps = 8;
-constexpr int kWgmmaStages = 2;
+constexpr int kWgmmaStages = 3;
 constexpr int kWgmmaAlignment = 1024;  // the dynamic shared memory rounded up to the swizzle
 constexpr int kWgmmaCapability = 90;
 // Bound on the tile list (4 bytes an entry): 64 Mi entries, e.g. sequences of about 250k tokens.

@@ -78,15 +78,14 @@ __device__ __forceinline__ void compute_logits(float (&score)[kTiles][kScoreTile
   }
 }
 
-// Online softmax of one kv tile in exp2 form: the new row max, P = exp2(S - max) in place of the
-// logits, the row sums, and the old O rescaled by the factor for the new max (skipped when no
-// row of the warp changed its max).
-template <int kTiles, int kScoreTiles, int kOutputTiles>
-__device__ __forceinline__ void online_softmax(float (&score)[kTiles][kScoreTiles][4],
-                                               float (&row_max)[kTiles][2],
-                                               float (&row_sum)[kTiles][2],
-                                               float (&output)[kTiles][kOutputTiles][4]) {
-  float correction[kTiles][2];
+// Online softmax of one kv tile in exp2 form, first half: the new row max, P = exp2(S - max) in
+// place of the logits, the row sums, and in `correction` the factor that rescales what was
+// accumulated under the old max. Returns whether a row of this thread changed its max.
+template <int kTiles, int kScoreTiles>
+__device__ __forceinline__ bool softmax_probabilities(float (&score)[kTiles][kScoreTiles][4],
+                                                      float (&row_max)[kTiles][2],
+                                                      float (&row_sum)[kTiles][2],
+                                                      float (&correction)[kTiles][2]) {
   bool max_changed = false;
 #pragma unroll
   for (int i = 0; i < kTiles; ++i) {
@@ -115,6 +114,14 @@ __device__ __forceinline__ void online_softmax(float (&score)[kTiles][kScoreTile
       row_sum[i][half] = sum;
     }
   }
+  return max_changed;
+}
+
+// Second half: the old O rescaled, skipped when no row of the warp changed its max.
+template <int kTiles, int kOutputTiles>
+__device__ __forceinline__ void rescale_output(float (&output)[kTiles][kOutputTiles][4],
+                                               const float (&correction)[kTiles][2],
+                                               bool max_changed) {
   if (__any_sync(0xffffffffu, max_changed)) {
 #pragma unroll
     for (int i = 0; i < kTiles; ++i) {
@@ -125,6 +132,17 @@ __device__ __forceinline__ void online_softmax(float (&score)[kTiles][kScoreTile
       }
     }
   }
+}
+
+// Both halves, for a kernel whose O is not in flight.
+template <int kTiles, int kScoreTiles, int kOutputTiles>
+__device__ __forceinline__ void online_softmax(float (&score)[kTiles][kScoreTiles][4],
+                                               float (&row_max)[kTiles][2],
+                                               float (&row_sum)[kTiles][2],
+                                               float (&output)[kTiles][kOutputTiles][4]) {
+  float correction[kTiles][2];
+  const bool max_changed = softmax_probabilities(score, row_max, row_sum, correction);
+  rescale_output(output, correction, max_changed);
 }
 
 // The block's epilogue, once every warp is done with the shared tiles: normalises O, writes the
