@@ -477,9 +477,15 @@ TEST(CudaForwardChoice, WgmmaOnlyOnSm90ForSixteenBitHeadDims64And128) {
   EXPECT_LE(d128.shared_bytes, 227 * 1024);  // what one block may have on sm_90
   EXPECT_EQ(d128.config_type(),
             fmt::format("flexattn_kernels::WgmmaConfig<flexattn_kernels::BFloat16Tag, 128, 128, "
-                        "128, 3, {}>",
+                        "128, 3, true, {}>",
                         d128.shared_bytes));
-  EXPECT_EQ(choose(DType::kF16, 64, 64, 90).kind, cuda::KernelKind::kWgmma);
+  EXPECT_TRUE(d128.pipelined);
+  // Head dim 64: the loop that waits for each product, two stages.
+  const cuda::KernelChoice d64 = choose(DType::kF16, 64, 64, 90);
+  EXPECT_EQ(d64.kind, cuda::KernelKind::kWgmma);
+  EXPECT_FALSE(d64.pipelined);
+  EXPECT_EQ(d64.stages, 2);
+  EXPECT_EQ(d64.shared_bytes, 1024 + 128 * 64 * 2 + 2 * 128 * (64 + 64) * 2);
   EXPECT_EQ(choose(DType::kBF16, 128, 64, 90).kind, cuda::KernelKind::kWgmma);
   // Elsewhere the portable kernels: another architecture or none known, head dims wgmma does not
   // hold unpadded, fp32 storage, or the switch off.

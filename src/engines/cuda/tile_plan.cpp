@@ -34,14 +34,16 @@ constexpr int kSimtRowsPerWarp = 4;
 constexpr int kSimtClassBlockQ = 64;
 // wgmma (kernels/forward_wgmma.cuh): two warpgroups of 64 rows; 128-key tiles (each S = Q K^T is
 // one m64n128 product; the accumulators, 64 for S and up to 64 for O per thread, fit the
-// registers of 256 threads at one block per multiprocessor); three stages of K and V (tile j's
-// K, tile j - 1's V in its P V product, and the copy of tile j + 1: 225 KB with Q at head dim
-// 128, of the 227 KB a block may have). Only the head dims it holds unpadded, on the
-// architecture it exists on.
+// registers of 256 threads at one block per multiprocessor). At head dim 128 pipelined (tile j's
+// element work while tile j - 1's P V runs: +5 - 7% with softcap and ALiBi, measured), which
+// needs three stages of K and V (tile j's K, tile j - 1's V, tile j + 1's copy: 225 KB with Q, of
+// the 227 KB a block may have); at head dim 64 the pipelined loop measured 8% slower without a
+// modifier (287 vs 311 TFLOP/s), so it waits for each product, with two stages. Only the head
+// dims it holds unpadded, on the architecture it exists on.
 constexpr int kWgmmaBlockM = 128;
 constexpr int kWgmmaBlockN = 128;
 constexpr int kWgmmaWarps = 8;
-constexpr int kWgmmaStages = 3;
+constexpr int kWgmmaPipelinedHeadDim = 128;
 constexpr int kWgmmaAlignment = 1024;  // the dynamic shared memory rounded up to the swizzle
 constexpr int kWgmmaCapability = 90;
 // Bound on the tile list (4 bytes an entry): 64 Mi entries, e.g. sequences of about 250k tokens.
@@ -116,7 +118,8 @@ KernelChoice wgmma_choice(const Problem& problem) {
   c.warps = kWgmmaWarps;
   c.block_m = kWgmmaBlockM;
   c.block_n = kWgmmaBlockN;
-  c.stages = kWgmmaStages;
+  c.pipelined = std::max(c.head_dim_qk, c.head_dim_v) == kWgmmaPipelinedHeadDim;
+  c.stages = c.pipelined ? 3 : 2;
   c.min_blocks = 1;
   c.class_block_q = c.block_m;
   constexpr int kBytes = 2;  // bf16 / fp16
@@ -226,8 +229,9 @@ int KernelChoice::threads() const { return warps * kWarpSize; }
 
 std::string KernelChoice::config_type() const {
   if (kind == KernelKind::kWgmma) {
-    return fmt::format("flexattn_kernels::WgmmaConfig<{}, {}, {}, {}, {}, {}>", element_tag(dtype),
-                       head_dim_qk, head_dim_v, block_n, stages, shared_bytes);
+    return fmt::format("flexattn_kernels::WgmmaConfig<{}, {}, {}, {}, {}, {}, {}>",
+                       element_tag(dtype), head_dim_qk, head_dim_v, block_n, stages, pipelined,
+                       shared_bytes);
   }
   if (kind == KernelKind::kMma) {
     return fmt::format("flexattn_kernels::MmaConfig<{}, {}, {}, {}, {}, {}, {}, {}, {}, {}>",
@@ -257,10 +261,10 @@ std::string KernelChoice::architecture_suffix() const {
 std::string KernelChoice::describe() const {
   if (kind == KernelKind::kWgmma) {
     return fmt::format(
-        "tensor-core (wgmma, sm_90a) {}, {}x{} tiles, {} warps, {} stages, head dims {} and {}, "
+        "tensor-core (wgmma, sm_90a) {}, {}x{} tiles, {} warps, {} stages{}, head dims {} and {}, "
         "{} KB shared",
-        to_string(dtype), block_m, block_n, warps, stages, head_dim_qk, head_dim_v,
-        shared_bytes / 1024);
+        to_string(dtype), block_m, block_n, warps, stages, pipelined ? ", pipelined" : "",
+        head_dim_qk, head_dim_v, shared_bytes / 1024);
   }
   if (kind == KernelKind::kMma) {
     return fmt::format(

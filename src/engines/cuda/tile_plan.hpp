@@ -33,6 +33,7 @@ struct KernelChoice {
   int block_n = 0;  // keys per kv tile
   int class_block_q = 0;  // query rows per classified block of the tile list (a multiple of block_m)
   int stages = 0;   // mma: K/V shared-memory buffers in flight
+  bool pipelined = false;  // wgmma: tile j's element work overlaps tile j - 1's P V
   int min_blocks = 0;  // mma: thread blocks per multiprocessor the registers must allow
   int shared_bytes = 0;
 

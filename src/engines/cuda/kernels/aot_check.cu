@@ -136,13 +136,16 @@ FLEXATTN_AOT_MMA(aot_f16_d80_v72, CausalSoftcapModifier, HalfTag, 80, 72, 128, 1
                  2)
 FLEXATTN_AOT_MMA(aot_bf16_d256, IdentityModifier, BFloat16Tag, 256, 256, 256, 256, 1, 4, 64, 2,
                  1)
-// wgmma (sm_90a): shared bytes = 1024 + Q + 3 stages of K and V (tile_plan.cpp).
-FLEXATTN_AOT_WGMMA(aot_wgmma_bf16_d128, IdentityModifier, BFloat16Tag, 128, 128, 128, 3,
+// wgmma (sm_90a): shared bytes = 1024 + Q + the stages of K and V (tile_plan.cpp); pipelined
+// with 3 stages at head dim 128, not with 2 at head dim 64 (both loops compiled here).
+FLEXATTN_AOT_WGMMA(aot_wgmma_bf16_d128, IdentityModifier, BFloat16Tag, 128, 128, 128, 3, true,
                    1024 + 128 * 256 + 3 * 2 * 128 * 256)
-FLEXATTN_AOT_WGMMA(aot_wgmma_f16_d64_softcap, CausalSoftcapModifier, HalfTag, 64, 64, 128, 3,
-                   1024 + 128 * 128 + 3 * 2 * 128 * 128)
+FLEXATTN_AOT_WGMMA(aot_wgmma_f16_d64_softcap, CausalSoftcapModifier, HalfTag, 64, 64, 128, 2,
+                   false, 1024 + 128 * 128 + 2 * 2 * 128 * 128)
 FLEXATTN_AOT_WGMMA(aot_wgmma_bf16_d128_v64, CausalSoftcapModifier, BFloat16Tag, 128, 64, 128, 3,
-                   1024 + 128 * 256 + 3 * 128 * (256 + 128))
+                   true, 1024 + 128 * 256 + 3 * 128 * (256 + 128))
+FLEXATTN_AOT_WGMMA(aot_wgmma_bf16_d64_unpipelined, IdentityModifier, BFloat16Tag, 64, 64, 128, 2,
+                   false, 1024 + 128 * 128 + 2 * 2 * 128 * 128)
 FLEXATTN_AOT_SIMT(aot_f32_d64, IdentityModifier, Float32Tag, 64, 64)
 FLEXATTN_AOT_SIMT(aot_f32_d80_softcap, CausalSoftcapModifier, Float32Tag, 80, 40)
 FLEXATTN_AOT_SIMT(aot_bf16_d17, CausalSoftcapModifier, BFloat16Tag, 17, 17)

@@ -6,16 +6,17 @@
 // (batch, head); warpgroup g owns rows 64 g .. 64 g + 63, and warp w (of the block) rows 16 w ..
 // 16 w + 15 as in the mma.sync kernel, so the element code, the online softmax and the epilogue
 // are that kernel's. Q stays in shared memory; K and V tiles of kBlockN keys stream through
-// kStages (3) buffers filled by cp.async. All tiles use the 128-byte-swizzled panel layout
-// (SwizzledPanels) that the wgmma descriptors read. Per kv tile j and warpgroup, pipelined so
-// the element work of one tile runs while the tensor cores multiply the previous one's P V
-// (step 3 of docs/design/wgmma-plan.md, within a warpgroup):
+// kStages buffers filled by cp.async. All tiles use the 128-byte-swizzled panel layout
+// (SwizzledPanels) that the wgmma descriptors read. Per kv tile j and warpgroup, pipelined
+// (kPipelined; step 3 of docs/design/wgmma-plan.md within a warpgroup) so the element work of one
+// tile runs while the tensor cores multiply the previous one's P V:
 //   issue S_j = Q K_j^T          wgmma m64 n kBlockN k16, Q and K from shared memory (K-major)
 //   issue O += P_{j-1} V_{j-1}   wgmma m64 n head_dim_v k16, P from registers, V MN-major
 //   wait for S_j; logits and softmax of tile j (probabilities, row max and sums)
 //   wait for O; rescale O by the change of the row max; P_j = the probabilities as bf16/fp16
 // and after the last tile O += P V of it. Tile j's K, tile j - 1's V and tile j + 1's copy are
-// in flight at once: three stages.
+// in flight at once: three stages. Without kPipelined each product is waited for before its
+// result is read (two stages); only the block's other warpgroup overlaps the element work.
 #pragma once
 
 #include "forward_mma.cuh"
@@ -24,7 +25,7 @@
 namespace flexattn_kernels {
 
 template <class ElementTag, int kHeadDimQk, int kHeadDimV, int kBlockN_, int kStages_,
-          int kSharedBytes_>
+          bool kPipelined_, int kSharedBytes_>
 struct WgmmaConfig {
   using Tag = ElementTag;
   static constexpr int kWarpgroups = 2;
@@ -36,10 +37,13 @@ struct WgmmaConfig {
   static constexpr int kBlockM = kWarpgroupRows * kWarpgroups;
   static constexpr int kBlockN = kBlockN_;
   static constexpr int kStages = kStages_;
+  // Whether tile j's element work overlaps tile j - 1's P V (see above), or each product is
+  // waited for right away.
+  static constexpr bool kPipelined = kPipelined_;
   static constexpr int kMinBlocks = 1;
   static constexpr int kChunksQk = kHeadDimQk / kChunkElements;
   static constexpr int kChunksV = kHeadDimV / kChunkElements;
-  static constexpr int kRealChunksV = kChunksV;  // head dims are 64 or 128: nothing padded
+  static constexpr int kRealChunksV = kChunksV;     // head dims are 64 or 128: nothing padded
   static constexpr int kStepsQk = kHeadDimQk / 16;  // k-steps of Q K^T
   static constexpr int kStepsKv = kBlockN / 16;     // k-steps of P V
   static constexpr int kScoreTiles = kBlockN / 8;   // 8-column accumulator tiles of S
@@ -59,10 +63,10 @@ struct WgmmaConfig {
   static_assert((kHeadDimQk == 64 || kHeadDimQk == 128) && (kHeadDimV == 64 || kHeadDimV == 128),
                 "the wgmma kernel takes head dims 64 and 128");
   static_assert(kBlockN == 64 || kBlockN == 128, "kv tiles are one wgmma of width 64 or 128");
-  static_assert(kQBytes % kAlignment == 0 && kKBytes % kAlignment == 0 &&
-                    kVBytes % kAlignment == 0,
+  static_assert(kQBytes % kAlignment == 0 && kKBytes % kAlignment == 0 && kVBytes % kAlignment == 0,
                 "every tile starts on a 1024-byte boundary");
-  static_assert(kStages >= 3, "K of tile j, V of tile j - 1 and the copy of tile j + 1");
+  static_assert(kStages >= (kPipelined ? 3 : 2),
+                "double buffering; pipelined: K of tile j, V of tile j - 1 and tile j + 1's copy");
   static_assert(kSharedBytes == kSharedBytes_, "the host's shared-memory size (tile_plan.cpp)");
 };
 
@@ -72,12 +76,12 @@ struct WgmmaConfig {
 // instruction defining a wgmma's registers while an earlier wgmma is in flight makes ptxas
 // serialize every wgmma of the kernel (its warning C7515).
 template <class Config, int kOutputCount>
-__device__ __forceinline__ void issue_probability_value(
-    float (&output_flat)[kOutputCount], unsigned (&p_fragment)[Config::kStepsKv][4],
-    unsigned v_tile) {
+__device__ __forceinline__ void issue_probability_value(float (&output_flat)[kOutputCount],
+                                                        unsigned (&p_fragment)[Config::kStepsKv][4],
+                                                        unsigned v_tile) {
   constexpr int kPanelRowBytes = kSwizzleRows * kChunkBytes;
-  const unsigned long long v_descriptor = matrix_descriptor(
-      v_tile, Config::VLayout::kPanelBytes, kSwizzleRows * kPanelRowBytes);
+  const unsigned long long v_descriptor =
+      matrix_descriptor(v_tile, Config::VLayout::kPanelBytes, kSwizzleRows * kPanelRowBytes);
 #pragma unroll
   for (int step = 0; step < Config::kStepsKv; ++step) {
     wgmma_from_registers(typename Config::Tag{}, output_flat, p_fragment[step],
@@ -97,7 +101,7 @@ __device__ __forceinline__ void forward_wgmma(const ForwardParams& p) {
   constexpr int kThreads = Config::kThreads;
   constexpr int kScoreTiles = Config::kScoreTiles;
   constexpr int kOutputTiles = Config::kOutputTiles;
-  constexpr int kPanelRowBytes = kSwizzleRows * kChunkBytes;  // 128
+  constexpr int kPanelRowBytes = kSwizzleRows * kChunkBytes;      // 128
   constexpr int kCoreGroupBytes = kSwizzleRows * kPanelRowBytes;  // 8 rows: a descriptor stride
   constexpr int kStepBytes = 16 * 2;  // one k-step of 16 values along a K-major row
   extern __shared__ __align__(128) unsigned char shared_memory[];
@@ -128,8 +132,8 @@ __device__ __forceinline__ void forward_wgmma(const ForwardParams& p) {
       view_row<const unsigned short>(p.k, batch, span.kv_offset, head_kv);
   const unsigned short* v_source =
       view_row<const unsigned short>(p.v, batch, span.kv_offset, head_kv);
-  const unsigned q_tile = aligned_start;                        // (kBlockM, qk) panels
-  const unsigned k_tiles = q_tile + Config::kQBytes;            // kStages x (kBlockN, qk)
+  const unsigned q_tile = aligned_start;                         // (kBlockM, qk) panels
+  const unsigned k_tiles = q_tile + Config::kQBytes;             // kStages x (kBlockN, qk)
   const unsigned v_tiles = k_tiles + kStages * Config::kKBytes;  // kStages x (kBlockN, v)
 
   const EntryRange entries = visited_tiles(p, q_start, kBlockN, span.kv_len);
@@ -142,15 +146,23 @@ __device__ __forceinline__ void forward_wgmma(const ForwardParams& p) {
     const int kv_start = entry_kv_tile(p.tile_entries[entry_index]) * kBlockN;
     const int rows_valid = span.kv_len - kv_start;
     load_rows_async<kBlockN, KLayout, Config::kChunksQk, kThreads>(
-        k_tiles + stage * Config::kKBytes, k_source + kv_start * p.k.token_stride,
-        p.k.token_stride, rows_valid, Config::kChunksQk, thread);
+        k_tiles + stage * Config::kKBytes, k_source + kv_start * p.k.token_stride, p.k.token_stride,
+        rows_valid, Config::kChunksQk, thread);
     load_rows_async<kBlockN, VLayout, Config::kChunksV, kThreads>(
-        v_tiles + stage * Config::kVBytes, v_source + kv_start * p.v.token_stride,
-        p.v.token_stride, rows_valid, Config::kChunksV, thread);
+        v_tiles + stage * Config::kVBytes, v_source + kv_start * p.v.token_stride, p.v.token_stride,
+        rows_valid, Config::kChunksV, thread);
   };
-  // Tile 0 now; each iteration copies the next one (one tile ahead, see the loop).
-  if (entries.begin < entries.end) load_keys_and_values(entries.begin, 0);
-  commit_copies();
+  if constexpr (Config::kPipelined) {
+    // Tile 0 now; each iteration copies the next one (one tile ahead, see the loop).
+    if (entries.begin < entries.end) load_keys_and_values(entries.begin, 0);
+    commit_copies();
+  } else {
+#pragma unroll
+    for (int stage = 0; stage < kStages - 1; ++stage) {
+      if (entries.begin + stage < entries.end) load_keys_and_values(entries.begin + stage, stage);
+      commit_copies();
+    }
+  }
 
   float output[1][kOutputTiles][4];  // (rows, head_dim_v) accumulators
   float row_max[1][2];               // log2 domain
@@ -175,104 +187,177 @@ __device__ __forceinline__ void forward_wgmma(const ForwardParams& p) {
   const unsigned long long q_descriptor = matrix_descriptor(
       q_tile + warpgroup * Config::kWarpgroupRows * kPanelRowBytes, 16, kCoreGroupBytes);
 
-  // P of the previous tile as the A fragments of P V, and the V tile it multiplies.
-  unsigned p_fragment[Config::kStepsKv][4];
-  unsigned previous_v_tile = 0;
-  float score[1][kScoreTiles][4];
-  float(&score_flat)[kScoreTiles * 4] = reinterpret_cast<float(&)[kScoreTiles * 4]>(score);
+  if constexpr (Config::kPipelined) {
+    // P of the previous tile as the A fragments of P V, and the V tile it multiplies.
+    unsigned p_fragment[Config::kStepsKv][4];
+    unsigned previous_v_tile = 0;
+    float score[1][kScoreTiles][4];
+    float(&score_flat)[kScoreTiles * 4] = reinterpret_cast<float(&)[kScoreTiles * 4]>(score);
 
-  // Waits for tile `entry_index` and starts the copy of the next one; returns its stage.
-  auto begin_tile = [&](int entry_index) {
-    const int iteration = entry_index - entries.begin;
-    wait_copies<0>();      // tile `iteration` (its copy was the last one committed)
-    fence_async_shared();  // this thread's copies, visible to the wgmma reads after the barrier
-    // Tile `iteration` visible to all; the stage refilled below held tile iteration - 2, whose
-    // P V every warpgroup waited for in the previous iteration.
-    __syncthreads();
-    if (entry_index + 1 < entries.end) {
-      load_keys_and_values(entry_index + 1, (iteration + 1) % kStages);
-    }
-    commit_copies();
-    return iteration % kStages;
-  };
-  // The operands of the wgmma group issued next (S, and O and P for P V), then the fence.
-  auto fence_before_products = [&]() {
-    fence_operands(score_flat);
-    fence_operands(output_flat);
+    // Waits for tile `entry_index` and starts the copy of the next one; returns its stage.
+    auto begin_tile = [&](int entry_index) {
+      const int iteration = entry_index - entries.begin;
+      wait_copies<0>();      // tile `iteration` (its copy was the last one committed)
+      fence_async_shared();  // this thread's copies, visible to the wgmma reads after the barrier
+      // Tile `iteration` visible to all; the stage refilled below held tile iteration - 2, whose
+      // P V every warpgroup waited for in the previous iteration.
+      __syncthreads();
+      if (entry_index + 1 < entries.end) {
+        load_keys_and_values(entry_index + 1, (iteration + 1) % kStages);
+      }
+      commit_copies();
+      return iteration % kStages;
+    };
+    // The operands of the wgmma group issued next (S, and O and P for P V), then the fence.
+    auto fence_before_products = [&]() {
+      fence_operands(score_flat);
+      fence_operands(output_flat);
 #pragma unroll
-    for (int step = 0; step < Config::kStepsKv; ++step) fence_operands(p_fragment[step]);
-    wgmma_fence();
-  };
-  // Issues (and commits) S = Q K^T, (64, kBlockN) per warpgroup.
-  auto issue_scores = [&](int stage) {
-    const unsigned long long k_descriptor =
-        matrix_descriptor(k_tiles + stage * Config::kKBytes, 16, kCoreGroupBytes);
+      for (int step = 0; step < Config::kStepsKv; ++step) fence_operands(p_fragment[step]);
+      wgmma_fence();
+    };
+    // Issues (and commits) S = Q K^T, (64, kBlockN) per warpgroup.
+    auto issue_scores = [&](int stage) {
+      const unsigned long long k_descriptor =
+          matrix_descriptor(k_tiles + stage * Config::kKBytes, 16, kCoreGroupBytes);
 #pragma unroll
-    for (int step = 0; step < Config::kStepsQk; ++step) {
-      const unsigned along = (step % 4) * kStepBytes;
-      const unsigned panel = step / 4;
-      wgmma_from_shared(
-          Tag{}, score_flat,
-          advance_descriptor(q_descriptor, panel * Config::QLayout::kPanelBytes + along),
-          advance_descriptor(k_descriptor, panel * KLayout::kPanelBytes + along), step > 0);
-    }
-    wgmma_commit();
-  };
-  // Logits and the softmax's probabilities of a finished S; O untouched (it may be in flight).
-  auto probabilities = [&](int entry_index, float (&correction)[1][2]) {
-    const int entry = p.tile_entries[entry_index];
-    const int kv_start = entry_kv_tile(entry) * kBlockN;
-    const int kv_first = kv_start + 2 * quad_lane;
-    if (entry_is_mixed(entry) || kv_start + kBlockN > span.kv_len) {
-      compute_logits<Modifier, true>(score, p, invariants, at, query, kv_first);
-    } else {
-      compute_logits<Modifier, false>(score, p, invariants, at, query, kv_first);
-    }
-    return softmax_probabilities(score, row_max, row_sum, correction);
-  };
-  // P of the tile as A fragments: two adjacent 8-key slices of S form one.
-  auto pack_probabilities = [&](int stage) {
+      for (int step = 0; step < Config::kStepsQk; ++step) {
+        const unsigned along = (step % 4) * kStepBytes;
+        const unsigned panel = step / 4;
+        wgmma_from_shared(
+            Tag{}, score_flat,
+            advance_descriptor(q_descriptor, panel * Config::QLayout::kPanelBytes + along),
+            advance_descriptor(k_descriptor, panel * KLayout::kPanelBytes + along), step > 0);
+      }
+      wgmma_commit();
+    };
+    // Logits and the softmax's probabilities of a finished S; O untouched (it may be in flight).
+    auto probabilities = [&](int entry_index, float(&correction)[1][2]) {
+      const int entry = p.tile_entries[entry_index];
+      const int kv_start = entry_kv_tile(entry) * kBlockN;
+      const int kv_first = kv_start + 2 * quad_lane;
+      if (entry_is_mixed(entry) || kv_start + kBlockN > span.kv_len) {
+        compute_logits<Modifier, true>(score, p, invariants, at, query, kv_first);
+      } else {
+        compute_logits<Modifier, false>(score, p, invariants, at, query, kv_first);
+      }
+      return softmax_probabilities(score, row_max, row_sum, correction);
+    };
+    // P of the tile as A fragments: two adjacent 8-key slices of S form one.
+    auto pack_probabilities = [&](int stage) {
 #pragma unroll
-    for (int step = 0; step < Config::kStepsKv; ++step) {
-      p_fragment[step][0] = pack_pair(Tag{}, score[0][2 * step][0], score[0][2 * step][1]);
-      p_fragment[step][1] = pack_pair(Tag{}, score[0][2 * step][2], score[0][2 * step][3]);
-      p_fragment[step][2] = pack_pair(Tag{}, score[0][2 * step + 1][0], score[0][2 * step + 1][1]);
-      p_fragment[step][3] = pack_pair(Tag{}, score[0][2 * step + 1][2], score[0][2 * step + 1][3]);
-    }
-    previous_v_tile = v_tiles + stage * Config::kVBytes;
-  };
+      for (int step = 0; step < Config::kStepsKv; ++step) {
+        p_fragment[step][0] = pack_pair(Tag{}, score[0][2 * step][0], score[0][2 * step][1]);
+        p_fragment[step][1] = pack_pair(Tag{}, score[0][2 * step][2], score[0][2 * step][3]);
+        p_fragment[step][2] =
+            pack_pair(Tag{}, score[0][2 * step + 1][0], score[0][2 * step + 1][1]);
+        p_fragment[step][3] =
+            pack_pair(Tag{}, score[0][2 * step + 1][2], score[0][2 * step + 1][3]);
+      }
+      previous_v_tile = v_tiles + stage * Config::kVBytes;
+    };
 
-  // The first tile on its own: nothing in flight beside its S. (A P V issued on only some
-  // iterations of one loop makes ptxas serialize every wgmma of the kernel, warning C7515.)
-  if (entries.begin < entries.end) {
-    const int stage = begin_tile(entries.begin);
-    fence_before_products();
-    issue_scores(stage);
-    wgmma_wait<0>();
-    fence_operands(score_flat);
-    float correction[1][2];
-    probabilities(entries.begin, correction);  // O is still 0: nothing to rescale
-    pack_probabilities(stage);
-  }
-  for (int entry_index = entries.begin + 1; entry_index < entries.end; ++entry_index) {
-    const int stage = begin_tile(entry_index);
-    fence_before_products();
-    issue_scores(stage);
-    issue_probability_value<Config>(output_flat, p_fragment, previous_v_tile);  // tile - 1
-    wgmma_wait<1>();  // S is done; P V may still run
-    fence_operands(score_flat);
-    float correction[1][2];
-    const bool max_changed = probabilities(entry_index, correction);
-    wgmma_wait<0>();
-    fence_operands(output_flat);
-    rescale_output(output, correction, max_changed);
-    pack_probabilities(stage);
-  }
-  if (entries.begin < entries.end) {
-    fence_before_products();
-    issue_probability_value<Config>(output_flat, p_fragment, previous_v_tile);
-    wgmma_wait<0>();
-    fence_operands(output_flat);
+    // The first tile on its own: nothing in flight beside its S. (A P V issued on only some
+    // iterations of one loop makes ptxas serialize every wgmma of the kernel, warning C7515.)
+    if (entries.begin < entries.end) {
+      const int stage = begin_tile(entries.begin);
+      fence_before_products();
+      issue_scores(stage);
+      wgmma_wait<0>();
+      fence_operands(score_flat);
+      float correction[1][2];
+      probabilities(entries.begin, correction);  // O is still 0: nothing to rescale
+      pack_probabilities(stage);
+    }
+    for (int entry_index = entries.begin + 1; entry_index < entries.end; ++entry_index) {
+      const int stage = begin_tile(entry_index);
+      fence_before_products();
+      issue_scores(stage);
+      issue_probability_value<Config>(output_flat, p_fragment, previous_v_tile);  // tile - 1
+      wgmma_wait<1>();  // S is done; P V may still run
+      fence_operands(score_flat);
+      float correction[1][2];
+      const bool max_changed = probabilities(entry_index, correction);
+      wgmma_wait<0>();
+      fence_operands(output_flat);
+      rescale_output(output, correction, max_changed);
+      pack_probabilities(stage);
+    }
+    if (entries.begin < entries.end) {
+      fence_before_products();
+      issue_probability_value<Config>(output_flat, p_fragment, previous_v_tile);
+      wgmma_wait<0>();
+      fence_operands(output_flat);
+    }
+  } else {
+    // Each product waited for before its result is read (head dim 64: measured faster).
+    for (int entry_index = entries.begin; entry_index < entries.end; ++entry_index) {
+      const int iteration = entry_index - entries.begin;
+      const int stage = iteration % kStages;
+      wait_copies<kStages - 2>();
+      fence_async_shared();  // this thread's copies, visible to the wgmma reads after the barrier
+      __syncthreads();  // tile `iteration` visible; the buffer refilled below is no longer read
+      if (entry_index + kStages - 1 < entries.end) {
+        load_keys_and_values(entry_index + kStages - 1, (iteration + kStages - 1) % kStages);
+      }
+      commit_copies();
+      const unsigned k_tile = k_tiles + stage * Config::kKBytes;
+      const unsigned v_tile = v_tiles + stage * Config::kVBytes;
+      const int entry = p.tile_entries[entry_index];
+      const int kv_start = entry_kv_tile(entry) * kBlockN;
+
+      // S = Q K^T: (64, kBlockN) per warpgroup.
+      float score[1][kScoreTiles][4];
+      float(&score_flat)[kScoreTiles * 4] = reinterpret_cast<float(&)[kScoreTiles * 4]>(score);
+      const unsigned long long k_descriptor = matrix_descriptor(k_tile, 16, kCoreGroupBytes);
+      fence_operands(score_flat);
+      wgmma_fence();
+#pragma unroll
+      for (int step = 0; step < Config::kStepsQk; ++step) {
+        const unsigned along = (step % 4) * kStepBytes;
+        const unsigned panel = step / 4;
+        wgmma_from_shared(
+            Tag{}, score_flat,
+            advance_descriptor(q_descriptor, panel * Config::QLayout::kPanelBytes + along),
+            advance_descriptor(k_descriptor, panel * KLayout::kPanelBytes + along), step > 0);
+      }
+      wgmma_commit();
+      wgmma_wait<0>();
+      fence_operands(score_flat);
+
+      const int kv_first = kv_start + 2 * quad_lane;
+      if (entry_is_mixed(entry) || kv_start + kBlockN > span.kv_len) {
+        compute_logits<Modifier, true>(score, p, invariants, at, query, kv_first);
+      } else {
+        compute_logits<Modifier, false>(score, p, invariants, at, query, kv_first);
+      }
+      online_softmax(score, row_max, row_sum, output);
+
+      // O += P V: the S accumulators of two adjacent 8-key slices form one A fragment.
+      unsigned p_fragment[Config::kStepsKv][4];
+#pragma unroll
+      for (int step = 0; step < Config::kStepsKv; ++step) {
+        p_fragment[step][0] = pack_pair(Tag{}, score[0][2 * step][0], score[0][2 * step][1]);
+        p_fragment[step][1] = pack_pair(Tag{}, score[0][2 * step][2], score[0][2 * step][3]);
+        p_fragment[step][2] =
+            pack_pair(Tag{}, score[0][2 * step + 1][0], score[0][2 * step + 1][1]);
+        p_fragment[step][3] =
+            pack_pair(Tag{}, score[0][2 * step + 1][2], score[0][2 * step + 1][3]);
+        fence_operands(p_fragment[step]);
+      }
+      fence_operands(output_flat);
+      wgmma_fence();
+      const unsigned long long v_descriptor =
+          matrix_descriptor(v_tile, VLayout::kPanelBytes, kCoreGroupBytes);
+#pragma unroll
+      for (int step = 0; step < Config::kStepsKv; ++step) {
+        wgmma_from_registers(Tag{}, output_flat, p_fragment[step],
+                             advance_descriptor(v_descriptor, step * 16 * kPanelRowBytes), 1);
+      }
+      wgmma_commit();
+      wgmma_wait<0>();
+      fence_operands(output_flat);
+    }
   }
   wait_copies<0>();
   __syncthreads();  // every warp is done with Q, K and V: the Q buffer now stages O
