@@ -187,13 +187,67 @@ __device__ __forceinline__ void forward_wgmma(const ForwardParams& p) {
   const unsigned long long q_descriptor = matrix_descriptor(
       q_tile + warpgroup * Config::kWarpgroupRows * kPanelRowBytes, 16, kCoreGroupBytes);
 
-  if constexpr (Config::kPipelined) {
-    // P of the previous tile as the A fragments of P V, and the V tile it multiplies.
-    unsigned p_fragment[Config::kStepsKv][4];
-    unsigned previous_v_tile = 0;
-    float score[1][kScoreTiles][4];
-    float(&score_flat)[kScoreTiles * 4] = reinterpret_cast<float(&)[kScoreTiles * 4]>(score);
+  // P of the previous tile as the A fragments of P V, and the V tile it multiplies.
+  unsigned p_fragment[Config::kStepsKv][4];
+  unsigned previous_v_tile = 0;
+  float score[1][kScoreTiles][4];
+  float(&score_flat)[kScoreTiles * 4] = reinterpret_cast<float(&)[kScoreTiles * 4]>(score);
 
+  // The operands of the wgmma group issued next (S, and O and P for P V), then the fence.
+  auto fence_before_products = [&]() {
+    fence_operands(score_flat);
+    fence_operands(output_flat);
+#pragma unroll
+    for (int step = 0; step < Config::kStepsKv; ++step) fence_operands(p_fragment[step]);
+    wgmma_fence();
+  };
+  // Issues (and commits) S = Q K^T, (64, kBlockN) per warpgroup.
+  auto issue_scores = [&](int stage) {
+    const unsigned long long k_descriptor =
+        matrix_descriptor(k_tiles + stage * Config::kKBytes, 16, kCoreGroupBytes);
+#pragma unroll
+    for (int step = 0; step < Config::kStepsQk; ++step) {
+      const unsigned along = (step % 4) * kStepBytes;
+      const unsigned panel = step / 4;
+      wgmma_from_shared(
+          Tag{}, score_flat,
+          advance_descriptor(q_descriptor, panel * Config::QLayout::kPanelBytes + along),
+          advance_descriptor(k_descriptor, panel * KLayout::kPanelBytes + along), step > 0);
+    }
+    wgmma_commit();
+  };
+  // Logits and the softmax's probabilities of a finished S; O untouched (it may be in flight).
+  auto probabilities = [&](int entry_index, float(&correction)[1][2]) {
+    const int entry = p.tile_entries[entry_index];
+    const int kv_start = entry_kv_tile(entry) * kBlockN;
+    const int kv_first = kv_start + 2 * quad_lane;
+    if (entry_is_mixed(entry) || kv_start + kBlockN > span.kv_len) {
+      compute_logits<Modifier, true>(score, p, invariants, at, query, kv_first);
+    } else {
+      compute_logits<Modifier, false>(score, p, invariants, at, query, kv_first);
+    }
+    return softmax_probabilities(score, row_max, row_sum, correction);
+  };
+  // P of the tile as A fragments: two adjacent 8-key slices of S form one.
+  auto pack_probabilities = [&](int stage) {
+#pragma unroll
+    for (int step = 0; step < Config::kStepsKv; ++step) {
+      p_fragment[step][0] = pack_pair(Tag{}, score[0][2 * step][0], score[0][2 * step][1]);
+      p_fragment[step][1] = pack_pair(Tag{}, score[0][2 * step][2], score[0][2 * step][3]);
+      p_fragment[step][2] = pack_pair(Tag{}, score[0][2 * step + 1][0], score[0][2 * step + 1][1]);
+      p_fragment[step][3] = pack_pair(Tag{}, score[0][2 * step + 1][2], score[0][2 * step + 1][3]);
+    }
+    previous_v_tile = v_tiles + stage * Config::kVBytes;
+  };
+  // O += P V of the packed tile, waited for.
+  auto multiply_values = [&]() {
+    fence_before_products();
+    issue_probability_value<Config>(output_flat, p_fragment, previous_v_tile);
+    wgmma_wait<0>();
+    fence_operands(output_flat);
+  };
+
+  if constexpr (Config::kPipelined) {
     // Waits for tile `entry_index` and starts the copy of the next one; returns its stage.
     auto begin_tile = [&](int entry_index) {
       const int iteration = entry_index - entries.begin;
@@ -208,55 +262,6 @@ __device__ __forceinline__ void forward_wgmma(const ForwardParams& p) {
       commit_copies();
       return iteration % kStages;
     };
-    // The operands of the wgmma group issued next (S, and O and P for P V), then the fence.
-    auto fence_before_products = [&]() {
-      fence_operands(score_flat);
-      fence_operands(output_flat);
-#pragma unroll
-      for (int step = 0; step < Config::kStepsKv; ++step) fence_operands(p_fragment[step]);
-      wgmma_fence();
-    };
-    // Issues (and commits) S = Q K^T, (64, kBlockN) per warpgroup.
-    auto issue_scores = [&](int stage) {
-      const unsigned long long k_descriptor =
-          matrix_descriptor(k_tiles + stage * Config::kKBytes, 16, kCoreGroupBytes);
-#pragma unroll
-      for (int step = 0; step < Config::kStepsQk; ++step) {
-        const unsigned along = (step % 4) * kStepBytes;
-        const unsigned panel = step / 4;
-        wgmma_from_shared(
-            Tag{}, score_flat,
-            advance_descriptor(q_descriptor, panel * Config::QLayout::kPanelBytes + along),
-            advance_descriptor(k_descriptor, panel * KLayout::kPanelBytes + along), step > 0);
-      }
-      wgmma_commit();
-    };
-    // Logits and the softmax's probabilities of a finished S; O untouched (it may be in flight).
-    auto probabilities = [&](int entry_index, float(&correction)[1][2]) {
-      const int entry = p.tile_entries[entry_index];
-      const int kv_start = entry_kv_tile(entry) * kBlockN;
-      const int kv_first = kv_start + 2 * quad_lane;
-      if (entry_is_mixed(entry) || kv_start + kBlockN > span.kv_len) {
-        compute_logits<Modifier, true>(score, p, invariants, at, query, kv_first);
-      } else {
-        compute_logits<Modifier, false>(score, p, invariants, at, query, kv_first);
-      }
-      return softmax_probabilities(score, row_max, row_sum, correction);
-    };
-    // P of the tile as A fragments: two adjacent 8-key slices of S form one.
-    auto pack_probabilities = [&](int stage) {
-#pragma unroll
-      for (int step = 0; step < Config::kStepsKv; ++step) {
-        p_fragment[step][0] = pack_pair(Tag{}, score[0][2 * step][0], score[0][2 * step][1]);
-        p_fragment[step][1] = pack_pair(Tag{}, score[0][2 * step][2], score[0][2 * step][3]);
-        p_fragment[step][2] =
-            pack_pair(Tag{}, score[0][2 * step + 1][0], score[0][2 * step + 1][1]);
-        p_fragment[step][3] =
-            pack_pair(Tag{}, score[0][2 * step + 1][2], score[0][2 * step + 1][3]);
-      }
-      previous_v_tile = v_tiles + stage * Config::kVBytes;
-    };
-
     // The first tile on its own: nothing in flight beside its S. (A P V issued on only some
     // iterations of one loop makes ptxas serialize every wgmma of the kernel, warning C7515.)
     if (entries.begin < entries.end) {
@@ -283,12 +288,7 @@ __device__ __forceinline__ void forward_wgmma(const ForwardParams& p) {
       rescale_output(output, correction, max_changed);
       pack_probabilities(stage);
     }
-    if (entries.begin < entries.end) {
-      fence_before_products();
-      issue_probability_value<Config>(output_flat, p_fragment, previous_v_tile);
-      wgmma_wait<0>();
-      fence_operands(output_flat);
-    }
+    if (entries.begin < entries.end) multiply_values();
   } else {
     // Each product waited for before its result is read (head dim 64: measured faster).
     for (int entry_index = entries.begin; entry_index < entries.end; ++entry_index) {
@@ -301,62 +301,15 @@ __device__ __forceinline__ void forward_wgmma(const ForwardParams& p) {
         load_keys_and_values(entry_index + kStages - 1, (iteration + kStages - 1) % kStages);
       }
       commit_copies();
-      const unsigned k_tile = k_tiles + stage * Config::kKBytes;
-      const unsigned v_tile = v_tiles + stage * Config::kVBytes;
-      const int entry = p.tile_entries[entry_index];
-      const int kv_start = entry_kv_tile(entry) * kBlockN;
-
-      // S = Q K^T: (64, kBlockN) per warpgroup.
-      float score[1][kScoreTiles][4];
-      float(&score_flat)[kScoreTiles * 4] = reinterpret_cast<float(&)[kScoreTiles * 4]>(score);
-      const unsigned long long k_descriptor = matrix_descriptor(k_tile, 16, kCoreGroupBytes);
-      fence_operands(score_flat);
-      wgmma_fence();
-#pragma unroll
-      for (int step = 0; step < Config::kStepsQk; ++step) {
-        const unsigned along = (step % 4) * kStepBytes;
-        const unsigned panel = step / 4;
-        wgmma_from_shared(
-            Tag{}, score_flat,
-            advance_descriptor(q_descriptor, panel * Config::QLayout::kPanelBytes + along),
-            advance_descriptor(k_descriptor, panel * KLayout::kPanelBytes + along), step > 0);
-      }
-      wgmma_commit();
+      fence_before_products();
+      issue_scores(stage);
       wgmma_wait<0>();
       fence_operands(score_flat);
-
-      const int kv_first = kv_start + 2 * quad_lane;
-      if (entry_is_mixed(entry) || kv_start + kBlockN > span.kv_len) {
-        compute_logits<Modifier, true>(score, p, invariants, at, query, kv_first);
-      } else {
-        compute_logits<Modifier, false>(score, p, invariants, at, query, kv_first);
-      }
-      online_softmax(score, row_max, row_sum, output);
-
-      // O += P V: the S accumulators of two adjacent 8-key slices form one A fragment.
-      unsigned p_fragment[Config::kStepsKv][4];
-#pragma unroll
-      for (int step = 0; step < Config::kStepsKv; ++step) {
-        p_fragment[step][0] = pack_pair(Tag{}, score[0][2 * step][0], score[0][2 * step][1]);
-        p_fragment[step][1] = pack_pair(Tag{}, score[0][2 * step][2], score[0][2 * step][3]);
-        p_fragment[step][2] =
-            pack_pair(Tag{}, score[0][2 * step + 1][0], score[0][2 * step + 1][1]);
-        p_fragment[step][3] =
-            pack_pair(Tag{}, score[0][2 * step + 1][2], score[0][2 * step + 1][3]);
-        fence_operands(p_fragment[step]);
-      }
-      fence_operands(output_flat);
-      wgmma_fence();
-      const unsigned long long v_descriptor =
-          matrix_descriptor(v_tile, VLayout::kPanelBytes, kCoreGroupBytes);
-#pragma unroll
-      for (int step = 0; step < Config::kStepsKv; ++step) {
-        wgmma_from_registers(Tag{}, output_flat, p_fragment[step],
-                             advance_descriptor(v_descriptor, step * 16 * kPanelRowBytes), 1);
-      }
-      wgmma_commit();
-      wgmma_wait<0>();
-      fence_operands(output_flat);
+      float correction[1][2];
+      const bool max_changed = probabilities(entry_index, correction);
+      rescale_output(output, correction, max_changed);
+      pack_probabilities(stage);
+      multiply_values();
     }
   }
   wait_copies<0>();
