@@ -8,6 +8,7 @@
 #include <cstdint>
 #include <limits>
 #include <set>
+#include <tuple>
 #include <utility>
 
 #include "engines/cuda/kernel_sources.hpp"
@@ -443,14 +444,24 @@ std::string backward_entry_points(const Problem& problem, const BackwardChoice& 
       "    const flexattn_kernels::BackwardParams params) {{\n"
       "  flexattn_kernels::backward_delta<{}, {}>(params);\n}}\n",
       kBackwardDeltaName, element_tag(problem.dtype()), problem.head_dim_v());
-  for (const auto& [name, function] : {std::pair{kBackwardDkdvName, choice.dkdv_template()},
-                                       std::pair{kBackwardDqName, choice.dq_template()}}) {
+  // The dK/dV kernel on wgmma has its own configuration and block size.
+  const std::string dkdv_bounds =
+      choice.dkdv_wgmma ? fmt::format("{}, 1", choice.dkdv_threads) : launch_bounds;
+  if (choice.dkdv_wgmma) {
+    text += fmt::format("using FlexattnDkdvConfig = {};\n", choice.dkdv_config_type());
+  }
+  for (const auto& [name, function, config, bounds] :
+       {std::tuple{kBackwardDkdvName, choice.dkdv_template(),
+                   choice.dkdv_wgmma ? "FlexattnDkdvConfig" : "FlexattnBackwardConfig",
+                   dkdv_bounds},
+        std::tuple{kBackwardDqName, choice.dq_template(), "FlexattnBackwardConfig",
+                   launch_bounds}}) {
     text += fmt::format(
         "extern \"C\" __global__ void __launch_bounds__({}) {}(\n"
         "    const flexattn_kernels::BackwardParams params) {{\n"
-        "  flexattn_kernels::{}<FlexattnBackwardConfig, flexattn_generated::Modifier>(params);\n"
+        "  flexattn_kernels::{}<{}, flexattn_generated::Modifier>(params);\n"
         "}}\n",
-        launch_bounds, name, function);
+        bounds, name, function, config);
   }
   text += fmt::format(
       "extern \"C\" __global__ void __launch_bounds__(flexattn_kernels::kFinalizeThreads) {}(\n"

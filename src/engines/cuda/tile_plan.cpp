@@ -66,6 +66,10 @@ constexpr int kBackwardRowStatistics = 2;
 // fp32 units: 32 x 32 tiles keep P and dS (32 x 33 floats each, padded against bank conflicts)
 // in shared memory beside the four row tiles, up to head dim 256.
 constexpr int kBackwardSimtBlock = 32;
+// wgmma dK/dV (kernels/backward_wgmma.cuh): two warpgroups of 64 keys, 64-row q blocks, two
+// stages of Q, dO, LSE and delta; K and V resident; 1024 bytes to align the swizzled panels.
+constexpr int kBackwardWgmmaBlockKv = 128;
+constexpr int kBackwardWgmmaThreads = 256;
 
 int round_up(int value, int multiple) { return (value + multiple - 1) / multiple * multiple; }
 
@@ -183,7 +187,22 @@ BackwardChoice backward_mma_choice(const Problem& problem) {
                          static_cast<int>(sizeof(float));
   c.shared_dkdv = streamed + statistics;
   c.shared_dq = streamed;
+  c.dkdv_block_kv = c.block_kv;
+  c.dkdv_threads = c.threads;
   return c;
+}
+
+// The wgmma dK/dV kernel on top of the tensor-core choice `c` (head dims 64/128, sm_90).
+void use_wgmma_dkdv(BackwardChoice& c) {
+  c.dkdv_wgmma = true;
+  c.dkdv_block_kv = kBackwardWgmmaBlockKv;
+  c.dkdv_threads = kBackwardWgmmaThreads;
+  constexpr int kBytes = 2;  // bf16 / fp16
+  const int dims = c.head_dim_qk + c.head_dim_v;
+  c.shared_wgmma_dkdv = kWgmmaAlignment + kBackwardWgmmaBlockKv * dims * kBytes +
+                  kBackwardMmaStages * kBackwardMmaBlock * dims * kBytes +
+                  kBackwardMmaStages * kBackwardRowStatistics * kBackwardMmaBlock *
+                      static_cast<int>(sizeof(float));
 }
 
 BackwardChoice backward_simt_choice(const Problem& problem, std::string why) {
@@ -203,6 +222,8 @@ BackwardChoice backward_simt_choice(const Problem& problem, std::string why) {
                      2 * kBlock * (kBlock + 1);
   c.shared_dkdv = floats * static_cast<int>(sizeof(float));
   c.shared_dq = c.shared_dkdv;
+  c.dkdv_block_kv = c.block_kv;
+  c.dkdv_threads = c.threads;
   c.why = std::move(why);
   return c;
 }
@@ -308,7 +329,16 @@ std::string BackwardChoice::config_type() const {
                      element_tag(dtype), head_dim_qk, head_dim_v, shared_dkdv, shared_dq);
 }
 
+std::string BackwardChoice::dkdv_config_type() const {
+  if (!dkdv_wgmma) return config_type();
+  return fmt::format("flexattn_kernels::BackwardWgmmaConfig<{}, {}, {}, {}>", element_tag(dtype),
+                     head_dim_qk, head_dim_v, shared_wgmma_dkdv);
+}
+
+std::string BackwardChoice::architecture_suffix() const { return dkdv_wgmma ? "a" : ""; }
+
 std::string BackwardChoice::dkdv_template() const {
+  if (dkdv_wgmma) return "backward_dkdv_wgmma";
   return kind == KernelKind::kMma ? "backward_dkdv_mma" : "backward_dkdv_simt";
 }
 
@@ -317,6 +347,13 @@ std::string BackwardChoice::dq_template() const {
 }
 
 std::string BackwardChoice::describe() const {
+  if (dkdv_wgmma) {
+    return fmt::format(
+        "dK/dV on wgmma (sm_90a) {}, {}x{} tiles, {} threads, {} KB shared; dQ tensor-core "
+        "(mma.sync), {}x{} tiles, {} threads, {} KB shared; head dims {} and {}",
+        to_string(dtype), block_q, dkdv_block_kv, dkdv_threads, shared_wgmma_dkdv / 1024, block_q,
+        block_kv, threads, shared_dq / 1024, head_dim_qk, head_dim_v);
+  }
   if (kind == KernelKind::kMma) {
     return fmt::format(
         "tensor-core (mma.sync) {}, {}x{} tiles, {} threads, head dims {} (padded {}) and {} "
@@ -330,7 +367,8 @@ std::string BackwardChoice::describe() const {
       shared_dkdv / 1024);
 }
 
-BackwardSelection choose_backward_kernel(const Problem& problem) {
+BackwardSelection choose_backward_kernel(const Problem& problem, int capability,
+                                         bool allow_wgmma) {
   BackwardSelection selection;
   selection.reason = unserved_reason(problem);
   if (!selection.reason.empty()) return selection;
@@ -353,6 +391,10 @@ BackwardSelection choose_backward_kernel(const Problem& problem) {
                              kChunkElements));
   } else {
     selection.choice = backward_mma_choice(problem);
+    if (allow_wgmma && capability == kWgmmaCapability &&
+        wgmma_head_dim(problem.head_dim_qk()) && wgmma_head_dim(problem.head_dim_v())) {
+      use_wgmma_dkdv(selection.choice);
+    }
   }
   return selection;
 }

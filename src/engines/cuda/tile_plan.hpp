@@ -100,9 +100,23 @@ struct BackwardChoice {
   int shared_dkdv = 0;  // dynamic shared memory of the dK/dV kernel, bytes
   int shared_dq = 0;    // of the dQ kernel
   std::string why;      // why this kind ("fp32 storage", "head dim 160 exceeds 128", ...)
+  // The dK/dV kernel on wgmma (kernels/backward_wgmma.cuh; sm_90, head dims 64/128): its own
+  // block of keys and threads, and its own kv-major tile list (block_q x dkdv_block_kv).
+  bool dkdv_wgmma = false;
+  int dkdv_block_kv = 0;  // keys per dK/dV block: block_kv, or 128 on wgmma
+  int dkdv_threads = 0;
+  int shared_wgmma_dkdv = 0;  // the wgmma dK/dV kernel's dynamic shared memory, bytes
+
+  // The dynamic shared memory the dK/dV kernel is launched with (wgmma or not).
+  int dkdv_shared_bytes() const { return dkdv_wgmma ? shared_wgmma_dkdv : shared_dkdv; }
 
   // The C++ type of the kernel configuration ("flexattn_kernels::BackwardMmaConfig<...>").
   std::string config_type() const;
+  // The dK/dV kernel's ("flexattn_kernels::BackwardWgmmaConfig<...>" on wgmma, else
+  // config_type()).
+  std::string dkdv_config_type() const;
+  // "a" when a kernel needs sm_90a (the wgmma dK/dV kernel).
+  std::string architecture_suffix() const;
   // "backward_dkdv_mma" / "backward_dkdv_simt" and the dQ counterparts.
   std::string dkdv_template() const;
   std::string dq_template() const;
@@ -113,6 +127,9 @@ struct BackwardSelection {
   BackwardChoice choice;
   std::string reason;  // empty when a kernel fits
 };
-BackwardSelection choose_backward_kernel(const Problem& problem);
+// `capability` and `allow_wgmma` as for choose_kernel: only a known sm_90 gets the wgmma dK/dV
+// kernel.
+BackwardSelection choose_backward_kernel(const Problem& problem, int capability = 0,
+                                         bool allow_wgmma = true);
 
 }  // namespace flexattn::cuda

@@ -143,17 +143,54 @@ __device__ __forceinline__ void stage_rows(unsigned char* tile, const float (&ac
   }
 }
 
-// Coalesced 16-byte stores of `rows_valid` staged rows to a view.
-template <int kChunks, int kRealChunks, int kThreads>
+// Coalesced 16-byte stores of `rows_valid` of kRows staged rows to a view.
+template <int kChunks, int kRealChunks, int kThreads, int kRows = 64>
 __device__ __forceinline__ void store_staged(const unsigned char* tile, unsigned short* destination,
                                              long long token_stride, int rows_valid, int thread) {
-  constexpr int kStoreChunks = 64 * kRealChunks;
+  constexpr int kStoreChunks = kRows * kRealChunks;
   for (int index = thread; index < kStoreChunks; index += kThreads) {
     const int row = index / kRealChunks;
     const int chunk = index % kRealChunks;
     if (row < rows_valid) {
       *reinterpret_cast<SharedChunk*>(destination + row * token_stride + chunk * kChunkElements) =
           *reinterpret_cast<const SharedChunk*>(tile + swizzled_offset<kChunks>(row, chunk));
+    }
+  }
+}
+
+// The dK/dV kernels' element pipeline on one warp's (16 keys x 8 kTilesQ queries) accumulator
+// tiles: S^T becomes P^T and dP^T becomes dS^T (including d score_mod / d score). `check`: the
+// tile is mixed or crosses the end of the keys, so the mask and the bounds apply.
+template <class Modifier, int kTilesQ>
+__device__ __forceinline__ void dkdv_elements(float (&st)[kTilesQ][4], float (&dpt)[kTilesQ][4],
+                                              const ForwardParams& p,
+                                              const typename Modifier::Invariants& invariants,
+                                              const Coordinates& at, const SequenceSpan& span,
+                                              const int (&kv_row)[2], int q_start, bool check,
+                                              const float* lse_stage, const float* delta_stage,
+                                              int quad_lane) {
+#pragma unroll
+  for (int j = 0; j < kTilesQ; ++j) {
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      const int column = j * 8 + 2 * quad_lane + e % 2;  // query row within the q block
+      const int q = q_start + column;
+      const bool q_valid = q < span.q_len;
+      const int q_inside = ir_min(q, span.q_len - 1);
+      const int kv = kv_row[e / 2];
+      const int kv_inside = ir_min(kv, span.kv_len - 1);
+      const float dot = st[j][e];
+      // Straight-line element code (see unmasked_then_masked in backward_common.cuh).
+      float logit2 =
+          element_logit<Modifier, false, true>(dot, p, invariants, at, q_inside, kv_inside);
+      if (check) logit2 = masked_logit<Modifier>(logit2, p, invariants, at, q_inside, kv);
+      const float lse2 = q_valid ? lse_stage[column] * kLog2e : negative_infinity();
+      const float probability = probability_log2(logit2, lse2);
+      const float dlogit = probability * (dpt[j][e] - delta_stage[column]);
+      const float dscore =
+          score_gradient<Modifier>(dlogit, invariants, p, at, dot * p.scale, q_inside, kv_inside);
+      st[j][e] = probability;
+      dpt[j][e] = dlogit != 0.0f ? dscore : 0.0f;
     }
   }
 }
@@ -272,31 +309,9 @@ __device__ __forceinline__ void backward_dkdv_mma(const BackwardParams& bp) {
     product_a_bt<Tag, Config::kStepsV>(dpt, v_tile, v_a, do_tile, do_n);
 
     // Element pipeline: st becomes P^T, dpt becomes dS^T.
-    const bool check = entry_is_mixed(entry) || kv_boundary;
-#pragma unroll
-    for (int j = 0; j < kTilesQ; ++j) {
-#pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        const int column = j * 8 + 2 * quad_lane + e % 2;  // query row within the q block
-        const int q = q_start + column;
-        const bool q_valid = q < span.q_len;
-        const int q_inside = ir_min(q, span.q_len - 1);
-        const int kv = kv_row[e / 2];
-        const int kv_inside = ir_min(kv, span.kv_len - 1);
-        const float dot = st[j][e];
-        // Straight-line element code (see unmasked_then_masked in backward_common.cuh).
-        float logit2 =
-            element_logit<Modifier, false, true>(dot, p, invariants, at, q_inside, kv_inside);
-        if (check) logit2 = masked_logit<Modifier>(logit2, p, invariants, at, q_inside, kv);
-        const float lse2 = q_valid ? lse_stage[column] * kLog2e : negative_infinity();
-        const float probability = probability_log2(logit2, lse2);
-        const float dlogit = probability * (dpt[j][e] - delta_stage[column]);
-        const float dscore = score_gradient<Modifier>(dlogit, invariants, p, at, dot * p.scale,
-                                                      q_inside, kv_inside);
-        st[j][e] = probability;
-        dpt[j][e] = dlogit != 0.0f ? dscore : 0.0f;
-      }
-    }
+    dkdv_elements<Modifier>(st, dpt, p, invariants, at, span, kv_row, q_start,
+                            entry_is_mixed(entry) || kv_boundary, lse_stage, delta_stage,
+                            quad_lane);
 
     // dV += P^T dO and dK += dS^T Q (k = the 64 queries).
 #pragma unroll
