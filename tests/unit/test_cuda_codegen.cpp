@@ -360,29 +360,41 @@ TEST(CudaBackwardChoice, TensorCoresForSixteenBitStorageUpToHeadDim128) {
       << d80.choice.config_type();
 }
 
-// On sm_90 the dK/dV kernel runs on wgmma (128-key blocks, 256 threads) for head dims 64/128;
-// the dQ kernel stays on mma.sync with its 64 x 64 tiles.
-TEST(CudaBackwardChoice, WgmmaDkdvOnSm90ForHeadDims64And128) {
+// On sm_90 both backward kernels run on wgmma for head dims 64/128: dK/dV over 128-key blocks
+// (64-row q blocks), dQ over 128-row blocks (64-key tiles), 256 threads each.
+TEST(CudaBackwardChoice, WgmmaOnSm90ForHeadDims64And128) {
   const cuda::BackwardSelection d128 =
       cuda::choose_backward_kernel(backward_problem_with(DType::kBF16, 128, 128), 90);
   ASSERT_TRUE(d128.reason.empty()) << d128.reason;
-  EXPECT_TRUE(d128.choice.dkdv_wgmma);
-  EXPECT_EQ(d128.choice.dkdv_block_kv, 128);
-  EXPECT_EQ(d128.choice.dkdv_threads, 256);
-  EXPECT_EQ(d128.choice.block_kv, 64);  // the dQ kernel's tiles
-  EXPECT_EQ(d128.choice.threads, 128);
-  EXPECT_EQ(d128.choice.architecture_suffix(), "a");
-  EXPECT_EQ(d128.choice.dkdv_template(), "backward_dkdv_wgmma");
-  // kernels/backward_wgmma.cuh: 1024 + K, V (128 keys) + 2 x (Q, dO of 64 rows) + 2 x 512.
-  EXPECT_EQ(d128.choice.dkdv_shared_bytes(), 1024 + 128 * 256 * 2 + 2 * 64 * 256 * 2 + 2 * 512);
-  EXPECT_NE(d128.choice.dkdv_config_type().find("BackwardWgmmaConfig<"), std::string::npos);
+  const cuda::BackwardChoice& c = d128.choice;
+  EXPECT_TRUE(c.wgmma);
+  EXPECT_EQ(c.block_q, 64);
+  EXPECT_EQ(c.block_kv, 64);
+  EXPECT_EQ(c.dkdv_block_kv, 128);
+  EXPECT_EQ(c.dq_block_q, 128);
+  EXPECT_EQ(c.dkdv_threads, 256);
+  EXPECT_EQ(c.dq_threads, 256);
+  EXPECT_EQ(c.architecture_suffix(), "a");
+  EXPECT_EQ(c.dkdv_template(), "backward_dkdv_wgmma");
+  EXPECT_EQ(c.dq_template(), "backward_dq_wgmma");
+  // kernels/backward_wgmma.cuh: 1024 + 128 rows resident (K, V or Q, dO) + 2 stages of 64 rows
+  // of the other pair, + 2 x 512 for lse and delta (dK/dV).
+  EXPECT_EQ(c.dkdv_shared_bytes(), 1024 + 128 * 256 * 2 + 2 * 64 * 256 * 2 + 2 * 512);
+  EXPECT_EQ(c.dq_shared_bytes(), 1024 + 128 * 256 * 2 + 2 * 64 * 256 * 2);
+  EXPECT_EQ(c.wgmma_config_type(),
+            fmt::format("flexattn_kernels::BackwardWgmmaConfig<flexattn_kernels::BFloat16Tag, "
+                        "128, 128, {}, {}>",
+                        c.dkdv_shared_bytes(), c.dq_shared_bytes()));
   for (const cuda::BackwardSelection& other :
        {cuda::choose_backward_kernel(backward_problem_with(DType::kBF16, 128, 128), 80),
         cuda::choose_backward_kernel(backward_problem_with(DType::kBF16, 128, 128), 90, false),
         cuda::choose_backward_kernel(backward_problem_with(DType::kF16, 80, 72), 90)}) {
-    EXPECT_FALSE(other.choice.dkdv_wgmma);
+    EXPECT_FALSE(other.choice.wgmma);
     EXPECT_EQ(other.choice.dkdv_block_kv, other.choice.block_kv);
+    EXPECT_EQ(other.choice.dq_block_q, other.choice.block_q);
+    EXPECT_EQ(other.choice.dkdv_shared_bytes(), other.choice.shared_dkdv);
     EXPECT_EQ(other.choice.dkdv_template(), "backward_dkdv_mma");
+    EXPECT_EQ(other.choice.dq_template(), "backward_dq_mma");
   }
 }
 
@@ -549,14 +561,16 @@ TEST(CudaForwardCompile, WgmmaTranslationUnitsCompileForSm90a) {
     if (backward) {
       const cuda::BackwardChoice choice =
           cuda::choose_backward_kernel(problem, kCapability).choice;
-      EXPECT_TRUE(choice.dkdv_wgmma);
+      EXPECT_TRUE(choice.wgmma);
       backward_code = cuda::backward_code(problem, choice);
     }
     const std::string source = cuda::generate_translation_unit(
         problem, bindings.bindings, selection.choice, backward_code ? &*backward_code : nullptr);
     EXPECT_NE(source.find("flexattn_kernels::forward_wgmma<FlexattnConfig"), std::string::npos);
     if (backward) {
-      EXPECT_NE(source.find("flexattn_kernels::backward_dkdv_wgmma<FlexattnDkdvConfig"),
+      EXPECT_NE(source.find("flexattn_kernels::backward_dkdv_wgmma<FlexattnWgmmaConfig"),
+                std::string::npos);
+      EXPECT_NE(source.find("flexattn_kernels::backward_dq_wgmma<FlexattnWgmmaConfig"),
                 std::string::npos);
     }
     std::vector<char> cubin;

@@ -444,18 +444,15 @@ std::string backward_entry_points(const Problem& problem, const BackwardChoice& 
       "    const flexattn_kernels::BackwardParams params) {{\n"
       "  flexattn_kernels::backward_delta<{}, {}>(params);\n}}\n",
       kBackwardDeltaName, element_tag(problem.dtype()), problem.head_dim_v());
-  // The dK/dV kernel on wgmma has its own configuration and block size.
-  const std::string dkdv_bounds =
-      choice.dkdv_wgmma ? fmt::format("{}, 1", choice.dkdv_threads) : launch_bounds;
-  if (choice.dkdv_wgmma) {
-    text += fmt::format("using FlexattnDkdvConfig = {};\n", choice.dkdv_config_type());
+  // On wgmma both kernels take the wgmma configuration and its block of threads.
+  if (choice.wgmma) {
+    text += fmt::format("using FlexattnWgmmaConfig = {};\n", choice.wgmma_config_type());
   }
-  for (const auto& [name, function, config, bounds] :
-       {std::tuple{kBackwardDkdvName, choice.dkdv_template(),
-                   choice.dkdv_wgmma ? "FlexattnDkdvConfig" : "FlexattnBackwardConfig",
-                   dkdv_bounds},
-        std::tuple{kBackwardDqName, choice.dq_template(), "FlexattnBackwardConfig",
-                   launch_bounds}}) {
+  const std::string config = choice.wgmma ? "FlexattnWgmmaConfig" : "FlexattnBackwardConfig";
+  for (const auto& [name, function, threads] :
+       {std::tuple{kBackwardDkdvName, choice.dkdv_template(), choice.dkdv_threads},
+        std::tuple{kBackwardDqName, choice.dq_template(), choice.dq_threads}}) {
+    const std::string bounds = choice.wgmma ? fmt::format("{}, 1", threads) : launch_bounds;
     text += fmt::format(
         "extern \"C\" __global__ void __launch_bounds__({}) {}(\n"
         "    const flexattn_kernels::BackwardParams params) {{\n"

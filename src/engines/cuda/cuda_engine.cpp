@@ -49,8 +49,8 @@ std::int64_t ceil_div(std::int64_t value, std::int64_t divisor) {
   return (value + divisor - 1) / divisor;
 }
 
-// Whether the wgmma kernels (forward, backward dK/dV) may be chosen on sm_90:
-// FLEXATTN_CUDA_WGMMA=0 keeps the mma.sync kernels (comparisons, and a way around a wgmma problem without a rebuild).
+// Whether the wgmma kernels (forward and backward) may be chosen on sm_90: FLEXATTN_CUDA_WGMMA=0
+// keeps the mma.sync kernels (comparisons, and a way around a wgmma problem without a rebuild).
 bool wgmma_allowed() {
   const char* value = std::getenv("FLEXATTN_CUDA_WGMMA");
   return value == nullptr || std::string_view(value) != "0";
@@ -119,7 +119,7 @@ std::vector<KernelFunction> kernel_functions(const Lowering& lowering) {
     const BackwardChoice& backward = lowering.backward->choice;
     functions.push_back({std::string(kBackwardDeltaName), 0});
     functions.push_back({std::string(kBackwardDkdvName), backward.dkdv_shared_bytes()});
-    functions.push_back({std::string(kBackwardDqName), backward.shared_dq});
+    functions.push_back({std::string(kBackwardDqName), backward.dq_shared_bytes()});
     functions.push_back({std::string(kBackwardFinalizeName), 0});
   }
   return functions;
@@ -391,8 +391,8 @@ class CudaPlan final : public Plan {
            {static_cast<unsigned>(ceil_div(problem_.seq_len_kv(), b.choice.dkdv_block_kv)),
             heads_kv, batch()},
            b.choice.dkdv_threads, b.choice.dkdv_shared_bytes(), stream, &p, "backward dK/dV");
-    launch(b.dq, {grid_q(b.choice.block_q), heads_q(), batch()}, b.choice.threads,
-           b.choice.shared_dq, stream, &p, "backward dQ");
+    launch(b.dq, {grid_q(b.choice.dq_block_q), heads_q(), batch()}, b.choice.dq_threads,
+           b.choice.dq_shared_bytes(), stream, &p, "backward dQ");
     for (const Gradient& gradient : gradients) {
       FinalizeParams f{};
       f.fixed = reinterpret_cast<const long long*>(scratch.address() + gradient.offset);
@@ -482,11 +482,12 @@ class CudaEngine final : public Engine {
         classify_tiles(problem, lowering.choice.class_block_q, lowering.choice.block_n);
     std::optional<TileList> backward_tiles;
     std::string backward_text;
-    std::optional<TileList> dkdv_tiles;  // when the dK/dV kernel has its own key block
+    std::optional<TileList> dkdv_tiles;  // when the dK/dV kernel has its own blocks
     if (lowering.backward) {
       const BackwardChoice& backward = lowering.backward->choice;
-      backward_tiles = classify_tiles(problem, backward.block_q, backward.block_kv);
-      if (backward.dkdv_block_kv != backward.block_kv) {
+      // The dQ kernel's q-major list, and the dK/dV kernel's when its blocks differ (wgmma).
+      backward_tiles = classify_tiles(problem, backward.dq_block_q, backward.block_kv);
+      if (backward.dkdv_block_kv != backward.block_kv || backward.dq_block_q != backward.block_q) {
         dkdv_tiles = classify_tiles(problem, backward.block_q, backward.dkdv_block_kv);
       }
       backward_text = fmt::format(
