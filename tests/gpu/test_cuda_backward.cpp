@@ -13,6 +13,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdlib>
 #include <cstring>
 #include <map>
 #include <memory>
@@ -182,12 +183,9 @@ Outputs plain_outputs(const GoldenCase& golden, DType dtype,
   return within_tolerance(result, expected, allowed_error(max_abs_error(plain, expected), floor));
 }
 
-class CudaBackwardGolden : public ::testing::TestWithParam<GoldenParam> {};
-
-TEST_P(CudaBackwardGolden, GradientsMatchFlexAttention) {
-  FLEXATTN_SKIP_WITHOUT_GOLDEN();
-  SKIP_WITHOUT_DEVICE();
-  const auto& [name, layout, dtype] = GetParam();
+// One golden case's forward and backward on the device against FlexAttention's float64 values.
+void check_golden_gradients(const GoldenParam& param) {
+  const auto& [name, layout, dtype] = param;
   const GoldenCase golden = load_golden_case(name);
   ProblemDesc desc = golden.desc(layout, dtype, Direction::kForwardBackward);
   desc.device = Device::kCuda;
@@ -227,7 +225,32 @@ TEST_P(CudaBackwardGolden, GradientsMatchFlexAttention) {
   }
 }
 
+class CudaBackwardGolden : public ::testing::TestWithParam<GoldenParam> {};
+
+TEST_P(CudaBackwardGolden, GradientsMatchFlexAttention) {
+  FLEXATTN_SKIP_WITHOUT_GOLDEN();
+  SKIP_WITHOUT_DEVICE();
+  check_golden_gradients(GetParam());
+}
+
 INSTANTIATE_TEST_SUITE_P(Cases, CudaBackwardGolden, ::testing::ValuesIn(golden_params()),
+                         golden_name);
+
+// The mma.sync kernels where sm_90 would get the wgmma ones (FLEXATTN_CUDA_WGMMA=0: forward and
+// dK/dV), so both stay verified on the H200.
+class CudaBackwardGoldenMmaSync : public ::testing::TestWithParam<GoldenParam> {
+ protected:
+  void SetUp() override { setenv("FLEXATTN_CUDA_WGMMA", "0", 1); }
+  void TearDown() override { unsetenv("FLEXATTN_CUDA_WGMMA"); }
+};
+
+TEST_P(CudaBackwardGoldenMmaSync, GradientsMatchFlexAttention) {
+  FLEXATTN_SKIP_WITHOUT_GOLDEN();
+  SKIP_WITHOUT_DEVICE();
+  check_golden_gradients(GetParam());
+}
+
+INSTANTIATE_TEST_SUITE_P(Cases, CudaBackwardGoldenMmaSync, ::testing::ValuesIn(golden_params()),
                          golden_name);
 
 // ---- conformance matrix -------------------------------------------------------------------------

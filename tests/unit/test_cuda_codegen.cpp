@@ -360,6 +360,44 @@ TEST(CudaBackwardChoice, TensorCoresForSixteenBitStorageUpToHeadDim128) {
       << d80.choice.config_type();
 }
 
+// On sm_90 both backward kernels run on wgmma for head dims 64/128: dK/dV over 128-key blocks
+// (64-row q blocks), dQ over 128-row blocks (64-key tiles), 256 threads each.
+TEST(CudaBackwardChoice, WgmmaOnSm90ForHeadDims64And128) {
+  const cuda::BackwardSelection d128 =
+      cuda::choose_backward_kernel(backward_problem_with(DType::kBF16, 128, 128), 90);
+  ASSERT_TRUE(d128.reason.empty()) << d128.reason;
+  const cuda::BackwardChoice& c = d128.choice;
+  EXPECT_TRUE(c.wgmma);
+  EXPECT_EQ(c.block_q, 64);
+  EXPECT_EQ(c.block_kv, 64);
+  EXPECT_EQ(c.dkdv_block_kv, 128);
+  EXPECT_EQ(c.dq_block_q, 128);
+  EXPECT_EQ(c.dkdv_threads, 256);
+  EXPECT_EQ(c.dq_threads, 256);
+  EXPECT_EQ(c.architecture_suffix(), "a");
+  EXPECT_EQ(c.dkdv_template(), "backward_dkdv_wgmma");
+  EXPECT_EQ(c.dq_template(), "backward_dq_wgmma");
+  // kernels/backward_wgmma.cuh: 1024 + 128 rows resident (K, V or Q, dO) + 2 stages of 64 rows
+  // of the other pair, + 2 x 512 for lse and delta (dK/dV).
+  EXPECT_EQ(c.dkdv_shared_bytes(), 1024 + 128 * 256 * 2 + 2 * 64 * 256 * 2 + 2 * 512);
+  EXPECT_EQ(c.dq_shared_bytes(), 1024 + 128 * 256 * 2 + 2 * 64 * 256 * 2);
+  EXPECT_EQ(c.wgmma_config_type(),
+            fmt::format("flexattn_kernels::BackwardWgmmaConfig<flexattn_kernels::BFloat16Tag, "
+                        "128, 128, {}, {}>",
+                        c.dkdv_shared_bytes(), c.dq_shared_bytes()));
+  for (const cuda::BackwardSelection& other :
+       {cuda::choose_backward_kernel(backward_problem_with(DType::kBF16, 128, 128), 80),
+        cuda::choose_backward_kernel(backward_problem_with(DType::kBF16, 128, 128), 90, false),
+        cuda::choose_backward_kernel(backward_problem_with(DType::kF16, 80, 72), 90)}) {
+    EXPECT_FALSE(other.choice.wgmma);
+    EXPECT_EQ(other.choice.dkdv_block_kv, other.choice.block_kv);
+    EXPECT_EQ(other.choice.dq_block_q, other.choice.block_q);
+    EXPECT_EQ(other.choice.dkdv_shared_bytes(), other.choice.shared_dkdv);
+    EXPECT_EQ(other.choice.dkdv_template(), "backward_dkdv_mma");
+    EXPECT_EQ(other.choice.dq_template(), "backward_dq_mma");
+  }
+}
+
 TEST(CudaBackwardChoice, FloatUnitsOtherwiseWithTheirReason) {
   struct Expected {
     DType dtype;
@@ -521,11 +559,20 @@ TEST(CudaForwardCompile, WgmmaTranslationUnitsCompileForSm90a) {
     ASSERT_TRUE(bindings.reason.empty()) << bindings.reason;
     std::optional<cuda::BackwardCode> backward_code;
     if (backward) {
-      backward_code = cuda::backward_code(problem, cuda::choose_backward_kernel(problem).choice);
+      const cuda::BackwardChoice choice =
+          cuda::choose_backward_kernel(problem, kCapability).choice;
+      EXPECT_TRUE(choice.wgmma);
+      backward_code = cuda::backward_code(problem, choice);
     }
     const std::string source = cuda::generate_translation_unit(
         problem, bindings.bindings, selection.choice, backward_code ? &*backward_code : nullptr);
     EXPECT_NE(source.find("flexattn_kernels::forward_wgmma<FlexattnConfig"), std::string::npos);
+    if (backward) {
+      EXPECT_NE(source.find("flexattn_kernels::backward_dkdv_wgmma<FlexattnWgmmaConfig"),
+                std::string::npos);
+      EXPECT_NE(source.find("flexattn_kernels::backward_dq_wgmma<FlexattnWgmmaConfig"),
+                std::string::npos);
+    }
     std::vector<char> cubin;
     try {
       cubin = cuda::compile_to_cubin(source, c.name + ".cu", kCapability,

@@ -8,6 +8,7 @@
 #include <cstdint>
 #include <limits>
 #include <set>
+#include <tuple>
 #include <utility>
 
 #include "engines/cuda/kernel_sources.hpp"
@@ -443,14 +444,21 @@ std::string backward_entry_points(const Problem& problem, const BackwardChoice& 
       "    const flexattn_kernels::BackwardParams params) {{\n"
       "  flexattn_kernels::backward_delta<{}, {}>(params);\n}}\n",
       kBackwardDeltaName, element_tag(problem.dtype()), problem.head_dim_v());
-  for (const auto& [name, function] : {std::pair{kBackwardDkdvName, choice.dkdv_template()},
-                                       std::pair{kBackwardDqName, choice.dq_template()}}) {
+  // On wgmma both kernels take the wgmma configuration and its block of threads.
+  if (choice.wgmma) {
+    text += fmt::format("using FlexattnWgmmaConfig = {};\n", choice.wgmma_config_type());
+  }
+  const std::string config = choice.wgmma ? "FlexattnWgmmaConfig" : "FlexattnBackwardConfig";
+  for (const auto& [name, function, threads] :
+       {std::tuple{kBackwardDkdvName, choice.dkdv_template(), choice.dkdv_threads},
+        std::tuple{kBackwardDqName, choice.dq_template(), choice.dq_threads}}) {
+    const std::string bounds = choice.wgmma ? fmt::format("{}, 1", threads) : launch_bounds;
     text += fmt::format(
         "extern \"C\" __global__ void __launch_bounds__({}) {}(\n"
         "    const flexattn_kernels::BackwardParams params) {{\n"
-        "  flexattn_kernels::{}<FlexattnBackwardConfig, flexattn_generated::Modifier>(params);\n"
+        "  flexattn_kernels::{}<{}, flexattn_generated::Modifier>(params);\n"
         "}}\n",
-        launch_bounds, name, function);
+        bounds, name, function, config);
   }
   text += fmt::format(
       "extern \"C\" __global__ void __launch_bounds__(flexattn_kernels::kFinalizeThreads) {}(\n"

@@ -49,8 +49,16 @@ std::int64_t ceil_div(std::int64_t value, std::int64_t divisor) {
   return (value + divisor - 1) / divisor;
 }
 
-Support lower_backward(const Problem& problem, Lowering& lowering) {
-  const BackwardSelection selection = choose_backward_kernel(problem);
+// Whether the wgmma kernels (forward and backward) may be chosen on sm_90: FLEXATTN_CUDA_WGMMA=0
+// keeps the mma.sync kernels (comparisons, and a way around a wgmma problem without a rebuild).
+bool wgmma_allowed() {
+  const char* value = std::getenv("FLEXATTN_CUDA_WGMMA");
+  return value == nullptr || std::string_view(value) != "0";
+}
+
+Support lower_backward(const Problem& problem, Lowering& lowering, int capability) {
+  const BackwardSelection selection =
+      choose_backward_kernel(problem, capability, wgmma_allowed());
   if (!selection.reason.empty()) return Support::no(selection.reason);
   try {
     lowering.backward = backward_code(problem, selection.choice);
@@ -66,13 +74,6 @@ Support lower_backward(const Problem& problem, Lowering& lowering) {
     }
   }
   return Support::yes();
-}
-
-// Whether the wgmma forward may be chosen on sm_90: FLEXATTN_CUDA_WGMMA=0 keeps the mma.sync
-// kernel (comparisons, and a way around a wgmma problem without a rebuild).
-bool wgmma_allowed() {
-  const char* value = std::getenv("FLEXATTN_CUDA_WGMMA");
-  return value == nullptr || std::string_view(value) != "0";
 }
 
 // `capability`: the device's compute capability, 0 without a device (the portable kernels).
@@ -92,7 +93,7 @@ Support lower_problem(const Problem& problem, Lowering& lowering, int capability
   lowering.choice = selection.choice;
   lowering.bindings = binding.bindings;
   if (problem.wants_backward()) {
-    const Support backward = lower_backward(problem, lowering);
+    const Support backward = lower_backward(problem, lowering, capability);
     if (!backward) return backward;
   }
   // Every IR op has a lowering (codegen.cpp switches over Op without a default), so generating
@@ -103,6 +104,12 @@ Support lower_problem(const Problem& problem, Lowering& lowering, int capability
   return Support::yes();
 }
 
+// The architecture suffix the module needs ("a": sm_90a) when any of its kernels uses wgmma.
+std::string architecture_suffix(const Lowering& lowering) {
+  if (!lowering.choice.architecture_suffix().empty()) return lowering.choice.architecture_suffix();
+  return lowering.backward ? lowering.backward->choice.architecture_suffix() : std::string();
+}
+
 // The kernels of the module: the forward, and the backward's four when gradients are wanted,
 // each with the dynamic shared memory it is launched with.
 std::vector<KernelFunction> kernel_functions(const Lowering& lowering) {
@@ -111,8 +118,8 @@ std::vector<KernelFunction> kernel_functions(const Lowering& lowering) {
   if (lowering.backward) {
     const BackwardChoice& backward = lowering.backward->choice;
     functions.push_back({std::string(kBackwardDeltaName), 0});
-    functions.push_back({std::string(kBackwardDkdvName), backward.shared_dkdv});
-    functions.push_back({std::string(kBackwardDqName), backward.shared_dq});
+    functions.push_back({std::string(kBackwardDkdvName), backward.dkdv_shared_bytes()});
+    functions.push_back({std::string(kBackwardDqName), backward.dq_shared_bytes()});
     functions.push_back({std::string(kBackwardFinalizeName), 0});
   }
   return functions;
@@ -224,7 +231,7 @@ class CudaPlan final : public Plan {
  public:
   CudaPlan(PlanInfo info, const Problem& problem, std::shared_ptr<const Driver> driver,
            const Lowering& lowering, KernelLookup kernel, const TileList& tiles,
-           const TileList* backward_tiles)
+           const TileList* backward_tiles, const TileList* dkdv_tiles)
       : Plan(std::move(info)),
         problem_(problem),
         driver_(std::move(driver)),
@@ -275,7 +282,9 @@ class CudaPlan final : public Plan {
       b.dkdv = kernel_->function(kBackwardDkdvName);
       b.dq = kernel_->function(kBackwardDqName);
       b.finalize = kernel_->function(kBackwardFinalizeName);
-      const KvTileList transposed = transpose_tiles(*backward_tiles);
+      // The dK/dV kernel walks the kv-major order of its own tiles (wgmma: 128 keys).
+      const KvTileList transposed =
+          transpose_tiles(dkdv_tiles != nullptr ? *dkdv_tiles : *backward_tiles);
       b.tile_offsets = upload_ints(driver_, backward_tiles->offsets);
       b.tile_entries = upload_ints(driver_, backward_tiles->entries);
       b.kv_tile_offsets = upload_ints(driver_, transposed.offsets);
@@ -379,11 +388,11 @@ class CudaPlan final : public Plan {
     launch(b.delta, {grid_q(flexattn_kernels::kDeltaRows), heads_q(), batch()},
            flexattn_kernels::kDeltaThreads, 0, stream, &p, "backward delta");
     launch(b.dkdv,
-           {static_cast<unsigned>(ceil_div(problem_.seq_len_kv(), b.choice.block_kv)), heads_kv,
-            batch()},
-           b.choice.threads, b.choice.shared_dkdv, stream, &p, "backward dK/dV");
-    launch(b.dq, {grid_q(b.choice.block_q), heads_q(), batch()}, b.choice.threads,
-           b.choice.shared_dq, stream, &p, "backward dQ");
+           {static_cast<unsigned>(ceil_div(problem_.seq_len_kv(), b.choice.dkdv_block_kv)),
+            heads_kv, batch()},
+           b.choice.dkdv_threads, b.choice.dkdv_shared_bytes(), stream, &p, "backward dK/dV");
+    launch(b.dq, {grid_q(b.choice.dq_block_q), heads_q(), batch()}, b.choice.dq_threads,
+           b.choice.dq_shared_bytes(), stream, &p, "backward dQ");
     for (const Gradient& gradient : gradients) {
       FinalizeParams f{};
       f.fixed = reinterpret_cast<const long long*>(scratch.address() + gradient.offset);
@@ -473,16 +482,20 @@ class CudaEngine final : public Engine {
         classify_tiles(problem, lowering.choice.class_block_q, lowering.choice.block_n);
     std::optional<TileList> backward_tiles;
     std::string backward_text;
+    std::optional<TileList> dkdv_tiles;  // when the dK/dV kernel has its own blocks
     if (lowering.backward) {
       const BackwardChoice& backward = lowering.backward->choice;
-      backward_tiles = classify_tiles(problem, backward.block_q, backward.block_kv);
+      // The dQ kernel's q-major list, and the dK/dV kernel's when its blocks differ (wgmma).
+      backward_tiles = classify_tiles(problem, backward.dq_block_q, backward.block_kv);
+      if (backward.dkdv_block_kv != backward.block_kv || backward.dq_block_q != backward.block_q) {
+        dkdv_tiles = classify_tiles(problem, backward.block_q, backward.dkdv_block_kv);
+      }
       backward_text = fmt::format(
           "; backward {}, {} of {} tiles visited ({} with the mask evaluated)",
           backward.describe(), backward_tiles->tiles - backward_tiles->skipped,
           backward_tiles->tiles, backward_tiles->mixed);
     }
-    KernelLookup kernel =
-        kernels_.get(lowering.source, functions, lowering.choice.architecture_suffix());
+    KernelLookup kernel = kernels_.get(lowering.source, functions, architecture_suffix(lowering));
 
     PlanInfo info;
     info.engine = std::string(kEngineName);
@@ -491,13 +504,13 @@ class CudaEngine final : public Engine {
         "(sm_{}{}), {} in {:.3f} s",
         lowering.choice.describe(), tiles.tiles - tiles.skipped, tiles.tiles, tiles.mixed,
         backward_text, kernel.key.substr(0, 16), driver_->device_name(),
-        driver_->compute_capability(), lowering.choice.architecture_suffix(), kernel.origin,
+        driver_->compute_capability(), architecture_suffix(lowering), kernel.origin,
         kernel.seconds);
     info.lowered_hash = modifier_hash(problem.score_mod(), problem.mask_mod(), problem.scale());
     info.signature = problem.signature();
-    result.plan = std::make_unique<CudaPlan>(std::move(info), problem, driver_, lowering,
-                                             std::move(kernel), tiles,
-                                             backward_tiles ? &*backward_tiles : nullptr);
+    result.plan = std::make_unique<CudaPlan>(
+        std::move(info), problem, driver_, lowering, std::move(kernel), tiles,
+        backward_tiles ? &*backward_tiles : nullptr, dkdv_tiles ? &*dkdv_tiles : nullptr);
     return result;
   }
 

@@ -66,6 +66,11 @@ constexpr int kBackwardRowStatistics = 2;
 // fp32 units: 32 x 32 tiles keep P and dS (32 x 33 floats each, padded against bank conflicts)
 // in shared memory beside the four row tiles, up to head dim 256.
 constexpr int kBackwardSimtBlock = 32;
+// wgmma (kernels/backward_wgmma.cuh): two warpgroups of 64 rows per block in both kernels. dK/dV:
+// 128 keys, 64-row q blocks, two stages of Q, dO, LSE and delta, K and V resident. dQ: 128 query
+// rows, 64-key kv tiles in two stages, Q and dO resident. 1024 bytes to align the swizzled panels.
+constexpr int kBackwardWgmmaBlock = 128;
+constexpr int kBackwardWgmmaThreads = 256;
 
 int round_up(int value, int multiple) { return (value + multiple - 1) / multiple * multiple; }
 
@@ -99,8 +104,8 @@ KernelChoice mma_choice(const Problem& problem) {
   c.class_block_q = c.block_m;
   constexpr int kBytes = 2;  // bf16 / fp16
   const int staging = std::max(c.padded_qk, c.padded_v);
-  c.shared_bytes = c.block_m * staging * kBytes +
-                   c.stages * c.block_n * (c.padded_qk + c.padded_v) * kBytes;
+  c.shared_bytes =
+      c.block_m * staging * kBytes + c.stages * c.block_n * (c.padded_qk + c.padded_v) * kBytes;
   return c;
 }
 
@@ -183,7 +188,28 @@ BackwardChoice backward_mma_choice(const Problem& problem) {
                          static_cast<int>(sizeof(float));
   c.shared_dkdv = streamed + statistics;
   c.shared_dq = streamed;
+  c.dkdv_block_kv = c.block_kv;
+  c.dq_block_q = c.block_q;
+  c.dkdv_threads = c.threads;
+  c.dq_threads = c.threads;
   return c;
+}
+
+// The wgmma kernels on top of the tensor-core choice `c` (head dims 64/128, sm_90).
+void use_wgmma(BackwardChoice& c) {
+  c.wgmma = true;
+  c.dkdv_block_kv = kBackwardWgmmaBlock;
+  c.dq_block_q = kBackwardWgmmaBlock;
+  c.dkdv_threads = kBackwardWgmmaThreads;
+  c.dq_threads = kBackwardWgmmaThreads;
+  constexpr int kBytes = 2;  // bf16 / fp16
+  const int dims = c.head_dim_qk + c.head_dim_v;
+  const int resident = kWgmmaAlignment + kBackwardWgmmaBlock * dims * kBytes;
+  const int streamed = kBackwardMmaStages * kBackwardMmaBlock * dims * kBytes;
+  c.shared_wgmma_dkdv = resident + streamed +
+                        kBackwardMmaStages * kBackwardRowStatistics * kBackwardMmaBlock *
+                            static_cast<int>(sizeof(float));
+  c.shared_wgmma_dq = resident + streamed;
 }
 
 BackwardChoice backward_simt_choice(const Problem& problem, std::string why) {
@@ -203,6 +229,10 @@ BackwardChoice backward_simt_choice(const Problem& problem, std::string why) {
                      2 * kBlock * (kBlock + 1);
   c.shared_dkdv = floats * static_cast<int>(sizeof(float));
   c.shared_dq = c.shared_dkdv;
+  c.dkdv_block_kv = c.block_kv;
+  c.dq_block_q = c.block_q;
+  c.dkdv_threads = c.threads;
+  c.dq_threads = c.threads;
   c.why = std::move(why);
   return c;
 }
@@ -284,8 +314,8 @@ KernelSelection choose_kernel(const Problem& problem, int capability, bool allow
   if (!selection.reason.empty()) return selection;
   const DType dtype = problem.dtype();
   const bool sixteen_bit = dtype == DType::kBF16 || dtype == DType::kF16;
-  const bool whole_chunks = problem.head_dim_qk() % kChunkElements == 0 &&
-                            problem.head_dim_v() % kChunkElements == 0;
+  const bool whole_chunks =
+      problem.head_dim_qk() % kChunkElements == 0 && problem.head_dim_v() % kChunkElements == 0;
   const bool tensor_cores = sixteen_bit && whole_chunks && strides_chunk_aligned(problem);
   if (tensor_cores && allow_wgmma && capability == kWgmmaCapability &&
       wgmma_head_dim(problem.head_dim_qk()) && wgmma_head_dim(problem.head_dim_v())) {
@@ -304,25 +334,42 @@ std::string BackwardChoice::config_type() const {
                        element_tag(dtype), head_dim_qk, head_dim_v, padded_qk, padded_v,
                        shared_dkdv, shared_dq);
   }
-  return fmt::format("flexattn_kernels::BackwardSimtConfig<{}, {}, {}, {}, {}>",
-                     element_tag(dtype), head_dim_qk, head_dim_v, shared_dkdv, shared_dq);
+  return fmt::format("flexattn_kernels::BackwardSimtConfig<{}, {}, {}, {}, {}>", element_tag(dtype),
+                     head_dim_qk, head_dim_v, shared_dkdv, shared_dq);
 }
 
+std::string BackwardChoice::wgmma_config_type() const {
+  return fmt::format("flexattn_kernels::BackwardWgmmaConfig<{}, {}, {}, {}, {}>",
+                     element_tag(dtype), head_dim_qk, head_dim_v, shared_wgmma_dkdv,
+                     shared_wgmma_dq);
+}
+
+std::string BackwardChoice::architecture_suffix() const { return wgmma ? "a" : ""; }
+
 std::string BackwardChoice::dkdv_template() const {
+  if (wgmma) return "backward_dkdv_wgmma";
   return kind == KernelKind::kMma ? "backward_dkdv_mma" : "backward_dkdv_simt";
 }
 
 std::string BackwardChoice::dq_template() const {
+  if (wgmma) return "backward_dq_wgmma";
   return kind == KernelKind::kMma ? "backward_dq_mma" : "backward_dq_simt";
 }
 
 std::string BackwardChoice::describe() const {
+  if (wgmma) {
+    return fmt::format(
+        "tensor-core (wgmma, sm_90a) {}, dK/dV {}x{} tiles, dQ {}x{} tiles, {} threads, head dims "
+        "{} and {}, {} KB shared (dK/dV) and {} KB (dQ)",
+        to_string(dtype), block_q, dkdv_block_kv, dq_block_q, block_kv, dkdv_threads, head_dim_qk,
+        head_dim_v, shared_wgmma_dkdv / 1024, shared_wgmma_dq / 1024);
+  }
   if (kind == KernelKind::kMma) {
     return fmt::format(
         "tensor-core (mma.sync) {}, {}x{} tiles, {} threads, head dims {} (padded {}) and {} "
         "(padded {}), {} KB shared (dK/dV) and {} KB (dQ)",
-        to_string(dtype), block_q, block_kv, threads, head_dim_qk, padded_qk, head_dim_v,
-        padded_v, shared_dkdv / 1024, shared_dq / 1024);
+        to_string(dtype), block_q, block_kv, threads, head_dim_qk, padded_qk, head_dim_v, padded_v,
+        shared_dkdv / 1024, shared_dq / 1024);
   }
   return fmt::format(
       "fp32 units {} ({}), {}x{} tiles, {} threads, head dims {} and {}, {} KB shared",
@@ -330,7 +377,7 @@ std::string BackwardChoice::describe() const {
       shared_dkdv / 1024);
 }
 
-BackwardSelection choose_backward_kernel(const Problem& problem) {
+BackwardSelection choose_backward_kernel(const Problem& problem, int capability, bool allow_wgmma) {
   BackwardSelection selection;
   selection.reason = unserved_reason(problem);
   if (!selection.reason.empty()) return selection;
@@ -349,10 +396,14 @@ BackwardSelection choose_backward_kernel(const Problem& problem) {
                              kBackwardMmaMaxHeadDim));
   } else if (!strides_chunk_aligned(problem)) {
     selection.choice = backward_simt_choice(
-        problem, fmt::format("a stride of q, k, v or o is not a multiple of {} elements",
-                             kChunkElements));
+        problem,
+        fmt::format("a stride of q, k, v or o is not a multiple of {} elements", kChunkElements));
   } else {
     selection.choice = backward_mma_choice(problem);
+    if (allow_wgmma && capability == kWgmmaCapability && wgmma_head_dim(problem.head_dim_qk()) &&
+        wgmma_head_dim(problem.head_dim_v())) {
+      use_wgmma(selection.choice);
+    }
   }
   return selection;
 }
@@ -393,9 +444,8 @@ TileList classify_tiles(const Problem& problem, int class_block_q, int block_n) 
   list.kv_tiles = kv_tiles;
   list.tiles = query_blocks * kv_tiles;
   if (list.tiles > kMaxTileEntries) {
-    throw_unsupported(fmt::format(
-        "{} x {} tiles exceed the tile list's bound of {} entries", query_blocks, kv_tiles,
-        kMaxTileEntries));
+    throw_unsupported(fmt::format("{} x {} tiles exceed the tile list's bound of {} entries",
+                                  query_blocks, kv_tiles, kMaxTileEntries));
   }
   const Graph& mask = problem.mask_mod();
   const bool constant = mask.is_literal();

@@ -14,7 +14,7 @@ namespace flexattn::cuda {
 enum class KernelKind {
   kMma,    // tensor cores (mma.sync, sm_80+), bf16/fp16 storage (kernels/forward_mma.cuh)
   kWgmma,  // Hopper's warpgroup tensor cores (sm_90a), head dims 64/128 (kernels/forward_wgmma.cuh)
-  kSimt,  // fp32 units: fp32 storage, or head dims the tensor-core kernel cannot take
+  kSimt,   // fp32 units: fp32 storage, or head dims the tensor-core kernel cannot take
 };
 
 // The kernels' element type tag of a storage dtype ("flexattn_kernels::BFloat16Tag").
@@ -31,10 +31,11 @@ struct KernelChoice {
   int warps = 0;
   int block_m = 0;  // query rows per thread block
   int block_n = 0;  // keys per kv tile
-  int class_block_q = 0;  // query rows per classified block of the tile list (a multiple of block_m)
-  int stages = 0;   // mma: K/V shared-memory buffers in flight
+  int class_block_q =
+      0;           // query rows per classified block of the tile list (a multiple of block_m)
+  int stages = 0;  // mma: K/V shared-memory buffers in flight
   bool pipelined = false;  // wgmma: tile j's element work overlaps tile j - 1's P V
-  int min_blocks = 0;  // mma: thread blocks per multiprocessor the registers must allow
+  int min_blocks = 0;      // mma: thread blocks per multiprocessor the registers must allow
   int shared_bytes = 0;
 
   int threads() const;
@@ -100,9 +101,27 @@ struct BackwardChoice {
   int shared_dkdv = 0;  // dynamic shared memory of the dK/dV kernel, bytes
   int shared_dq = 0;    // of the dQ kernel
   std::string why;      // why this kind ("fp32 storage", "head dim 160 exceeds 128", ...)
+  // Both kernels on wgmma (kernels/backward_wgmma.cuh; sm_90, head dims 64/128), each with its
+  // own block, threads and tile list: dK/dV block_q x dkdv_block_kv (kv-major), dQ
+  // dq_block_q x block_kv (q-major). Without wgmma they are block_q, block_kv and `threads`.
+  bool wgmma = false;
+  int dkdv_block_kv = 0;  // keys per dK/dV block
+  int dq_block_q = 0;     // query rows per dQ block
+  int dkdv_threads = 0;
+  int dq_threads = 0;
+  int shared_wgmma_dkdv = 0;  // the wgmma kernels' dynamic shared memory, bytes
+  int shared_wgmma_dq = 0;
+
+  // The dynamic shared memory each kernel is launched with (wgmma or not).
+  int dkdv_shared_bytes() const { return wgmma ? shared_wgmma_dkdv : shared_dkdv; }
+  int dq_shared_bytes() const { return wgmma ? shared_wgmma_dq : shared_dq; }
 
   // The C++ type of the kernel configuration ("flexattn_kernels::BackwardMmaConfig<...>").
   std::string config_type() const;
+  // The wgmma kernels' ("flexattn_kernels::BackwardWgmmaConfig<...>"; only with `wgmma`).
+  std::string wgmma_config_type() const;
+  // "a" when the kernels need sm_90a (wgmma).
+  std::string architecture_suffix() const;
   // "backward_dkdv_mma" / "backward_dkdv_simt" and the dQ counterparts.
   std::string dkdv_template() const;
   std::string dq_template() const;
@@ -113,6 +132,9 @@ struct BackwardSelection {
   BackwardChoice choice;
   std::string reason;  // empty when a kernel fits
 };
-BackwardSelection choose_backward_kernel(const Problem& problem);
+// `capability` and `allow_wgmma` as for choose_kernel: only a known sm_90 gets the wgmma dK/dV
+// kernel.
+BackwardSelection choose_backward_kernel(const Problem& problem, int capability = 0,
+                                         bool allow_wgmma = true);
 
 }  // namespace flexattn::cuda

@@ -5,6 +5,7 @@
 #include "backward_common.cuh"
 #include "backward_mma.cuh"
 #include "backward_simt.cuh"
+#include "backward_wgmma.cuh"
 #include "forward_mma.cuh"
 #include "forward_simt.cuh"
 #include "forward_wgmma.cuh"
@@ -214,3 +215,24 @@ FLEXATTN_AOT_BACKWARD_MMA(aot_backward_bf16_d128_softcap, CausalSoftcapModifier,
 FLEXATTN_AOT_BACKWARD_MMA(aot_backward_f16_d80_v72, CausalSoftcapModifier, HalfTag, 80, 72, 128,
                           128)
 FLEXATTN_AOT_BACKWARD_MMA(aot_backward_bf16_d64, IdentityModifier, BFloat16Tag, 64, 64, 64, 64)
+
+// wgmma dK/dV and dQ (backward_wgmma.cuh, sm_90a): dK/dV shared bytes = 1024 + K and V of 128
+// keys + 2 stages of Q and dO (64 rows) + 2 stages of lse and delta; dQ = 1024 + Q and dO of 128
+// rows + 2 stages of K and V (64 keys) (tile_plan.cpp).
+#define FLEXATTN_AOT_BACKWARD_WGMMA(name, modifier, tag, qk, v)                                 \
+  using name##_config = flexattn_kernels::BackwardWgmmaConfig<                                \
+      tag, qk, v, 1024 + 128 * ((qk) + (v)) * 2 + 2 * 64 * ((qk) + (v)) * 2 + 2 * 512,        \
+      1024 + 128 * ((qk) + (v)) * 2 + 2 * 64 * ((qk) + (v)) * 2>;                             \
+  extern "C" __global__ void __launch_bounds__(name##_config::kThreads, 1)                    \
+      name##_dkdv(const BackwardParams params) {                                              \
+    flexattn_kernels::backward_dkdv_wgmma<name##_config, modifier>(params);                   \
+  }                                                                                           \
+  extern "C" __global__ void __launch_bounds__(name##_config::kThreads, 1)                    \
+      name##_dq(const BackwardParams params) {                                                \
+    flexattn_kernels::backward_dq_wgmma<name##_config, modifier>(params);                     \
+  }
+
+FLEXATTN_AOT_BACKWARD_WGMMA(aot_backward_wgmma_bf16_d128, IdentityModifier, BFloat16Tag, 128, 128)
+FLEXATTN_AOT_BACKWARD_WGMMA(aot_backward_wgmma_bf16_d128_softcap, CausalSoftcapModifier,
+                            BFloat16Tag, 128, 128)
+FLEXATTN_AOT_BACKWARD_WGMMA(aot_backward_wgmma_f16_d64, CausalSoftcapModifier, HalfTag, 64, 64)

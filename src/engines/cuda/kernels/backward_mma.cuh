@@ -48,10 +48,11 @@ struct BackwardMmaConfig {
   static constexpr int kTileQkBytes = 64 * kChunksQk * kChunkBytes;  // 64 rows of Q or K
   static constexpr int kTileVBytes = 64 * kChunksV * kChunkBytes;    // 64 rows of V or dO
   static constexpr int kRowStageBytes = 2 * 64 * static_cast<int>(sizeof(float));  // lse, delta
-  static constexpr int kSharedDkdv =
-      kTileQkBytes + kTileVBytes + kStages * (kTileQkBytes + kTileVBytes) +
-      kStages * kRowStageBytes;
-  static constexpr int kSharedDq = kTileQkBytes + kTileVBytes + kStages * (kTileQkBytes + kTileVBytes);
+  static constexpr int kSharedDkdv = kTileQkBytes + kTileVBytes +
+                                     kStages * (kTileQkBytes + kTileVBytes) +
+                                     kStages * kRowStageBytes;
+  static constexpr int kSharedDq =
+      kTileQkBytes + kTileVBytes + kStages * (kTileQkBytes + kTileVBytes);
 
   static_assert(kSharedDkdv == kSharedDkdv_, "host and kernel disagree on dkdv shared memory");
   static_assert(kSharedDq == kSharedDq_, "host and kernel disagree on dq shared memory");
@@ -64,8 +65,8 @@ struct BackwardMmaConfig {
 // Copies one float, or zero-fills it when `valid` is false.
 __device__ __forceinline__ void copy_float_async(unsigned destination, const float* source,
                                                  bool valid) {
-  asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(destination),
-               "l"(source), "r"(valid ? 4 : 0)
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(destination), "l"(source),
+               "r"(valid ? 4 : 0)
                : "memory");
 }
 
@@ -143,17 +144,54 @@ __device__ __forceinline__ void stage_rows(unsigned char* tile, const float (&ac
   }
 }
 
-// Coalesced 16-byte stores of `rows_valid` staged rows to a view.
-template <int kChunks, int kRealChunks, int kThreads>
+// Coalesced 16-byte stores of `rows_valid` of kRows staged rows to a view.
+template <int kChunks, int kRealChunks, int kThreads, int kRows = 64>
 __device__ __forceinline__ void store_staged(const unsigned char* tile, unsigned short* destination,
                                              long long token_stride, int rows_valid, int thread) {
-  constexpr int kStoreChunks = 64 * kRealChunks;
+  constexpr int kStoreChunks = kRows * kRealChunks;
   for (int index = thread; index < kStoreChunks; index += kThreads) {
     const int row = index / kRealChunks;
     const int chunk = index % kRealChunks;
     if (row < rows_valid) {
       *reinterpret_cast<SharedChunk*>(destination + row * token_stride + chunk * kChunkElements) =
           *reinterpret_cast<const SharedChunk*>(tile + swizzled_offset<kChunks>(row, chunk));
+    }
+  }
+}
+
+// The dK/dV kernels' element pipeline on one warp's (16 keys x 8 kTilesQ queries) accumulator
+// tiles: S^T becomes P^T and dP^T becomes dS^T (including d score_mod / d score). `check`: the
+// tile is mixed or crosses the end of the keys, so the mask and the bounds apply.
+template <class Modifier, int kTilesQ>
+__device__ __forceinline__ void dkdv_elements(float (&st)[kTilesQ][4], float (&dpt)[kTilesQ][4],
+                                              const ForwardParams& p,
+                                              const typename Modifier::Invariants& invariants,
+                                              const Coordinates& at, const SequenceSpan& span,
+                                              const int (&kv_row)[2], int q_start, bool check,
+                                              const float* lse_stage, const float* delta_stage,
+                                              int quad_lane) {
+#pragma unroll
+  for (int j = 0; j < kTilesQ; ++j) {
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      const int column = j * 8 + 2 * quad_lane + e % 2;  // query row within the q block
+      const int q = q_start + column;
+      const bool q_valid = q < span.q_len;
+      const int q_inside = ir_min(q, span.q_len - 1);
+      const int kv = kv_row[e / 2];
+      const int kv_inside = ir_min(kv, span.kv_len - 1);
+      const float dot = st[j][e];
+      // Straight-line element code (see unmasked_then_masked in backward_common.cuh).
+      float logit2 =
+          element_logit<Modifier, false, true>(dot, p, invariants, at, q_inside, kv_inside);
+      if (check) logit2 = masked_logit<Modifier>(logit2, p, invariants, at, q_inside, kv);
+      const float lse2 = q_valid ? lse_stage[column] * kLog2e : negative_infinity();
+      const float probability = probability_log2(logit2, lse2);
+      const float dlogit = probability * (dpt[j][e] - delta_stage[column]);
+      const float dscore =
+          score_gradient<Modifier>(dlogit, invariants, p, at, dot * p.scale, q_inside, kv_inside);
+      st[j][e] = probability;
+      dpt[j][e] = dlogit != 0.0f ? dscore : 0.0f;
     }
   }
 }
@@ -208,8 +246,8 @@ __device__ __forceinline__ void backward_dkdv_mma(const BackwardParams& bp) {
     const int rows_valid = span.q_len - q_start;
     load_tile_async<64, Config::kChunksQk, Config::kLoadedChunksQk, kThreads>(
         q_tiles + stage * Config::kTileQkBytes,
-        view_row<const unsigned short>(p.q, batch, span.q_offset + q_start, head),
-        p.q.token_stride, rows_valid, Config::kRealChunksQk, thread);
+        view_row<const unsigned short>(p.q, batch, span.q_offset + q_start, head), p.q.token_stride,
+        rows_valid, Config::kRealChunksQk, thread);
     load_tile_async<64, Config::kChunksV, Config::kLoadedChunksV, kThreads>(
         do_tiles + stage * Config::kTileVBytes,
         view_row<const unsigned short>(bp.dout, batch, span.q_offset + q_start, head),
@@ -272,31 +310,9 @@ __device__ __forceinline__ void backward_dkdv_mma(const BackwardParams& bp) {
     product_a_bt<Tag, Config::kStepsV>(dpt, v_tile, v_a, do_tile, do_n);
 
     // Element pipeline: st becomes P^T, dpt becomes dS^T.
-    const bool check = entry_is_mixed(entry) || kv_boundary;
-#pragma unroll
-    for (int j = 0; j < kTilesQ; ++j) {
-#pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        const int column = j * 8 + 2 * quad_lane + e % 2;  // query row within the q block
-        const int q = q_start + column;
-        const bool q_valid = q < span.q_len;
-        const int q_inside = ir_min(q, span.q_len - 1);
-        const int kv = kv_row[e / 2];
-        const int kv_inside = ir_min(kv, span.kv_len - 1);
-        const float dot = st[j][e];
-        // Straight-line element code (see unmasked_then_masked in backward_common.cuh).
-        float logit2 =
-            element_logit<Modifier, false, true>(dot, p, invariants, at, q_inside, kv_inside);
-        if (check) logit2 = masked_logit<Modifier>(logit2, p, invariants, at, q_inside, kv);
-        const float lse2 = q_valid ? lse_stage[column] * kLog2e : negative_infinity();
-        const float probability = probability_log2(logit2, lse2);
-        const float dlogit = probability * (dpt[j][e] - delta_stage[column]);
-        const float dscore = score_gradient<Modifier>(dlogit, invariants, p, at, dot * p.scale,
-                                                      q_inside, kv_inside);
-        st[j][e] = probability;
-        dpt[j][e] = dlogit != 0.0f ? dscore : 0.0f;
-      }
-    }
+    dkdv_elements<Modifier>(st, dpt, p, invariants, at, span, kv_row, q_start,
+                            entry_is_mixed(entry) || kv_boundary, lse_stage, delta_stage,
+                            quad_lane);
 
     // dV += P^T dO and dK += dS^T Q (k = the 64 queries).
 #pragma unroll
@@ -323,6 +339,75 @@ __device__ __forceinline__ void backward_dkdv_mma(const BackwardParams& bp) {
   store_staged<Config::kChunksV, Config::kRealChunksV, kThreads>(
       dv_stage, view_row<unsigned short>(bp.dv, batch, span.kv_offset + kv_start, head_kv),
       bp.dv.token_stride, rows_valid, thread);
+}
+
+// The dQ kernels' element pipeline on one warp's (16 queries x 8 kTilesKv keys) accumulator
+// tiles of S and dP, straight-line (see unmasked_then_masked in backward_common.cuh). `check`:
+// the tile is mixed or crosses the end of the keys. dq_logit: one element's log2-domain logit.
+template <class Modifier, int kTilesKv>
+__device__ __forceinline__ float dq_logit(const float (&s)[kTilesKv][4], int j, int e,
+                                          const ForwardParams& p,
+                                          const typename Modifier::Invariants& invariants,
+                                          const Coordinates& at, const int (&query)[2], int kv,
+                                          int kv_inside, bool check) {
+  float logit2 =
+      element_logit<Modifier, false, true>(s[j][e], p, invariants, at, query[e / 2], kv_inside);
+  if (check) logit2 = masked_logit<Modifier>(logit2, p, invariants, at, query[e / 2], kv);
+  return logit2;
+}
+
+// The delta pass (tensor gradients wanted; see exact_delta_rows in backward_common.cuh): sums
+// P dP and P per row.
+template <class Modifier, int kTilesKv>
+__device__ __forceinline__ void dq_delta_elements(
+    const float (&s)[kTilesKv][4], const float (&dp)[kTilesKv][4], const ForwardParams& p,
+    const typename Modifier::Invariants& invariants, const Coordinates& at,
+    const SequenceSpan& span, const int (&query)[2], const float (&lse2)[2], int kv_start,
+    bool check, int quad_lane, float (&row_pdp)[2], float (&row_p)[2]) {
+#pragma unroll
+  for (int j = 0; j < kTilesKv; ++j) {
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      const int kv = kv_start + j * 8 + 2 * quad_lane + e % 2;
+      const float probability =
+          probability_log2(dq_logit<Modifier>(s, j, e, p, invariants, at, query, kv,
+                                              ir_min(kv, span.kv_len - 1), check),
+                           lse2[e / 2]);
+      row_pdp[e / 2] += probability * dp[j][e];
+      row_p[e / 2] += probability;
+    }
+  }
+}
+
+// The gradient pass: dp becomes dS; with kScatter, each element also adds its tensor gradients
+// (a constant in each call, so no branch on it inside the element loop).
+template <class Modifier, bool kScatter, int kTilesKv>
+__device__ __forceinline__ void dq_gradient_elements(
+    const float (&s)[kTilesKv][4], float (&dp)[kTilesKv][4], const BackwardParams& bp,
+    const typename Modifier::Invariants& invariants, const Coordinates& at,
+    const SequenceSpan& span, const int (&query)[2], const float (&lse2)[2],
+    const float (&delta)[2], int kv_start, bool check, int quad_lane,
+    long long (&local)[Modifier::kLocalGradSlots]) {
+  const ForwardParams& p = bp.fwd;
+#pragma unroll
+  for (int j = 0; j < kTilesKv; ++j) {
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      const int half = e / 2;
+      const int kv = kv_start + j * 8 + 2 * quad_lane + e % 2;
+      const int kv_inside = ir_min(kv, span.kv_len - 1);
+      const float probability = probability_log2(
+          dq_logit<Modifier>(s, j, e, p, invariants, at, query, kv, kv_inside, check), lse2[half]);
+      const float dlogit = probability * (dp[j][e] - delta[half]);
+      const float score = s[j][e] * p.scale;
+      const float dscore =
+          score_gradient<Modifier>(dlogit, invariants, p, at, score, query[half], kv_inside);
+      if (Modifier::kHasTensorGrads && kScatter && dlogit != 0.0f) {
+        Modifier::tensor_grads(invariants, bp, at, score, query[half], kv_inside, dlogit, local);
+      }
+      dp[j][e] = dlogit != 0.0f ? dscore : 0.0f;
+    }
+  }
 }
 
 template <class Config, class Modifier>
@@ -415,105 +500,67 @@ __device__ __forceinline__ void backward_dq_mma(const BackwardParams& bp) {
   float row_pdp[2] = {0.0f, 0.0f};
   float row_p[2] = {0.0f, 0.0f};
   for (int pass = first_pass; pass < 2; ++pass) {
-  const bool delta_pass = pass == 0;
-  if (pass == 1 && first_pass == 0) {
-    wait_copies<0>();
-    __syncthreads();  // every warp is done with the last K/V stage of the first pass
+    const bool delta_pass = pass == 0;
+    if (pass == 1 && first_pass == 0) {
+      wait_copies<0>();
+      __syncthreads();  // every warp is done with the last K/V stage of the first pass
 #pragma unroll
-    for (int half = 0; half < 2; ++half) {
-      const float sum_pdp = quad_sum(row_pdp[half]);
-      const float sum_p = quad_sum(row_p[half]);
-      if (row_valid[half] && sum_p > 0.0f) {
-        lse2[half] += log2f(sum_p);
-        delta[half] = sum_pdp / sum_p;
-      }
-    }
-    if (entries.begin < entries.end) load_keys_and_values(entries.begin, 0);
-    commit_copies();
-  }
-  for (int entry_index = entries.begin; entry_index < entries.end; ++entry_index) {
-    const int iteration = entry_index - entries.begin;
-    const int stage = iteration % Config::kStages;
-    wait_copies<0>();
-    __syncthreads();  // tile `iteration` visible; the other stage is no longer read
-    if (entry_index + 1 < entries.end) {
-      load_keys_and_values(entry_index + 1, (iteration + 1) % Config::kStages);
-    }
-    commit_copies();
-    const unsigned k_tile = k_tiles + stage * Config::kTileQkBytes;
-    const unsigned v_tile = v_tiles + stage * Config::kTileVBytes;
-    const int entry = p.tile_entries[entry_index];
-    const int kv_start = entry_kv_tile(entry) * Config::kBlockKv;
-
-    // S = Q K^T and dP = dO V^T: 16 queries x 64 keys per warp.
-    float s[kTilesKv][4];
-    product_a_bt<Tag, Config::kStepsQk>(s, q_tile, q_a, k_tile, k_n);
-    float dp[kTilesKv][4];
-    product_a_bt<Tag, Config::kStepsV>(dp, do_tile, do_a, v_tile, v_n);
-
-    const bool check = entry_is_mixed(entry) || kv_start + Config::kBlockKv > span.kv_len;
-    // The logit of element (j, e), straight-line (see unmasked_then_masked in
-    // backward_common.cuh).
-    auto logit_of = [&](int j, int e, int kv, int kv_inside) {
-      float logit2 = element_logit<Modifier, false, true>(s[j][e], p, invariants, at,
-                                                          query[e / 2], kv_inside);
-      if (check) logit2 = masked_logit<Modifier>(logit2, p, invariants, at, query[e / 2], kv);
-      return logit2;
-    };
-    // The pass (exact delta or gradients) and whether tensor gradients are scattered are decided
-    // per tile, outside the element loop: a branch per element would split the loop's
-    // straight-line code (unmasked_then_masked).
-    if (delta_pass) {
-#pragma unroll
-      for (int j = 0; j < kTilesKv; ++j) {
-#pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          const int kv = kv_start + j * 8 + 2 * quad_lane + e % 2;
-          const float probability =
-              probability_log2(logit_of(j, e, kv, ir_min(kv, span.kv_len - 1)), lse2[e / 2]);
-          row_pdp[e / 2] += probability * dp[j][e];
-          row_p[e / 2] += probability;
+      for (int half = 0; half < 2; ++half) {
+        const float sum_pdp = quad_sum(row_pdp[half]);
+        const float sum_p = quad_sum(row_p[half]);
+        if (row_valid[half] && sum_p > 0.0f) {
+          lse2[half] += log2f(sum_p);
+          delta[half] = sum_pdp / sum_p;
         }
       }
-      continue;
+      if (entries.begin < entries.end) load_keys_and_values(entries.begin, 0);
+      commit_copies();
     }
-    // dp becomes dS; with `scatter`, each element also adds its tensor gradients. Called with
-    // constants, each call inlined: no branch on it inside the element loop.
-    auto gradients = [&](bool scatter) {
-#pragma unroll
-      for (int j = 0; j < kTilesKv; ++j) {
-#pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          const int half = e / 2;
-          const int kv = kv_start + j * 8 + 2 * quad_lane + e % 2;
-          const int kv_inside = ir_min(kv, span.kv_len - 1);
-          const float probability = probability_log2(logit_of(j, e, kv, kv_inside), lse2[half]);
-          const float dlogit = probability * (dp[j][e] - delta[half]);
-          const float score = s[j][e] * p.scale;
-          const float dscore =
-              score_gradient<Modifier>(dlogit, invariants, p, at, score, query[half], kv_inside);
-          if (Modifier::kHasTensorGrads && scatter && dlogit != 0.0f) {
-            Modifier::tensor_grads(invariants, bp, at, score, query[half], kv_inside, dlogit,
-                                   local);
-          }
-          dp[j][e] = dlogit != 0.0f ? dscore : 0.0f;
-        }
+    for (int entry_index = entries.begin; entry_index < entries.end; ++entry_index) {
+      const int iteration = entry_index - entries.begin;
+      const int stage = iteration % Config::kStages;
+      wait_copies<0>();
+      __syncthreads();  // tile `iteration` visible; the other stage is no longer read
+      if (entry_index + 1 < entries.end) {
+        load_keys_and_values(entry_index + 1, (iteration + 1) % Config::kStages);
       }
-    };
-    if (tensor_grads) {
-      gradients(true);
-    } else {
-      gradients(false);
-    }
+      commit_copies();
+      const unsigned k_tile = k_tiles + stage * Config::kTileQkBytes;
+      const unsigned v_tile = v_tiles + stage * Config::kTileVBytes;
+      const int entry = p.tile_entries[entry_index];
+      const int kv_start = entry_kv_tile(entry) * Config::kBlockKv;
 
-    // dQ += dS K (k = the 64 keys).
+      // S = Q K^T and dP = dO V^T: 16 queries x 64 keys per warp.
+      float s[kTilesKv][4];
+      product_a_bt<Tag, Config::kStepsQk>(s, q_tile, q_a, k_tile, k_n);
+      float dp[kTilesKv][4];
+      product_a_bt<Tag, Config::kStepsV>(dp, do_tile, do_a, v_tile, v_n);
+
+      const bool check = entry_is_mixed(entry) || kv_start + Config::kBlockKv > span.kv_len;
+      // The pass (exact delta or gradients) and whether tensor gradients are scattered are
+      // decided per tile, outside the element loop: a branch per element would split the loop's
+      // straight-line code (unmasked_then_masked).
+      if (delta_pass) {
+        dq_delta_elements<Modifier>(s, dp, p, invariants, at, span, query, lse2, kv_start, check,
+                                    quad_lane, row_pdp, row_p);
+        continue;
+      }
+      if (tensor_grads) {
+        dq_gradient_elements<Modifier, true>(s, dp, bp, invariants, at, span, query, lse2, delta,
+                                             kv_start, check, quad_lane, local);
+      } else {
+        dq_gradient_elements<Modifier, false>(s, dp, bp, invariants, at, span, query, lse2, delta,
+                                              kv_start, check, quad_lane, local);
+      }
+
+      // dQ += dS K (k = the 64 keys).
 #pragma unroll
-    for (int step = 0; step < Config::kBlockKv / 16; ++step) {
-      unsigned sa[4];
-      pack_fragment<Tag>(sa, dp, step);
-      accumulate_a_b<Tag, Config::kStepsQk>(dq, sa, k_tile, k_k, step);
+      for (int step = 0; step < Config::kBlockKv / 16; ++step) {
+        unsigned sa[4];
+        pack_fragment<Tag>(sa, dp, step);
+        accumulate_a_b<Tag, Config::kStepsQk>(dq, sa, k_tile, k_k, step);
+      }
     }
-  }
   }  // passes
   if constexpr (Modifier::kHasTensorGrads) {
     if (tensor_grads) Modifier::flush_tensor_grads(invariants, bp, at, local);

@@ -1,0 +1,514 @@
+// The backward's dK/dV kernel on Hopper's warpgroup tensor cores (wgmma, sm_90a; bf16/fp16,
+// head dims 64 and 128). Step 4 of docs/design/wgmma-plan.md: backward_dkdv_mma's pipeline with
+// its four products per tile on wgmma, in the layouts the forward proved (forward_wgmma.cuh).
+//
+// A block owns kBlockKv = 128 keys of one kv head (two warpgroups of 64; warp w holds keys
+// 16 w .. 16 w + 15, so the accumulator layout per warp is the mma.sync kernel's and the element
+// pipeline is shared: dkdv_elements). K and V stay in shared memory; for every query head of the
+// GQA group and every 64-row q block of the kv-major tile list, Q, dO, LSE and delta stream
+// through two stages (cp.async). Per q block and warpgroup:
+//   S^T  = K Q^T      wgmma m64 n64 k16, K (A) and Q (B) from shared memory, K-major
+//   dP^T = V dO^T     the same with V and dO
+//   element pipeline: S^T -> P^T, dP^T -> dS^T (dkdv_elements)
+//   dV  += P^T dO     wgmma m64 n(head_dim_v) k16, P^T from registers, dO MN-major
+//   dK  += dS^T Q     wgmma m64 n(head_dim_qk) k16, dS^T from registers, Q MN-major
+// Each group of products is waited for before its results are read.
+//
+// backward_dq_wgmma: a block owns kDqBlockQ = 128 query rows of one head (two warpgroups of 64)
+// and walks the q-major tile list (128 x 64) like the forward, K and V in two stages:
+//   S = Q K^T, dP = dO V^T   wgmma m64 n64 k16, both operands from shared memory (K-major)
+//   the element pipeline of backward_dq_mma (dq_delta_elements, dq_gradient_elements)
+//   dQ += dS K               wgmma m64 n(head_dim_qk) k16, dS from registers, K MN-major
+// with the same exact-delta pass and tensor-gradient scatter when a tensor gradient is wanted.
+#pragma once
+
+#include "backward_mma.cuh"
+#include "wgmma_ops.cuh"
+
+namespace flexattn_kernels {
+
+template <class ElementTag, int kHeadDimQk_, int kHeadDimV_, int kSharedBytes_, int kSharedDq_>
+struct BackwardWgmmaConfig {
+  using Tag = ElementTag;
+  static constexpr int kHeadDimQk = kHeadDimQk_;
+  static constexpr int kHeadDimV = kHeadDimV_;
+  static constexpr int kWarpgroups = 2;
+  static constexpr int kWarpgroupRows = 64;
+  static constexpr int kWarps = 4 * kWarpgroups;
+  static constexpr int kThreads = kWarps * kWarpSize;
+  static constexpr int kBlockKv = kWarpgroupRows * kWarpgroups;  // 128 keys
+  static constexpr int kBlockQ = 64;
+  static constexpr int kStages = 2;
+  static constexpr int kChunksQk = kHeadDimQk / kChunkElements;
+  static constexpr int kChunksV = kHeadDimV / kChunkElements;
+  static constexpr int kStepsQk = kHeadDimQk / 16;
+  static constexpr int kStepsV = kHeadDimV / 16;
+  static constexpr int kStepsQ = kBlockQ / 16;  // k-steps of dV and dK (over the queries)
+  static constexpr int kTilesQ = kBlockQ / 8;   // 8-column accumulator tiles of S^T and dP^T
+  static constexpr int kTilesQk = kHeadDimQk / 8;
+  static constexpr int kTilesV = kHeadDimV / 8;
+  using KLayout = SwizzledPanels<kBlockKv, kChunksQk>;
+  using VLayout = SwizzledPanels<kBlockKv, kChunksV>;
+  using QLayout = SwizzledPanels<kBlockQ, kChunksQk>;
+  using DoLayout = SwizzledPanels<kBlockQ, kChunksV>;
+  static constexpr int kKBytes = kBlockKv * kChunksQk * kChunkBytes;
+  static constexpr int kVBytes = kBlockKv * kChunksV * kChunkBytes;
+  static constexpr int kQBytes = kBlockQ * kChunksQk * kChunkBytes;
+  static constexpr int kDoBytes = kBlockQ * kChunksV * kChunkBytes;
+  static constexpr int kRowStageBytes =
+      2 * kBlockQ * static_cast<int>(sizeof(float));  // lse, delta
+  static constexpr int kAlignment = 1024;             // the panels' swizzle (forward_wgmma.cuh)
+  static constexpr int kStreamBytes = kStages * (kQBytes + kDoBytes);
+  static constexpr int kSharedBytes =
+      kAlignment + kKBytes + kVBytes + kStreamBytes + kStages * kRowStageBytes;
+
+  static_assert((kHeadDimQk == 64 || kHeadDimQk == 128) && (kHeadDimV == 64 || kHeadDimV == 128),
+                "the wgmma backward takes head dims 64 and 128");
+  static_assert(kQBytes % kAlignment == 0 && kDoBytes % kAlignment == 0, "panels stay aligned");
+  // The epilogue stages dK and dV (128 rows each, swizzled rows) where Q and dO streamed.
+  static_assert(kStreamBytes >= kBlockKv * (kChunksQk + kChunksV) * kChunkBytes,
+                "dK and dV fit the streaming stages");
+  static_assert(kSharedBytes == kSharedBytes_, "the host's shared-memory size (tile_plan.cpp)");
+
+  // The dQ kernel: two warpgroups of 64 query rows (128), kv tiles of 64 keys in kStages stages.
+  static constexpr int kDqBlockQ = kWarpgroupRows * kWarpgroups;
+  static constexpr int kDqBlockKv = 64;
+  static constexpr int kDqTilesKv = kDqBlockKv / 8;   // 8-column accumulator tiles of S and dP
+  static constexpr int kDqStepsKv = kDqBlockKv / 16;  // k-steps of dQ += dS K
+  using DqQLayout = SwizzledPanels<kDqBlockQ, kChunksQk>;
+  using DqDoLayout = SwizzledPanels<kDqBlockQ, kChunksV>;
+  using DqKLayout = SwizzledPanels<kDqBlockKv, kChunksQk>;
+  using DqVLayout = SwizzledPanels<kDqBlockKv, kChunksV>;
+  static constexpr int kDqQBytes = kDqBlockQ * kChunksQk * kChunkBytes;
+  static constexpr int kDqDoBytes = kDqBlockQ * kChunksV * kChunkBytes;
+  static constexpr int kDqKBytes = kDqBlockKv * kChunksQk * kChunkBytes;
+  static constexpr int kDqVBytes = kDqBlockKv * kChunksV * kChunkBytes;
+  static constexpr int kDqStreamBytes = kStages * (kDqKBytes + kDqVBytes);
+  static constexpr int kSharedDq = kAlignment + kDqQBytes + kDqDoBytes + kDqStreamBytes;
+  static_assert(kDqStreamBytes >= kDqBlockQ * kChunksQk * kChunkBytes,
+                "dQ fits the K and V stages");
+  static_assert(kSharedDq == kSharedDq_, "the host's dQ shared-memory size (tile_plan.cpp)");
+};
+
+template <class Config, class Modifier>
+__device__ __forceinline__ void backward_dkdv_wgmma(const BackwardParams& bp) {
+  using Tag = typename Config::Tag;
+  constexpr int kThreads = Config::kThreads;
+  constexpr int kBlockQ = Config::kBlockQ;
+  constexpr int kTilesQ = Config::kTilesQ;
+  constexpr int kPanelRowBytes = kSwizzleRows * kChunkBytes;      // 128
+  constexpr int kCoreGroupBytes = kSwizzleRows * kPanelRowBytes;  // 8 rows: a descriptor stride
+  constexpr int kStepBytes = 16 * 2;  // one k-step of 16 values along a K-major row
+  const ForwardParams& p = bp.fwd;
+  extern __shared__ __align__(128) unsigned char shared_memory[];
+  const unsigned shared_start = shared_address(shared_memory);
+  const unsigned aligned_start =
+      (shared_start + Config::kAlignment - 1) & ~static_cast<unsigned>(Config::kAlignment - 1);
+  unsigned char* shared = shared_memory + (aligned_start - shared_start);
+
+  const int thread = threadIdx.x;
+  const int warp = thread / kWarpSize;
+  const int lane = thread % kWarpSize;
+  const int group = lane / 4;
+  const int quad_lane = lane % 4;
+  const int warpgroup = warp / 4;
+  const int kv_tile = blockIdx.x;
+  const int head_kv = blockIdx.y;
+  const int batch = blockIdx.z;
+  const SequenceSpan span = sequence_span(p, batch);
+  const int kv_start = kv_tile * Config::kBlockKv;
+  if (kv_start >= span.kv_len) return;
+
+  const unsigned k_tile = aligned_start;
+  const unsigned v_tile = k_tile + Config::kKBytes;
+  const unsigned q_tiles = v_tile + Config::kVBytes;
+  const unsigned do_tiles = q_tiles + Config::kStages * Config::kQBytes;
+  const unsigned row_tiles = do_tiles + Config::kStages * Config::kDoBytes;
+  unsigned char* stream_area = shared + Config::kKBytes + Config::kVBytes;
+  const float* row_floats = reinterpret_cast<const float*>(stream_area + Config::kStreamBytes);
+
+  load_rows_async<Config::kBlockKv, typename Config::KLayout, Config::kChunksQk, kThreads>(
+      k_tile, view_row<const unsigned short>(p.k, batch, span.kv_offset + kv_start, head_kv),
+      p.k.token_stride, span.kv_len - kv_start, Config::kChunksQk, thread);
+  load_rows_async<Config::kBlockKv, typename Config::VLayout, Config::kChunksV, kThreads>(
+      v_tile, view_row<const unsigned short>(p.v, batch, span.kv_offset + kv_start, head_kv),
+      p.v.token_stride, span.kv_len - kv_start, Config::kChunksV, thread);
+  commit_copies();
+
+  // The q blocks visiting this tile, without those past this sequence's queries (thd).
+  int begin = bp.kv_tile_offsets[kv_tile];
+  int end = bp.kv_tile_offsets[kv_tile + 1];
+  while (end > begin && (bp.kv_tile_entries[end - 1] >> 1) * kBlockQ >= span.q_len) --end;
+  const int per_head = end - begin;
+  const int total = per_head * p.heads_per_kv;
+
+  auto load_queries = [&](int iteration, int stage) {
+    const int head = head_kv * p.heads_per_kv + iteration / per_head;
+    const int q_start = (bp.kv_tile_entries[begin + iteration % per_head] >> 1) * kBlockQ;
+    const int rows_valid = span.q_len - q_start;
+    load_rows_async<kBlockQ, typename Config::QLayout, Config::kChunksQk, kThreads>(
+        q_tiles + stage * Config::kQBytes,
+        view_row<const unsigned short>(p.q, batch, span.q_offset + q_start, head), p.q.token_stride,
+        rows_valid, Config::kChunksQk, thread);
+    load_rows_async<kBlockQ, typename Config::DoLayout, Config::kChunksV, kThreads>(
+        do_tiles + stage * Config::kDoBytes,
+        view_row<const unsigned short>(bp.dout, batch, span.q_offset + q_start, head),
+        bp.dout.token_stride, rows_valid, Config::kChunksV, thread);
+    if (thread < 2 * kBlockQ) {  // lse, then delta: one float per thread
+      const int row = thread % kBlockQ;
+      const bool valid = row < rows_valid;
+      const float* source = thread < kBlockQ
+                                ? lse_row(bp, batch, head, span.q_offset + q_start)
+                                : delta_address(bp, batch, head, span.q_offset + q_start);
+      copy_float_async(row_tiles + stage * Config::kRowStageBytes + thread * sizeof(float),
+                       valid ? source + row : source, valid);
+    }
+  };
+  if (total > 0) load_queries(0, 0);
+  commit_copies();
+
+  float dk[Config::kTilesQk][4];
+  float dv[Config::kTilesV][4];
+  zero_accumulators(dk);
+  zero_accumulators(dv);
+  float(&dk_flat)[Config::kTilesQk * 4] = reinterpret_cast<float(&)[Config::kTilesQk * 4]>(dk);
+  float(&dv_flat)[Config::kTilesV * 4] = reinterpret_cast<float(&)[Config::kTilesV * 4]>(dv);
+
+  int kv_row[2];  // this thread's keys (accumulator rows)
+  kv_row[0] = kv_start + warp * 16 + group;
+  kv_row[1] = kv_row[0] + 8;
+  const bool kv_boundary = kv_start + Config::kBlockKv > span.kv_len;
+  // This warpgroup's 64 keys of K and V as K-major A operands.
+  const unsigned long long k_descriptor = matrix_descriptor(
+      k_tile + warpgroup * Config::kWarpgroupRows * kPanelRowBytes, 16, kCoreGroupBytes);
+  const unsigned long long v_descriptor = matrix_descriptor(
+      v_tile + warpgroup * Config::kWarpgroupRows * kPanelRowBytes, 16, kCoreGroupBytes);
+
+  int prepared_head = -1;
+  typename Modifier::Invariants invariants{};
+  for (int iteration = 0; iteration < total; ++iteration) {
+    const int stage = iteration % Config::kStages;
+    wait_copies<0>();
+    fence_async_shared();  // this thread's copies, visible to the wgmma reads after the barrier
+    __syncthreads();       // this iteration's Q/dO visible; the other stage is no longer read
+    if (iteration + 1 < total) load_queries(iteration + 1, (iteration + 1) % Config::kStages);
+    commit_copies();
+
+    const int head = head_kv * p.heads_per_kv + iteration / per_head;
+    const int entry = bp.kv_tile_entries[begin + iteration % per_head];
+    const int q_start = (entry >> 1) * kBlockQ;
+    const Coordinates at{batch, head, span.q_len, span.kv_len};
+    if (head != prepared_head) {
+      invariants = Modifier::prepare(p, at);
+      prepared_head = head;
+    }
+    const unsigned q_tile = q_tiles + stage * Config::kQBytes;
+    const unsigned do_tile = do_tiles + stage * Config::kDoBytes;
+    const float* lse_stage = row_floats + stage * 2 * kBlockQ;
+    const float* delta_stage = lse_stage + kBlockQ;
+
+    // S^T = K Q^T and dP^T = V dO^T: 64 keys x 64 queries per warpgroup, one group.
+    float st[kTilesQ][4];
+    float dpt[kTilesQ][4];
+    float(&st_flat)[kTilesQ * 4] = reinterpret_cast<float(&)[kTilesQ * 4]>(st);
+    float(&dpt_flat)[kTilesQ * 4] = reinterpret_cast<float(&)[kTilesQ * 4]>(dpt);
+    const unsigned long long q_descriptor = matrix_descriptor(q_tile, 16, kCoreGroupBytes);
+    const unsigned long long do_descriptor = matrix_descriptor(do_tile, 16, kCoreGroupBytes);
+    fence_operands(st_flat);
+    fence_operands(dpt_flat);
+    wgmma_fence();
+#pragma unroll
+    for (int step = 0; step < Config::kStepsQk; ++step) {
+      const unsigned along = (step % 4) * kStepBytes;
+      const unsigned panel = step / 4;
+      wgmma_from_shared(
+          Tag{}, st_flat,
+          advance_descriptor(k_descriptor, panel * Config::KLayout::kPanelBytes + along),
+          advance_descriptor(q_descriptor, panel * Config::QLayout::kPanelBytes + along), step > 0);
+    }
+#pragma unroll
+    for (int step = 0; step < Config::kStepsV; ++step) {
+      const unsigned along = (step % 4) * kStepBytes;
+      const unsigned panel = step / 4;
+      wgmma_from_shared(
+          Tag{}, dpt_flat,
+          advance_descriptor(v_descriptor, panel * Config::VLayout::kPanelBytes + along),
+          advance_descriptor(do_descriptor, panel * Config::DoLayout::kPanelBytes + along),
+          step > 0);
+    }
+    wgmma_commit();
+    wgmma_wait<0>();
+    fence_operands(st_flat);
+    fence_operands(dpt_flat);
+
+    // Element pipeline: st becomes P^T, dpt becomes dS^T.
+    dkdv_elements<Modifier>(st, dpt, p, invariants, at, span, kv_row, q_start,
+                            entry_is_mixed(entry) || kv_boundary, lse_stage, delta_stage,
+                            quad_lane);
+
+    // dV += P^T dO and dK += dS^T Q (k = the 64 queries; dO and Q as MN-major B operands).
+    unsigned pa[Config::kStepsQ][4];
+    unsigned sa[Config::kStepsQ][4];
+#pragma unroll
+    for (int step = 0; step < Config::kStepsQ; ++step) {
+      pack_fragment<Tag>(pa[step], st, step);
+      pack_fragment<Tag>(sa[step], dpt, step);
+      fence_operands(pa[step]);
+      fence_operands(sa[step]);
+    }
+    fence_operands(dk_flat);
+    fence_operands(dv_flat);
+    wgmma_fence();
+    const unsigned long long do_values =
+        matrix_descriptor(do_tile, Config::DoLayout::kPanelBytes, kCoreGroupBytes);
+    const unsigned long long q_values =
+        matrix_descriptor(q_tile, Config::QLayout::kPanelBytes, kCoreGroupBytes);
+#pragma unroll
+    for (int step = 0; step < Config::kStepsQ; ++step) {
+      wgmma_from_registers(Tag{}, dv_flat, pa[step],
+                           advance_descriptor(do_values, step * 16 * kPanelRowBytes), 1);
+    }
+#pragma unroll
+    for (int step = 0; step < Config::kStepsQ; ++step) {
+      wgmma_from_registers(Tag{}, dk_flat, sa[step],
+                           advance_descriptor(q_values, step * 16 * kPanelRowBytes), 1);
+    }
+    wgmma_commit();
+    wgmma_wait<0>();
+    fence_operands(dk_flat);
+    fence_operands(dv_flat);
+  }
+  wait_copies<0>();
+  __syncthreads();  // every warp is done with the stages: they now stage dK and dV
+
+  unsigned char* dk_stage = stream_area;
+  unsigned char* dv_stage = dk_stage + Config::kBlockKv * Config::kChunksQk * kChunkBytes;
+  stage_rows<Tag, Config::kChunksQk>(dk_stage, dk, warp * 16, group, quad_lane, p.scale);
+  stage_rows<Tag, Config::kChunksV>(dv_stage, dv, warp * 16, group, quad_lane, 1.0f);
+  __syncthreads();
+  const int rows_valid = span.kv_len - kv_start;
+  store_staged<Config::kChunksQk, Config::kChunksQk, kThreads, Config::kBlockKv>(
+      dk_stage, view_row<unsigned short>(bp.dk, batch, span.kv_offset + kv_start, head_kv),
+      bp.dk.token_stride, rows_valid, thread);
+  store_staged<Config::kChunksV, Config::kChunksV, kThreads, Config::kBlockKv>(
+      dv_stage, view_row<unsigned short>(bp.dv, batch, span.kv_offset + kv_start, head_kv),
+      bp.dv.token_stride, rows_valid, thread);
+}
+
+template <class Config, class Modifier>
+__device__ __forceinline__ void backward_dq_wgmma(const BackwardParams& bp) {
+  using Tag = typename Config::Tag;
+  constexpr int kThreads = Config::kThreads;
+  constexpr int kBlockQ = Config::kDqBlockQ;
+  constexpr int kBlockKv = Config::kDqBlockKv;
+  constexpr int kTilesKv = Config::kDqTilesKv;
+  constexpr int kPanelRowBytes = kSwizzleRows * kChunkBytes;      // 128
+  constexpr int kCoreGroupBytes = kSwizzleRows * kPanelRowBytes;  // 8 rows: a descriptor stride
+  constexpr int kStepBytes = 16 * 2;  // one k-step of 16 values along a K-major row
+  const ForwardParams& p = bp.fwd;
+  extern __shared__ __align__(128) unsigned char shared_memory[];
+  const unsigned shared_start = shared_address(shared_memory);
+  const unsigned aligned_start =
+      (shared_start + Config::kAlignment - 1) & ~static_cast<unsigned>(Config::kAlignment - 1);
+  unsigned char* shared = shared_memory + (aligned_start - shared_start);
+
+  const int thread = threadIdx.x;
+  const int warp = thread / kWarpSize;
+  const int lane = thread % kWarpSize;
+  const int group = lane / 4;
+  const int quad_lane = lane % 4;
+  const int warpgroup = warp / 4;
+  const int q_block = gridDim.x - 1 - blockIdx.x;  // the longest lists (causal) start first
+  const int head = blockIdx.y;
+  const int batch = blockIdx.z;
+  const SequenceSpan span = sequence_span(p, batch);
+  const int q_start = q_block * kBlockQ;
+  if (q_start >= span.q_len) return;
+  const int head_kv = head / p.heads_per_kv;
+  const Coordinates at{batch, head, span.q_len, span.kv_len};
+
+  const unsigned q_tile = aligned_start;
+  const unsigned do_tile = q_tile + Config::kDqQBytes;
+  const unsigned k_tiles = do_tile + Config::kDqDoBytes;
+  const unsigned v_tiles = k_tiles + Config::kStages * Config::kDqKBytes;
+  const unsigned short* k_source =
+      view_row<const unsigned short>(p.k, batch, span.kv_offset, head_kv);
+  const unsigned short* v_source =
+      view_row<const unsigned short>(p.v, batch, span.kv_offset, head_kv);
+
+  const EntryRange entries = visited_tiles(p, q_start, kBlockKv, span.kv_len);
+  const int q_rows_valid = span.q_len - q_start;
+  load_rows_async<kBlockQ, typename Config::DqQLayout, Config::kChunksQk, kThreads>(
+      q_tile, view_row<const unsigned short>(p.q, batch, span.q_offset + q_start, head),
+      p.q.token_stride, q_rows_valid, Config::kChunksQk, thread);
+  load_rows_async<kBlockQ, typename Config::DqDoLayout, Config::kChunksV, kThreads>(
+      do_tile, view_row<const unsigned short>(bp.dout, batch, span.q_offset + q_start, head),
+      bp.dout.token_stride, q_rows_valid, Config::kChunksV, thread);
+  commit_copies();
+
+  auto load_keys_and_values = [&](int entry_index, int stage) {
+    const int kv_start = entry_kv_tile(p.tile_entries[entry_index]) * kBlockKv;
+    const int rows_valid = span.kv_len - kv_start;
+    load_rows_async<kBlockKv, typename Config::DqKLayout, Config::kChunksQk, kThreads>(
+        k_tiles + stage * Config::kDqKBytes, k_source + kv_start * p.k.token_stride,
+        p.k.token_stride, rows_valid, Config::kChunksQk, thread);
+    load_rows_async<kBlockKv, typename Config::DqVLayout, Config::kChunksV, kThreads>(
+        v_tiles + stage * Config::kDqVBytes, v_source + kv_start * p.v.token_stride,
+        p.v.token_stride, rows_valid, Config::kChunksV, thread);
+  };
+  if (entries.begin < entries.end) load_keys_and_values(entries.begin, 0);
+  commit_copies();
+
+  // This thread's two rows: position (clamped), validity, LSE (log2 domain) and delta.
+  int query[2];
+  bool row_valid[2];
+  float lse2[2];
+  float delta[2];
+#pragma unroll
+  for (int half = 0; half < 2; ++half) {
+    const int row = q_start + warp * 16 + group + half * 8;
+    row_valid[half] = row < span.q_len;
+    query[half] = ir_min(row, span.q_len - 1);
+    lse2[half] = row_valid[half] ? *lse_row(bp, batch, head, span.q_offset + row) * kLog2e
+                                 : negative_infinity();
+    delta[half] = row_valid[half] ? *delta_address(bp, batch, head, span.q_offset + row) : 0.0f;
+  }
+  const typename Modifier::Invariants invariants = Modifier::prepare(p, at);
+  long long local[Modifier::kLocalGradSlots];
+#pragma unroll
+  for (int k = 0; k < Modifier::kLocalGradSlots; ++k) local[k] = 0;
+
+  float dq[Config::kTilesQk][4];
+  zero_accumulators(dq);
+  float(&dq_flat)[Config::kTilesQk * 4] = reinterpret_cast<float(&)[Config::kTilesQk * 4]>(dq);
+  // This warpgroup's 64 rows of Q and dO as K-major A operands.
+  const unsigned long long q_descriptor = matrix_descriptor(
+      q_tile + warpgroup * Config::kWarpgroupRows * kPanelRowBytes, 16, kCoreGroupBytes);
+  const unsigned long long do_descriptor = matrix_descriptor(
+      do_tile + warpgroup * Config::kWarpgroupRows * kPanelRowBytes, 16, kCoreGroupBytes);
+
+  // When tensor gradients are wanted, a first pass recomputes delta as rowsum(P * dP) and
+  // renormalises P by its own row sum (see exact_delta_rows in backward_common.cuh); the second
+  // pass computes the gradients.
+  const bool tensor_grads = Modifier::kHasTensorGrads && bp.tensor_grads_wanted != 0;
+  const int first_pass = tensor_grads ? 0 : 1;
+  float row_pdp[2] = {0.0f, 0.0f};
+  float row_p[2] = {0.0f, 0.0f};
+  for (int pass = first_pass; pass < 2; ++pass) {
+    const bool delta_pass = pass == 0;
+    if (pass == 1 && first_pass == 0) {
+      wait_copies<0>();
+      __syncthreads();  // every warp is done with the last K/V stage of the first pass
+#pragma unroll
+      for (int half = 0; half < 2; ++half) {
+        const float sum_pdp = quad_sum(row_pdp[half]);
+        const float sum_p = quad_sum(row_p[half]);
+        if (row_valid[half] && sum_p > 0.0f) {
+          lse2[half] += log2f(sum_p);
+          delta[half] = sum_pdp / sum_p;
+        }
+      }
+      if (entries.begin < entries.end) load_keys_and_values(entries.begin, 0);
+      commit_copies();
+    }
+    for (int entry_index = entries.begin; entry_index < entries.end; ++entry_index) {
+      const int iteration = entry_index - entries.begin;
+      const int stage = iteration % Config::kStages;
+      wait_copies<0>();
+      fence_async_shared();  // this thread's copies, visible to the wgmma reads after the barrier
+      __syncthreads();       // tile `iteration` visible; the other stage is no longer read
+      if (entry_index + 1 < entries.end) {
+        load_keys_and_values(entry_index + 1, (iteration + 1) % Config::kStages);
+      }
+      commit_copies();
+      const unsigned k_tile = k_tiles + stage * Config::kDqKBytes;
+      const unsigned v_tile = v_tiles + stage * Config::kDqVBytes;
+      const int entry = p.tile_entries[entry_index];
+      const int kv_start = entry_kv_tile(entry) * kBlockKv;
+
+      // S = Q K^T and dP = dO V^T: 64 queries x 64 keys per warpgroup, one group.
+      float s[kTilesKv][4];
+      float dp[kTilesKv][4];
+      float(&s_flat)[kTilesKv * 4] = reinterpret_cast<float(&)[kTilesKv * 4]>(s);
+      float(&dp_flat)[kTilesKv * 4] = reinterpret_cast<float(&)[kTilesKv * 4]>(dp);
+      const unsigned long long k_descriptor = matrix_descriptor(k_tile, 16, kCoreGroupBytes);
+      const unsigned long long v_descriptor = matrix_descriptor(v_tile, 16, kCoreGroupBytes);
+      fence_operands(s_flat);
+      fence_operands(dp_flat);
+      wgmma_fence();
+#pragma unroll
+      for (int step = 0; step < Config::kStepsQk; ++step) {
+        const unsigned along = (step % 4) * kStepBytes;
+        const unsigned panel = step / 4;
+        wgmma_from_shared(
+            Tag{}, s_flat,
+            advance_descriptor(q_descriptor, panel * Config::DqQLayout::kPanelBytes + along),
+            advance_descriptor(k_descriptor, panel * Config::DqKLayout::kPanelBytes + along),
+            step > 0);
+      }
+#pragma unroll
+      for (int step = 0; step < Config::kStepsV; ++step) {
+        const unsigned along = (step % 4) * kStepBytes;
+        const unsigned panel = step / 4;
+        wgmma_from_shared(
+            Tag{}, dp_flat,
+            advance_descriptor(do_descriptor, panel * Config::DqDoLayout::kPanelBytes + along),
+            advance_descriptor(v_descriptor, panel * Config::DqVLayout::kPanelBytes + along),
+            step > 0);
+      }
+      wgmma_commit();
+      wgmma_wait<0>();
+      fence_operands(s_flat);
+      fence_operands(dp_flat);
+
+      const bool check = entry_is_mixed(entry) || kv_start + kBlockKv > span.kv_len;
+      // The pass and the scatter are decided per tile (see backward_dq_mma).
+      if (delta_pass) {
+        dq_delta_elements<Modifier>(s, dp, p, invariants, at, span, query, lse2, kv_start, check,
+                                    quad_lane, row_pdp, row_p);
+        continue;
+      }
+      if (tensor_grads) {
+        dq_gradient_elements<Modifier, true>(s, dp, bp, invariants, at, span, query, lse2, delta,
+                                             kv_start, check, quad_lane, local);
+      } else {
+        dq_gradient_elements<Modifier, false>(s, dp, bp, invariants, at, span, query, lse2, delta,
+                                              kv_start, check, quad_lane, local);
+      }
+
+      // dQ += dS K (k = the 64 keys; K as the MN-major B operand).
+      unsigned sa[Config::kDqStepsKv][4];
+#pragma unroll
+      for (int step = 0; step < Config::kDqStepsKv; ++step) {
+        pack_fragment<Tag>(sa[step], dp, step);
+        fence_operands(sa[step]);
+      }
+      fence_operands(dq_flat);
+      wgmma_fence();
+      const unsigned long long k_values =
+          matrix_descriptor(k_tile, Config::DqKLayout::kPanelBytes, kCoreGroupBytes);
+#pragma unroll
+      for (int step = 0; step < Config::kDqStepsKv; ++step) {
+        wgmma_from_registers(Tag{}, dq_flat, sa[step],
+                             advance_descriptor(k_values, step * 16 * kPanelRowBytes), 1);
+      }
+      wgmma_commit();
+      wgmma_wait<0>();
+      fence_operands(dq_flat);
+    }
+  }  // passes
+  if constexpr (Modifier::kHasTensorGrads) {
+    if (tensor_grads) Modifier::flush_tensor_grads(invariants, bp, at, local);
+  }
+  wait_copies<0>();
+  __syncthreads();  // every warp is done with Q and K: the K/V stages now stage dQ
+
+  unsigned char* dq_stage = shared + Config::kDqQBytes + Config::kDqDoBytes;
+  stage_rows<Tag, Config::kChunksQk>(dq_stage, dq, warp * 16, group, quad_lane, p.scale);
+  __syncthreads();
+  store_staged<Config::kChunksQk, Config::kChunksQk, kThreads, kBlockQ>(
+      dq_stage, view_row<unsigned short>(bp.dq, batch, span.q_offset + q_start, head),
+      bp.dq.token_stride, q_rows_valid, thread);
+}
+
+}  // namespace flexattn_kernels
