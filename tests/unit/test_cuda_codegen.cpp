@@ -91,9 +91,9 @@ std::vector<GeneratedCase> cases() {
       {"identity_bf16_d128", DType::kBF16, 128, 128, "", "", {}, {}, Layout::kBSHD,
        {"kIdentityScore = true", "kHasMask = false", "forward_mma", "BFloat16Tag, 128, 128"}},
       {"softcap_causal_fp16_d64", DType::kF16, 64, 64, "30 * tanh(score / 30)", "q >= kv", {}, {},
-       Layout::kBHSD, {"tanhf(", "kHasMask = true", "HalfTag", "forward_mma"}},
+       Layout::kBHSD, {"ir_tanh(", "kHasMask = true", "HalfTag", "forward_mma"}},
       {"softcap_fp32_d64", DType::kF32, 64, 64, "30 * tanh(score / 30)", "", {}, {},
-       Layout::kBSHD, {"tanhf(", "ir_mul(score", "forward_simt"}},
+       Layout::kBSHD, {"ir_tanh(", "ir_mul(score", "forward_simt"}},
       {"alibi_bf16_d80_v72_sbhd", DType::kBF16, 80, 72, "score + slopes[h] * (kv - q)", "", {{"slopes", slopes}},
        {}, Layout::kSBHD, {"load_tensor_f32(", "inv.s", "80, 72, 128, 128"}},
       {"bias_window_fp32_d256", DType::kF32, 256, 256, "score + bias[h, q, kv]", "q >= kv && q - kv < 32",
@@ -204,7 +204,7 @@ TEST(CudaCodegenBackward, SoftcapHasAScoreGradient) {
   EXPECT_NE(source.find("kHasTensorGrads = false"), std::string::npos) << source;
   EXPECT_NE(source.find("kLocalGradSlots = 1;"), std::string::npos) << source;
   const std::string score_grad = between(source, "float score_grad(", "void tensor_grads(");
-  EXPECT_NE(score_grad.find("tanhf("), std::string::npos) << score_grad;
+  EXPECT_NE(score_grad.find("ir_tanh("), std::string::npos) << score_grad;
   for (const char* entry : {"flexattn_forward(", "flexattn_backward_delta(",
                             "flexattn_backward_dkdv(", "flexattn_backward_dq(",
                             "flexattn_backward_finalize("}) {
@@ -537,6 +537,55 @@ TEST(CudaForwardChoice, WgmmaOnlyOnSm90ForSixteenBitHeadDims64And128) {
   EXPECT_EQ(choose(DType::kF32, 128, 128, 90).kind, cuda::KernelKind::kSimt);
 }
 
+// The body of one generated function, from its name to the closing brace of its definition.
+std::string function_body(const std::string& source, const std::string& name) {
+  const std::size_t start = source.find(" " + name + "(");
+  if (start == std::string::npos) return {};
+  return source.substr(start, source.find("\n  }\n", start) - start);
+}
+
+// score_mod_log2 (the tensor-core kernels' logit in the exp2 domain) merges the constant
+// multiplications around softcap's tanh: two fewer instructions per score, and no separate
+// `score` when every use of it has a constant factor.
+TEST(CudaCodegen, ConstantMultiplicationsAroundTheScoreAreMerged) {
+  SKIP_WITHOUT_CUDA_ENGINE();
+  struct Expectation {
+    std::string score_mod;
+    std::vector<std::string> present, absent;
+  };
+  const std::vector<Expectation> expectations = {
+      // 30 * tanh(score / 30): dot * (scale / 30), then tanh(...) * (30 * log2(e)).
+      {"30 * tanh(score / 30)",
+       {"ir_mul(dot, inv.s", "ir_tanh(", "(0x1.5a3f2ep+5f)"},
+       {"const float score", "kLog2e", "(0x1.ep+4f)"}},
+      // The score is added to: it is computed, and the logit times log2(e) at the end.
+      {"score + slopes[h] * (kv - q)", {"const float score = dot * p.scale;", "kLog2e)"}, {}},
+      // The root multiplies the score itself: nothing to merge.
+      {"score * 2", {"const float score = dot * p.scale;", "kLog2e)"}, {"_dot"}},
+      // A score used twice, once without a constant factor: computed once, not merged.
+      {"where(score > 0, score * 0.5, score)", {"const float score = dot * p.scale;"}, {"_dot"}},
+      // Division of the root by a constant: x * (log2(e) / c).
+      {"tanh(score * 0.25) / 4", {"ir_mul(dot, inv.s", "(0x1.715476p-2f)"}, {"kLog2e"}},
+  };
+  for (const Expectation& e : expectations) {
+    SCOPED_TRACE(e.score_mod);
+    GeneratedCase c{"merge", DType::kBF16, 64, 64, e.score_mod, "",
+                    {{"slopes", TensorDecl{DType::kF32, {4}}}}, {}, Layout::kBSHD, {}};
+    if (e.score_mod.find("slopes") == std::string::npos) c.tensors.clear();
+    const std::string source = cuda_engine()->generated_source(make_problem(c));
+    const std::string body = function_body(source, "score_mod_log2");
+    ASSERT_FALSE(body.empty()) << source.substr(source.find("// ---- generated"));
+    for (const std::string& fragment : e.present) {
+      EXPECT_NE(body.find(fragment), std::string::npos) << "missing '" << fragment << "' in\n"
+                                                        << body;
+    }
+    for (const std::string& fragment : e.absent) {
+      EXPECT_EQ(body.find(fragment), std::string::npos) << "unexpected '" << fragment << "' in\n"
+                                                        << body;
+    }
+  }
+}
+
 // The wgmma translation units, forward and forward + backward, compile for sm_90a with NVRTC (no
 // GPU) and hold the warpgroup instructions: the engine's module on an H200.
 TEST(CudaForwardCompile, WgmmaTranslationUnitsCompileForSm90a) {
@@ -582,6 +631,29 @@ TEST(CudaForwardCompile, WgmmaTranslationUnitsCompileForSm90a) {
     }
     EXPECT_FALSE(cubin.empty());
   }
+}
+
+// FLEXATTN_CUDA_WGMMA_TURNS=1's variant (warpgroups take turns issuing) compiles too, and says so.
+TEST(CudaForwardCompile, WgmmaTakingTurnsCompilesForSm90a) {
+  SKIP_WITHOUT_CUDA_ENGINE();
+  constexpr int kCapability = 90;
+  const Problem problem = make_problem(GeneratedCase{"turns", DType::kBF16, 128, 128,
+                                                     "30 * tanh(score / 30)", "q >= kv", {}, {},
+                                                     Layout::kBSHD, {}});
+  cuda::KernelChoice choice = cuda::choose_kernel(problem, kCapability).choice;
+  ASSERT_TRUE(choice.pipelined);
+  choice.take_turns = true;
+  EXPECT_NE(choice.describe().find("take turns"), std::string::npos) << choice.describe();
+  const std::string source = cuda::generate_translation_unit(
+      problem, cuda::bind_modifier(problem).bindings, choice, nullptr);
+  EXPECT_NE(source.find("230400, true>"), std::string::npos);
+  std::vector<char> cubin;
+  try {
+    cubin = cuda::compile_to_cubin(source, "turns.cu", kCapability, choice.architecture_suffix());
+  } catch (const Error& error) {
+    ADD_FAILURE() << error.what();
+  }
+  EXPECT_FALSE(cubin.empty());
 }
 
 // The backward translation units compile for sm_90 (NVRTC, no GPU). These need the backward

@@ -7,6 +7,7 @@
 #include <cmath>
 #include <cstdint>
 #include <limits>
+#include <map>
 #include <set>
 #include <tuple>
 #include <utility>
@@ -109,12 +110,14 @@ class GraphLowering {
     reachable_[static_cast<std::size_t>(graph.root())] = true;
     for (std::size_t i = count; i-- > 0;) {
       if (!reachable_[i]) continue;
-      for (std::int32_t arg : graph.nodes()[i].args) reachable_[static_cast<std::size_t>(arg)] = true;
+      for (std::int32_t arg : graph.nodes()[i].args)
+        reachable_[static_cast<std::size_t>(arg)] = true;
     }
     for (std::size_t i = 0; i < count; ++i) {
       const GraphNode& node = graph.nodes()[i];
       bool varying = node.op == Op::kScore || node.op == Op::kQuery || node.op == Op::kKey;
-      for (std::int32_t arg : node.args) varying = varying || varying_[static_cast<std::size_t>(arg)];
+      for (std::int32_t arg : node.args)
+        varying = varying || varying_[static_cast<std::size_t>(arg)];
       varying_[i] = varying;
     }
   }
@@ -132,7 +135,7 @@ class GraphLowering {
   // Per-element statements; returns the root's value.
   std::string emit_varying(std::string& statements) const {
     for (std::size_t i = 0; i < graph_.nodes().size(); ++i) {
-      if (!reachable_[i] || !varying_[i] || !is_computed(i)) continue;
+      if (!reachable_[i] || !varying_[i] || !is_computed(i) || i == skipped_) continue;
       const GraphNode& node = graph_.nodes()[i];
       statements +=
           fmt::format("    const {} {}{} = {};\n", c_type(node.type), prefix_, i, expression(i));
@@ -142,6 +145,71 @@ class GraphLowering {
 
   // Whether the root depends on the score, q or kv (else it is a field of Invariants or a leaf).
   bool varies() const { return varying_[static_cast<std::size_t>(graph_.root())]; }
+
+  // The body of score_mod_log2: the logit times log2(e), from the raw dot product q . k (the
+  // tensor-core kernels' softmax runs in the exp2 domain). Two multiplications by constants are
+  // merged where the graph allows, saving two per-element instructions (softcap's
+  // `tanh(score / 30) * 30`): a score used only as `score * c` or `score / c` becomes
+  // `dot * (scale * c)` with the product computed once per block (extra Invariants fields), and a
+  // root `x * c` returns `x * (c * log2(e))`. Each merge moves the result by about an ulp of fp32,
+  // far inside the 16-bit storage these kernels serve. Returns the function's statements.
+  std::string emit_log2_from_dot(std::string& fields, std::string& assignments) {
+    const auto count = graph_.nodes().size();
+    std::int32_t score_node = -1;
+    for (std::size_t i = 0; i < count; ++i) {
+      if (reachable_[i] && graph_.nodes()[i].op == Op::kScore)
+        score_node = static_cast<std::int32_t>(i);
+    }
+    const auto root = static_cast<std::size_t>(graph_.root());
+    std::string statements;
+    if (score_node >= 0) {
+      // The constant factor of each use of the score; all uses must have one to drop `score`.
+      std::vector<std::pair<std::size_t, std::string>> folds;
+      bool all_folded = score_node != static_cast<std::int32_t>(root);
+      for (std::size_t i = 0; i < count; ++i) {
+        if (!reachable_[i]) continue;
+        const GraphNode& node = graph_.nodes()[i];
+        for (std::size_t k = 0; k < node.args.size(); ++k) {
+          if (node.args[k] != score_node) continue;
+          const std::string factor = score_factor(node, k);
+          if (factor.empty() || i == root) {
+            all_folded = false;
+          } else {
+            folds.emplace_back(i, factor);
+          }
+        }
+      }
+      if (all_folded) {
+        for (const auto& [index, factor] : folds) {
+          fields += fmt::format("    float {}{}_dot;\n", prefix_, index);
+          assignments += fmt::format("    inv.{}{}_dot = p.scale * {};\n", prefix_, index, factor);
+          overrides_[index] = fmt::format("ir_mul(dot, inv.{}{}_dot)", prefix_, index);
+        }
+      } else {
+        statements += "    const float score = dot * p.scale;\n";
+      }
+    }
+    const GraphNode& top = graph_.nodes()[root];
+    std::string merged_root;  // `x * (c * log2(e))` for a root `x * c` or `x / c`
+    if ((top.op == Op::kMul || top.op == Op::kDiv) && top.type == Type::kF32) {
+      for (std::size_t k = top.op == Op::kMul ? 0 : 1; k < 2 && merged_root.empty(); ++k) {
+        const GraphNode& factor = graph_.node(top.args[k]);
+        if (factor.op != Op::kLiteral || top.args[1 - k] == score_node) continue;
+        const double c = top.op == Op::kMul ? factor.literal : 1.0 / factor.literal;
+        const double merged = c * 1.4426950408889634;
+        if (!std::isnormal(static_cast<float>(merged))) continue;
+        merged_root =
+            fmt::format("ir_mul({}, {})", operand(top, 1 - k, Type::kF32), float_literal(merged));
+      }
+    }
+    if (!merged_root.empty()) skipped_ = root;
+    const std::string value = emit_varying(statements);
+    const std::string result =
+        merged_root.empty() ? fmt::format("ir_mul({}, kLog2e)", value) : merged_root;
+    skipped_ = count;
+    overrides_.clear();
+    return statements + fmt::format("    return {};\n", result);
+  }
 
  private:
   // Nodes that get a named value (everything but leaves, literals and params).
@@ -228,11 +296,23 @@ class GraphLowering {
     for (std::size_t k = 0; k < node.args.size(); ++k) {
       indices.push_back(operand(node, k, Type::kI32));
     }
-    return fmt::format("{}(static_cast<{}>(p.tensors[{}].data), {})", access.loader,
-                       access.pointer, slot, linear_offset(decl, indices));
+    return fmt::format("{}(static_cast<{}>(p.tensors[{}].data), {})", access.loader, access.pointer,
+                       slot, linear_offset(decl, indices));
+  }
+
+  // `score * c`, `c * score` or `score / c` (operand `k` is the score) for an f32-typed node:
+  // the constant c as a literal, else empty.
+  std::string score_factor(const GraphNode& node, std::size_t k) const {
+    if (node.type != Type::kF32 || node.args.size() != 2) return {};
+    const GraphNode& other = graph_.node(node.args[1 - k]);
+    if (other.op != Op::kLiteral) return {};
+    if (node.op == Op::kMul) return float_literal(other.literal);
+    if (node.op == Op::kDiv && k == 0) return reciprocal_of_literal(node);
+    return {};
   }
 
   std::string expression(std::size_t index) const {
+    if (const auto found = overrides_.find(index); found != overrides_.end()) return found->second;
     const GraphNode& node = graph_.nodes()[index];
     const Type type = node.type;
     switch (node.op) {
@@ -284,8 +364,8 @@ class GraphLowering {
       case Op::kNot:
         return fmt::format("(!{})", operand(node, 0, Type::kBool));
       case Op::kWhere:
-        return fmt::format("({} ? {} : {})", operand(node, 0, Type::kBool),
-                           operand(node, 1, type), operand(node, 2, type));
+        return fmt::format("({} ? {} : {})", operand(node, 0, Type::kBool), operand(node, 1, type),
+                           operand(node, 2, type));
       case Op::kMin:
         return call("ir_min", node, type);
       case Op::kMax:
@@ -307,9 +387,10 @@ class GraphLowering {
       case Op::kRsqrt:
         return call("ir_rsqrt", node, Type::kF32);
       case Op::kTanh:
-        // CUDA's tanhf (2 ulp). A cheaper exp2/reciprocal form (3e-7 absolute error) was measured
-        // at 1.7x the softcap speed but fails the fp32-level LSE tolerance on short sequences.
-        return call("tanhf", node, Type::kF32);
+        // ir_tanh (device_math.cuh): tanhf's accuracy without its branch-free clamp. The
+        // exp2/reciprocal form alone (3e-7 absolute error near 0) was measured at 1.7x the softcap
+        // speed on the mma.sync kernel but fails the fp32-level LSE tolerance on short sequences.
+        return call("ir_tanh", node, Type::kF32);
       case Op::kSigmoid:
         return call("ir_sigmoid", node, Type::kF32);
       case Op::kFloor:
@@ -317,8 +398,8 @@ class GraphLowering {
       case Op::kToFloat:
         return operand(node, 0, Type::kF32);
       case Op::kToInt:
-        if (graph_.node(node.args[0]).type == Type::kI32) return reference(
-            static_cast<std::size_t>(node.args[0]));
+        if (graph_.node(node.args[0]).type == Type::kI32)
+          return reference(static_cast<std::size_t>(node.args[0]));
         return call("ir_to_int", node, Type::kF32);
     }
     throw_internal("cuda codegen: unknown op");
@@ -326,6 +407,9 @@ class GraphLowering {
 
   const Graph& graph_;
   std::string prefix_;
+  // Expressions that replace a node's own (emit_log2_from_dot's merged multiplications).
+  std::map<std::size_t, std::string> overrides_;
+  std::size_t skipped_ = static_cast<std::size_t>(-1);  // a node emit_varying leaves out
   const Problem& problem_;
   const ModifierBindings& bindings_;
   std::vector<bool> reachable_;
@@ -435,9 +519,9 @@ std::string backward_members(const Problem& problem, const ModifierBindings& bin
 
 // The four backward entry points (their grids: kernels/params.cuh and the engine's run_backward).
 std::string backward_entry_points(const Problem& problem, const BackwardChoice& choice) {
-  const std::string launch_bounds =
-      choice.min_blocks > 0 ? fmt::format("{}, {}", choice.threads, choice.min_blocks)
-                            : fmt::format("{}", choice.threads);
+  const std::string launch_bounds = choice.min_blocks > 0
+                                        ? fmt::format("{}, {}", choice.threads, choice.min_blocks)
+                                        : fmt::format("{}", choice.threads);
   std::string text = fmt::format("using FlexattnBackwardConfig = {};\n", choice.config_type());
   text += fmt::format(
       "extern \"C\" __global__ void __launch_bounds__(flexattn_kernels::kDeltaThreads) {}(\n"
@@ -516,6 +600,8 @@ std::string generate_modifier_source(const Problem& problem, const ModifierBindi
   mask.emit_invariants(fields, assignments);
   std::string score_body;
   const std::string score_value = score.emit_varying(score_body);
+  GraphLowering score_log2(problem.score_mod(), "s", problem, bindings);
+  const std::string score_log2_body = score_log2.emit_log2_from_dot(fields, assignments);
   std::string mask_body;
   const std::string mask_value = mask.emit_varying(mask_body);
   const std::string backward_text =
@@ -539,6 +625,11 @@ std::string generate_modifier_source(const Problem& problem, const ModifierBindi
       "  __device__ static __forceinline__ float score_mod(const Invariants& inv, "
       "const ForwardParams& p, const Coordinates& at, float score, int q, int kv) {\n" +
       score_body + fmt::format("    return {};\n  }}\n", score_value);
+  text +=
+      "  // score_mod(dot * scale) * log2(e), constant multiplications merged\n"
+      "  __device__ static __forceinline__ float score_mod_log2(const Invariants& inv, "
+      "const ForwardParams& p, const Coordinates& at, float dot, int q, int kv) {\n" +
+      score_log2_body + "  }\n";
   text += fmt::format("  // mask_mod: {}\n", problem.mask_mod().to_string());
   text +=
       "  __device__ static __forceinline__ bool mask_mod(const Invariants& inv, "

@@ -77,9 +77,18 @@ Support lower_backward(const Problem& problem, Lowering& lowering, int capabilit
 }
 
 // `capability`: the device's compute capability, 0 without a device (the portable kernels).
+// FLEXATTN_CUDA_WGMMA_TURNS=1: the pipelined wgmma forward's warpgroups take turns issuing their
+// products (WgmmaConfig::kTakeTurns), an experiment measured against the default in
+// docs/performance.md.
+bool wgmma_turns() {
+  const char* value = std::getenv("FLEXATTN_CUDA_WGMMA_TURNS");
+  return value != nullptr && std::string_view(value) == "1";
+}
+
 Support lower_problem(const Problem& problem, Lowering& lowering, int capability) {
-  const KernelSelection selection = choose_kernel(problem, capability, wgmma_allowed());
+  KernelSelection selection = choose_kernel(problem, capability, wgmma_allowed());
   if (!selection.reason.empty()) return Support::no(selection.reason);
+  selection.choice.take_turns = selection.choice.pipelined && wgmma_turns();
   const BindingSelection binding = bind_modifier(problem);
   if (!binding.reason.empty()) return Support::no(binding.reason);
   if (problem.heads_q() > kMaxGridYZ || problem.batch() > kMaxGridYZ) {

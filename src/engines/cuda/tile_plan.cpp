@@ -259,9 +259,9 @@ int KernelChoice::threads() const { return warps * kWarpSize; }
 
 std::string KernelChoice::config_type() const {
   if (kind == KernelKind::kWgmma) {
-    return fmt::format("flexattn_kernels::WgmmaConfig<{}, {}, {}, {}, {}, {}, {}>",
+    return fmt::format("flexattn_kernels::WgmmaConfig<{}, {}, {}, {}, {}, {}, {}{}>",
                        element_tag(dtype), head_dim_qk, head_dim_v, block_n, stages, pipelined,
-                       shared_bytes);
+                       shared_bytes, take_turns ? ", true" : "");
   }
   if (kind == KernelKind::kMma) {
     return fmt::format("flexattn_kernels::MmaConfig<{}, {}, {}, {}, {}, {}, {}, {}, {}, {}>",
@@ -291,10 +291,10 @@ std::string KernelChoice::architecture_suffix() const {
 std::string KernelChoice::describe() const {
   if (kind == KernelKind::kWgmma) {
     return fmt::format(
-        "tensor-core (wgmma, sm_90a) {}, {}x{} tiles, {} warps, {} stages{}, head dims {} and {}, "
-        "{} KB shared",
+        "tensor-core (wgmma, sm_90a) {}, {}x{} tiles, {} warps, {} stages{}{}, head dims {} and "
+        "{}, {} KB shared",
         to_string(dtype), block_m, block_n, warps, stages, pipelined ? ", pipelined" : "",
-        head_dim_qk, head_dim_v, shared_bytes / 1024);
+        take_turns ? ", warpgroups take turns" : "", head_dim_qk, head_dim_v, shared_bytes / 1024);
   }
   if (kind == KernelKind::kMma) {
     return fmt::format(

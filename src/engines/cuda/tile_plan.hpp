@@ -35,6 +35,7 @@ struct KernelChoice {
       0;           // query rows per classified block of the tile list (a multiple of block_m)
   int stages = 0;  // mma: K/V shared-memory buffers in flight
   bool pipelined = false;  // wgmma: tile j's element work overlaps tile j - 1's P V
+  bool take_turns = false;  // wgmma, pipelined: warpgroup 1 issues its products after 0's
   int min_blocks = 0;      // mma: thread blocks per multiprocessor the registers must allow
   int shared_bytes = 0;
 

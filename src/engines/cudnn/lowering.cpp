@@ -320,7 +320,7 @@ Support plan_node(const Graph& graph, std::int32_t index, const Problem& problem
       return refuse(
           "cuDNN's TANH_FWD is not accurate enough: on cuDNN 9.19 / H200 it gave LSE errors up to "
           "1.5e-5 against float64, beyond flexattn's tolerance (about 2e-6 there); the cuda "
-          "engine computes tanh with tanhf");
+          "engine computes tanh within a few ulp (ir_tanh)");
     case Op::kSigmoid:
       plan = single(CUDNN_POINTWISE_SIGMOID_FWD, CUDNN_DATA_FLOAT, node);
       return Support::yes();

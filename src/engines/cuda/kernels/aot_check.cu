@@ -33,6 +33,10 @@ struct IdentityModifier {
                                     float score, int, int) {
     return score;
   }
+  __device__ static float score_mod_log2(const Invariants&, const ForwardParams& p,
+                                         const Coordinates&, float dot, int, int) {
+    return dot * p.scale_log2;
+  }
   __device__ static bool mask_mod(const Invariants&, const ForwardParams&, const Coordinates&,
                                   int, int) {
     return true;
@@ -67,8 +71,13 @@ struct CausalSoftcapModifier {
   }
   __device__ static float score_mod(const Invariants& invariants, const ForwardParams& p,
                                     const Coordinates&, float score, int, int kv) {
-    return invariants.cap * tanhf(score / invariants.cap) + invariants.head_bias +
+    using flexattn_kernels::ir_tanh;
+    return invariants.cap * ir_tanh(score / invariants.cap) + invariants.head_bias +
            flexattn_kernels::load_tensor_f32(static_cast<const float*>(p.tensors[1].data), kv);
+  }
+  __device__ static float score_mod_log2(const Invariants& invariants, const ForwardParams& p,
+                                         const Coordinates& at, float dot, int q, int kv) {
+    return score_mod(invariants, p, at, dot * p.scale, q, kv) * flexattn_kernels::kLog2e;
   }
   __device__ static bool mask_mod(const Invariants&, const ForwardParams&, const Coordinates&,
                                   int q, int kv) {
@@ -81,7 +90,7 @@ struct CausalSoftcapModifier {
   // d(cap * tanh(score / cap)) / d score = 1 - tanh^2(score / cap).
   __device__ static float score_grad(const Invariants& invariants, const ForwardParams&,
                                      const Coordinates&, float score, int, int) {
-    const float t = tanhf(score / invariants.cap);
+    const float t = flexattn_kernels::ir_tanh(score / invariants.cap);
     return 1.0f - t * t;
   }
   // Both biases enter with derivative 1: head_bias through the per-thread slot, position_bias
@@ -145,6 +154,8 @@ FLEXATTN_AOT_WGMMA(aot_wgmma_f16_d64_softcap, CausalSoftcapModifier, HalfTag, 64
                    false, 1024 + 128 * 128 + 2 * 2 * 128 * 128)
 FLEXATTN_AOT_WGMMA(aot_wgmma_bf16_d128_v64, CausalSoftcapModifier, BFloat16Tag, 128, 64, 128, 3,
                    true, 1024 + 128 * 256 + 3 * 128 * (256 + 128))
+FLEXATTN_AOT_WGMMA(aot_wgmma_bf16_d128_turns, CausalSoftcapModifier, BFloat16Tag, 128, 128, 128, 3,
+                   true, 1024 + 128 * 256 + 3 * 2 * 128 * 256, true)
 FLEXATTN_AOT_WGMMA(aot_wgmma_bf16_d64_unpipelined, IdentityModifier, BFloat16Tag, 64, 64, 128, 2,
                    false, 1024 + 128 * 128 + 2 * 2 * 128 * 128)
 FLEXATTN_AOT_SIMT(aot_f32_d64, IdentityModifier, Float32Tag, 64, 64)

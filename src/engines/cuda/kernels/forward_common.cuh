@@ -97,7 +97,8 @@ __device__ __forceinline__ float masked_logit(float logit, const ForwardParams& 
 // The logit of one element: score = scale * dot, then score_mod, then the mask and the key
 // bounds (only when kCheck: mixed or boundary tiles). `q` is already clamped into the sequence;
 // with kCheck, `kv` may lie past it and is clamped before the modifier reads anything, so a
-// modifier only ever sees indices its load analysis covers. kLog2Domain multiplies by log2(e).
+// modifier only ever sees indices its load analysis covers. kLog2Domain: the logit times log2(e),
+// from the generated score_mod_log2 (which merges constant multiplications).
 template <class Modifier, bool kCheck, bool kLog2Domain>
 __device__ __forceinline__ float element_logit(float dot, const ForwardParams& p,
                                                const typename Modifier::Invariants& invariants,
@@ -106,9 +107,10 @@ __device__ __forceinline__ float element_logit(float dot, const ForwardParams& p
   float logit;
   if constexpr (Modifier::kIdentityScore) {
     logit = dot * (kLog2Domain ? p.scale_log2 : p.scale);
+  } else if constexpr (kLog2Domain) {
+    logit = Modifier::score_mod_log2(invariants, p, at, dot, q, kv_inside);
   } else {
     logit = Modifier::score_mod(invariants, p, at, dot * p.scale, q, kv_inside);
-    if constexpr (kLog2Domain) logit *= kLog2e;
   }
   if constexpr (kCheck) logit = masked_logit<Modifier>(logit, p, invariants, at, q, kv);
   return logit;

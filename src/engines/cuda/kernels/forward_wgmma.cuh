@@ -25,7 +25,7 @@
 namespace flexattn_kernels {
 
 template <class ElementTag, int kHeadDimQk, int kHeadDimV, int kBlockN_, int kStages_,
-          bool kPipelined_, int kSharedBytes_>
+          bool kPipelined_, int kSharedBytes_, bool kTakeTurns_ = false>
 struct WgmmaConfig {
   using Tag = ElementTag;
   static constexpr int kWarpgroups = 2;
@@ -40,6 +40,10 @@ struct WgmmaConfig {
   // Whether tile j's element work overlaps tile j - 1's P V (see above), or each product is
   // waited for right away.
   static constexpr bool kPipelined = kPipelined_;
+  // Pipelined only: whether warpgroup 1 issues its products of a tile after warpgroup 0 has
+  // issued its own (a named barrier), so the tensor cores finish warpgroup 0's S first and its
+  // element work starts while warpgroup 1's products run, instead of both waiting for both.
+  static constexpr bool kTakeTurns = kTakeTurns_;
   static constexpr int kMinBlocks = 1;
   static constexpr int kChunksQk = kHeadDimQk / kChunkElements;
   static constexpr int kChunksV = kHeadDimV / kChunkElements;
@@ -68,7 +72,18 @@ struct WgmmaConfig {
   static_assert(kStages >= (kPipelined ? 3 : 2),
                 "double buffering; pipelined: K of tile j, V of tile j - 1 and tile j + 1's copy");
   static_assert(kSharedBytes == kSharedBytes_, "the host's shared-memory size (tile_plan.cpp)");
+  static_assert(kPipelined || !kTakeTurns, "turns are taken in the pipelined loop");
 };
+
+// Named barrier 1 (0 is __syncthreads'): warpgroup 0 arrives once it has issued a tile's
+// products, warpgroup 1 waits there before issuing its own; one arrival and one wait per tile.
+constexpr int kTurnBarrier = 1;
+__device__ __forceinline__ void turn_wait(int threads) {
+  asm volatile("bar.sync %0, %1;" ::"n"(kTurnBarrier), "r"(threads) : "memory");
+}
+__device__ __forceinline__ void turn_pass(int threads) {
+  asm volatile("bar.arrive %0, %1;" ::"n"(kTurnBarrier), "r"(threads) : "memory");
+}
 
 // Issues (and commits) O += P V for one kv tile: P as register A fragments (one per 16 keys),
 // V (kBlockN keys x head_dim_v, panels) as the MN-major B operand. The caller has run
@@ -264,10 +279,23 @@ __device__ __forceinline__ void forward_wgmma(const ForwardParams& p) {
     };
     // The first tile on its own: nothing in flight beside its S. (A P V issued on only some
     // iterations of one loop makes ptxas serialize every wgmma of the kernel, warning C7515.)
+    // Warpgroup 1 issues after warpgroup 0 (kTakeTurns).
+    auto await_turn = [&]() {
+      if constexpr (Config::kTakeTurns) {
+        if (warpgroup == 1) turn_wait(kThreads);
+      }
+    };
+    auto pass_turn = [&]() {
+      if constexpr (Config::kTakeTurns) {
+        if (warpgroup == 0) turn_pass(kThreads);
+      }
+    };
     if (entries.begin < entries.end) {
       const int stage = begin_tile(entries.begin);
+      await_turn();
       fence_before_products();
       issue_scores(stage);
+      pass_turn();
       wgmma_wait<0>();
       fence_operands(score_flat);
       float correction[1][2];
@@ -276,9 +304,11 @@ __device__ __forceinline__ void forward_wgmma(const ForwardParams& p) {
     }
     for (int entry_index = entries.begin + 1; entry_index < entries.end; ++entry_index) {
       const int stage = begin_tile(entry_index);
+      await_turn();
       fence_before_products();
       issue_scores(stage);
       issue_probability_value<Config>(output_flat, p_fragment, previous_v_tile);  // tile - 1
+      pass_turn();
       wgmma_wait<1>();  // S is done; P V may still run
       fence_operands(score_flat);
       float correction[1][2];
