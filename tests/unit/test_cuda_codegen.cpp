@@ -205,6 +205,14 @@ TEST(CudaCodegenBackward, SoftcapHasAScoreGradient) {
   EXPECT_NE(source.find("kLocalGradSlots = 1;"), std::string::npos) << source;
   const std::string score_grad = between(source, "float score_grad(", "void tensor_grads(");
   EXPECT_NE(score_grad.find("ir_tanh("), std::string::npos) << score_grad;
+  // From the dot product: the same merged tanh argument as score_mod_log2 (one tanh per element
+  // after inlining), and (1 - t^2) / 30 * 30 returned as 1 - t^2.
+  const std::string from_dot = between(source, "float score_grad_from_dot(", "void tensor_grads(");
+  const std::string logit = between(source, "float score_mod_log2(", "bool mask_mod(");
+  EXPECT_NE(from_dot.find("ir_mul(dot, inv.s2_dot)"), std::string::npos) << from_dot;
+  EXPECT_NE(logit.find("ir_mul(dot, inv.s2_dot)"), std::string::npos) << logit;
+  EXPECT_EQ(from_dot.find("(0x1.ep+4f)"), std::string::npos) << from_dot;
+  EXPECT_EQ(from_dot.find("const float score"), std::string::npos) << from_dot;
   for (const char* entry : {"flexattn_forward(", "flexattn_backward_delta(",
                             "flexattn_backward_dkdv(", "flexattn_backward_dq(",
                             "flexattn_backward_finalize("}) {
@@ -539,7 +547,7 @@ TEST(CudaForwardChoice, WgmmaOnlyOnSm90ForSixteenBitHeadDims64And128) {
 
 // The body of one generated function, from its name to the closing brace of its definition.
 std::string function_body(const std::string& source, const std::string& name) {
-  const std::size_t start = source.find(" " + name + "(");
+  const std::size_t start = source.find(" " + name + "(", source.find("// ---- generated"));
   if (start == std::string::npos) return {};
   return source.substr(start, source.find("\n  }\n", start) - start);
 }
@@ -559,9 +567,12 @@ TEST(CudaCodegen, ConstantMultiplicationsAroundTheScoreAreMerged) {
        {"ir_mul(dot, inv.s", "ir_tanh(", "(0x1.5a3f2ep+5f)"},
        {"const float score", "kLog2e", "(0x1.ep+4f)"}},
       // The score is added to: it is computed, and the logit times log2(e) at the end.
-      {"score + slopes[h] * (kv - q)", {"const float score = dot * p.scale;", "kLog2e)"}, {}},
-      // The root multiplies the score itself: nothing to merge.
-      {"score * 2", {"const float score = dot * p.scale;", "kLog2e)"}, {"_dot"}},
+      {"score + slopes[h] * (kv - q)", {"const float score = dot * p.scale;", "(0x1.715476p+0f)"},
+       {}},
+      // The root multiplies the score itself: dot * (scale * 2), then times log2(e).
+      {"score * 2", {"ir_mul(dot, inv.s", "(0x1.715476p+0f)"}, {"const float score"}},
+      // A chain of constant factors at the root: one multiplication.
+      {"tanh(score) * 3 / 2", {"(0x1.14ff58p+1f)"}, {"kLog2e"}},
       // A score used twice, once without a constant factor: computed once, not merged.
       {"where(score > 0, score * 0.5, score)", {"const float score = dot * p.scale;"}, {"_dot"}},
       // Division of the root by a constant: x * (log2(e) / c).

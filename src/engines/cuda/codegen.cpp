@@ -135,7 +135,7 @@ class GraphLowering {
   // Per-element statements; returns the root's value.
   std::string emit_varying(std::string& statements) const {
     for (std::size_t i = 0; i < graph_.nodes().size(); ++i) {
-      if (!reachable_[i] || !varying_[i] || !is_computed(i) || i == skipped_) continue;
+      if (!reachable_[i] || !varying_[i] || !is_computed(i) || skipped_.count(i) != 0) continue;
       const GraphNode& node = graph_.nodes()[i];
       statements +=
           fmt::format("    const {} {}{} = {};\n", c_type(node.type), prefix_, i, expression(i));
@@ -146,67 +146,92 @@ class GraphLowering {
   // Whether the root depends on the score, q or kv (else it is a field of Invariants or a leaf).
   bool varies() const { return varying_[static_cast<std::size_t>(graph_.root())]; }
 
-  // The body of score_mod_log2: the logit times log2(e), from the raw dot product q . k (the
-  // tensor-core kernels' softmax runs in the exp2 domain). Two multiplications by constants are
-  // merged where the graph allows, saving two per-element instructions (softcap's
-  // `tanh(score / 30) * 30`): a score used only as `score * c` or `score / c` becomes
-  // `dot * (scale * c)` with the product computed once per block (extra Invariants fields), and a
-  // root `x * c` returns `x * (c * log2(e))`. Each merge moves the result by about an ulp of fp32,
-  // far inside the 16-bit storage these kernels serve. Returns the function's statements.
-  std::string emit_log2_from_dot(std::string& fields, std::string& assignments) {
+  // The body of a function of the raw dot product q . k instead of the score (score_mod_log2 and
+  // score_grad_from_dot, which the tensor-core kernels call). Constant multiplications are merged
+  // where the graph allows, so softcap's `tanh(score / 30) * 30` costs two instructions less per
+  // element: a score used only as `score * c` or `score / c` becomes `dot * (scale * c)` with the
+  // product computed once per block (extra Invariants fields; equal products in two functions are
+  // one value after inlining, so the forward's tanh and the derivative's stay one computation), and
+  // a root `x * c1 * c2` (each step `* c` or `/ c`, inner steps used only there) returns
+  // `x * (c1 * c2)`, times log2(e) with `log2_result` (the exp2-domain logit), or `x` when the
+  // product is 1 (softcap's derivative). Each merge moves the result by about an ulp of fp32, far
+  // inside the 16-bit storage these kernels serve. Returns the statements and the return.
+  std::string emit_from_dot(std::string& fields, std::string& assignments, bool log2_result) {
     const auto count = graph_.nodes().size();
     std::int32_t score_node = -1;
+    std::vector<int> uses(count, 0);
     for (std::size_t i = 0; i < count; ++i) {
-      if (reachable_[i] && graph_.nodes()[i].op == Op::kScore)
-        score_node = static_cast<std::int32_t>(i);
+      if (!reachable_[i]) continue;
+      if (graph_.nodes()[i].op == Op::kScore) score_node = static_cast<std::int32_t>(i);
+      for (std::int32_t arg : graph_.nodes()[i].args) ++uses[static_cast<std::size_t>(arg)];
     }
     const auto root = static_cast<std::size_t>(graph_.root());
+    // The root's chain of constant factors, outermost first.
+    double factor = log2_result ? 1.4426950408889634 : 1.0;
+    std::size_t base = root;
+    std::vector<std::size_t> chain;
+    for (;;) {
+      const GraphNode& node = graph_.nodes()[base];
+      if (node.type != Type::kF32 || (base != root && uses[base] != 1)) break;
+      if (node.op != Op::kMul && node.op != Op::kDiv) break;
+      bool stepped = false;
+      for (std::size_t k = node.op == Op::kMul ? 0 : 1; k < 2 && !stepped; ++k) {
+        const GraphNode& constant = graph_.node(node.args[k]);
+        const std::int32_t other = node.args[1 - k];
+        if (constant.op != Op::kLiteral || other == score_node) continue;
+        const double c = node.op == Op::kMul ? constant.literal : 1.0 / constant.literal;
+        if (!std::isnormal(static_cast<float>(factor * c))) continue;
+        factor *= c;
+        chain.push_back(base);
+        base = static_cast<std::size_t>(other);
+        stepped = true;
+      }
+      if (!stepped) break;
+    }
     std::string statements;
     if (score_node >= 0) {
       // The constant factor of each use of the score; all uses must have one to drop `score`.
       std::vector<std::pair<std::size_t, std::string>> folds;
-      bool all_folded = score_node != static_cast<std::int32_t>(root);
+      bool all_folded = score_node != static_cast<std::int32_t>(base);
       for (std::size_t i = 0; i < count; ++i) {
-        if (!reachable_[i]) continue;
+        if (!reachable_[i] || std::find(chain.begin(), chain.end(), i) != chain.end()) continue;
         const GraphNode& node = graph_.nodes()[i];
         for (std::size_t k = 0; k < node.args.size(); ++k) {
           if (node.args[k] != score_node) continue;
-          const std::string factor = score_factor(node, k);
-          if (factor.empty() || i == root) {
+          const std::string score_factor_text = score_factor(node, k);
+          if (score_factor_text.empty()) {
             all_folded = false;
           } else {
-            folds.emplace_back(i, factor);
+            folds.emplace_back(i, score_factor_text);
           }
         }
       }
       if (all_folded) {
-        for (const auto& [index, factor] : folds) {
-          fields += fmt::format("    float {}{}_dot;\n", prefix_, index);
-          assignments += fmt::format("    inv.{}{}_dot = p.scale * {};\n", prefix_, index, factor);
-          overrides_[index] = fmt::format("ir_mul(dot, inv.{}{}_dot)", prefix_, index);
+        for (const auto& [index, text] : folds) {
+          // One field per product: the derivative reuses score_mod_log2's (and adds no field).
+          const std::string value = fmt::format(" = p.scale * {};\n", text);
+          std::string field = fmt::format("{}{}_dot", prefix_, index);
+          if (const std::size_t at = assignments.find(value); at != std::string::npos) {
+            const std::size_t name = assignments.rfind("inv.", at) + 4;
+            field = assignments.substr(name, at - name);
+          } else {
+            fields += fmt::format("    float {};\n", field);
+            assignments += fmt::format("    inv.{}{}", field, value);
+          }
+          overrides_[index] = fmt::format("ir_mul(dot, inv.{})", field);
         }
       } else {
         statements += "    const float score = dot * p.scale;\n";
       }
     }
-    const GraphNode& top = graph_.nodes()[root];
-    std::string merged_root;  // `x * (c * log2(e))` for a root `x * c` or `x / c`
-    if ((top.op == Op::kMul || top.op == Op::kDiv) && top.type == Type::kF32) {
-      for (std::size_t k = top.op == Op::kMul ? 0 : 1; k < 2 && merged_root.empty(); ++k) {
-        const GraphNode& factor = graph_.node(top.args[k]);
-        if (factor.op != Op::kLiteral || top.args[1 - k] == score_node) continue;
-        const double c = top.op == Op::kMul ? factor.literal : 1.0 / factor.literal;
-        const double merged = c * 1.4426950408889634;
-        if (!std::isnormal(static_cast<float>(merged))) continue;
-        merged_root =
-            fmt::format("ir_mul({}, {})", operand(top, 1 - k, Type::kF32), float_literal(merged));
-      }
-    }
-    if (!merged_root.empty()) skipped_ = root;
-    const std::string value = emit_varying(statements);
-    const std::string result =
-        merged_root.empty() ? fmt::format("ir_mul({}, kLog2e)", value) : merged_root;
-    skipped_ = count;
+    skipped_.insert(chain.begin(), chain.end());
+    emit_varying(statements);
+    const std::string value = reference(base);
+    const auto single = static_cast<float>(factor);
+    const std::string result = single == 1.0f
+                                   ? value
+                                   : fmt::format("ir_mul({}, {})", value, float_literal(factor));
+    skipped_.clear();
     overrides_.clear();
     return statements + fmt::format("    return {};\n", result);
   }
@@ -409,7 +434,7 @@ class GraphLowering {
   std::string prefix_;
   // Expressions that replace a node's own (emit_log2_from_dot's merged multiplications).
   std::map<std::size_t, std::string> overrides_;
-  std::size_t skipped_ = static_cast<std::size_t>(-1);  // a node emit_varying leaves out
+  std::set<std::size_t> skipped_;  // nodes emit_varying leaves out (merged into a factor)
   const Problem& problem_;
   const ModifierBindings& bindings_;
   std::vector<bool> reachable_;
@@ -448,6 +473,8 @@ std::string backward_members(const Problem& problem, const ModifierBindings& bin
   derivative.emit_invariants(fields, assignments);
   std::string derivative_body;
   const std::string derivative_value = derivative.emit_varying(derivative_body);
+  GraphLowering derivative_dot(backward.score_derivative, "d", problem, bindings);
+  const std::string derivative_dot_body = derivative_dot.emit_from_dot(fields, assignments, false);
 
   std::string scatter;  // tensor_grads' body
   std::string flush;    // flush_tensor_grads' body
@@ -503,6 +530,11 @@ std::string backward_members(const Problem& problem, const ModifierBindings& bin
       "  __device__ static __forceinline__ float score_grad(const Invariants& inv, "
       "const ForwardParams& p, const Coordinates& at, float score, int q, int kv) {\n" +
       derivative_body + fmt::format("    return {};\n  }}\n", derivative_value);
+  text +=
+      "  // score_grad(dot * scale), constant multiplications merged\n"
+      "  __device__ static __forceinline__ float score_grad_from_dot(const Invariants& inv, "
+      "const ForwardParams& p, const Coordinates& at, float dot, int q, int kv) {\n" +
+      derivative_dot_body + "  }\n";
   text +=
       "  __device__ static __forceinline__ void tensor_grads(const Invariants& inv, "
       "const BackwardParams& bp, const Coordinates& at, float score, int q, int kv, "
@@ -601,7 +633,7 @@ std::string generate_modifier_source(const Problem& problem, const ModifierBindi
   std::string score_body;
   const std::string score_value = score.emit_varying(score_body);
   GraphLowering score_log2(problem.score_mod(), "s", problem, bindings);
-  const std::string score_log2_body = score_log2.emit_log2_from_dot(fields, assignments);
+  const std::string score_log2_body = score_log2.emit_from_dot(fields, assignments, true);
   std::string mask_body;
   const std::string mask_value = mask.emit_varying(mask_body);
   const std::string backward_text =

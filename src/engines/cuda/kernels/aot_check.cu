@@ -49,6 +49,10 @@ struct IdentityModifier {
                                      float, int, int) {
     return 1.0f;
   }
+  __device__ static float score_grad_from_dot(const Invariants&, const ForwardParams&,
+                                              const Coordinates&, float, int, int) {
+    return 1.0f;
+  }
   __device__ static void tensor_grads(const Invariants&, const BackwardParams&, const Coordinates&,
                                       float, int, int, float, long long (&)[kLocalGradSlots]) {}
   __device__ static void flush_tensor_grads(const Invariants&, const BackwardParams&,
@@ -92,6 +96,10 @@ struct CausalSoftcapModifier {
                                      const Coordinates&, float score, int, int) {
     const float t = flexattn_kernels::ir_tanh(score / invariants.cap);
     return 1.0f - t * t;
+  }
+  __device__ static float score_grad_from_dot(const Invariants& invariants, const ForwardParams& p,
+                                              const Coordinates& at, float dot, int q, int kv) {
+    return score_grad(invariants, p, at, dot * p.scale, q, kv);
   }
   // Both biases enter with derivative 1: head_bias through the per-thread slot, position_bias
   // (indexed by kv) straight into its accumulator.

@@ -8,6 +8,8 @@
 //   static constexpr int kLocalGradSlots;       // >= 1: per-thread accumulators (see below)
 //   static float score_grad(const Invariants&, const ForwardParams&, const Coordinates&,
 //                           float score, int q, int kv);
+//   static float score_grad_from_dot(const Invariants&, const ForwardParams&, const Coordinates&,
+//                                    float dot, int q, int kv);  // score_grad(dot * scale)
 //   static void tensor_grads(const Invariants&, const BackwardParams&, const Coordinates&,
 //                            float score, int q, int kv, float dlogit,
 //                            long long (&local)[kLocalGradSlots]);
@@ -78,6 +80,19 @@ __device__ __forceinline__ float score_gradient(float dlogit,
     return dlogit;
   } else {
     return dlogit * Modifier::score_grad(invariants, p, at, score, q, kv);
+  }
+}
+// The same from the raw dot product (score = dot * scale), as the tensor-core kernels' logits
+// (score_mod_log2): the generated score_grad_from_dot merges the same constant multiplications, so
+// what the derivative shares with the logit (softcap's tanh) is computed once.
+template <class Modifier>
+__device__ __forceinline__ float score_gradient_from_dot(
+    float dlogit, const typename Modifier::Invariants& invariants, const ForwardParams& p,
+    const Coordinates& at, float dot, int q, int kv) {
+  if constexpr (Modifier::kIdentityDerivative) {
+    return dlogit;
+  } else {
+    return dlogit * Modifier::score_grad_from_dot(invariants, p, at, dot, q, kv);
   }
 }
 

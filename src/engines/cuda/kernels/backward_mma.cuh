@@ -188,8 +188,8 @@ __device__ __forceinline__ void dkdv_elements(float (&st)[kTilesQ][4], float (&d
       const float lse2 = q_valid ? lse_stage[column] * kLog2e : negative_infinity();
       const float probability = probability_log2(logit2, lse2);
       const float dlogit = probability * (dpt[j][e] - delta_stage[column]);
-      const float dscore =
-          score_gradient<Modifier>(dlogit, invariants, p, at, dot * p.scale, q_inside, kv_inside);
+      const float dscore = score_gradient_from_dot<Modifier>(dlogit, invariants, p, at, dot,
+                                                             q_inside, kv_inside);
       st[j][e] = probability;
       dpt[j][e] = dlogit != 0.0f ? dscore : 0.0f;
     }
@@ -399,11 +399,11 @@ __device__ __forceinline__ void dq_gradient_elements(
       const float probability = probability_log2(
           dq_logit<Modifier>(s, j, e, p, invariants, at, query, kv, kv_inside, check), lse2[half]);
       const float dlogit = probability * (dp[j][e] - delta[half]);
-      const float score = s[j][e] * p.scale;
-      const float dscore =
-          score_gradient<Modifier>(dlogit, invariants, p, at, score, query[half], kv_inside);
+      const float dscore = score_gradient_from_dot<Modifier>(dlogit, invariants, p, at, s[j][e],
+                                                             query[half], kv_inside);
       if (Modifier::kHasTensorGrads && kScatter && dlogit != 0.0f) {
-        Modifier::tensor_grads(invariants, bp, at, score, query[half], kv_inside, dlogit, local);
+        Modifier::tensor_grads(invariants, bp, at, s[j][e] * p.scale, query[half], kv_inside,
+                               dlogit, local);
       }
       dp[j][e] = dlogit != 0.0f ? dscore : 0.0f;
     }

@@ -8,6 +8,8 @@
 //   static Invariants prepare(const ForwardParams&, const Coordinates&);
 //   static float score_mod(const Invariants&, const ForwardParams&, const Coordinates&,
 //                          float score, int q, int kv);
+//   static float score_mod_log2(const Invariants&, const ForwardParams&, const Coordinates&,
+//                               float dot, int q, int kv);  // score_mod(dot * scale) * log2(e)
 //   static bool mask_mod(const Invariants&, const ForwardParams&, const Coordinates&, int q,
 //                        int kv);
 #pragma once
