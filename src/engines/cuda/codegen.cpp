@@ -228,9 +228,8 @@ class GraphLowering {
     emit_varying(statements);
     const std::string value = reference(base);
     const auto single = static_cast<float>(factor);
-    const std::string result = single == 1.0f
-                                   ? value
-                                   : fmt::format("ir_mul({}, {})", value, float_literal(factor));
+    const std::string result =
+        single == 1.0f ? value : fmt::format("ir_mul({}, {})", value, float_literal(factor));
     skipped_.clear();
     overrides_.clear();
     return statements + fmt::format("    return {};\n", result);
