@@ -644,7 +644,8 @@ TEST(CudaForwardCompile, WgmmaTranslationUnitsCompileForSm90a) {
   }
 }
 
-// FLEXATTN_CUDA_WGMMA_TURNS=1's variant (warpgroups take turns issuing) compiles too, and says so.
+// The variant where warpgroups take turns issuing (the default; FLEXATTN_CUDA_WGMMA_TURNS=0 is
+// without) compiles too, and says so.
 TEST(CudaForwardCompile, WgmmaTakingTurnsCompilesForSm90a) {
   SKIP_WITHOUT_CUDA_ENGINE();
   constexpr int kCapability = 90;
