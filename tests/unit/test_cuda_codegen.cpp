@@ -644,6 +644,80 @@ TEST(CudaForwardCompile, WgmmaTranslationUnitsCompileForSm90a) {
   }
 }
 
+// FLEXATTN_CUDA_WGMMA_TILE's shapes: parsed, checked against the shared memory of a
+// multiprocessor, refused with a reason; other kernel kinds untouched.
+TEST(CudaForwardChoice, WgmmaTileExperimentsAreParsedAndChecked) {
+  constexpr int kCapability = 90;
+  const Problem d128 = make_problem(GeneratedCase{"d128", DType::kBF16, 128, 128, "", "", {}, {},
+                                                  Layout::kBSHD, {}});
+  const cuda::KernelChoice base = cuda::choose_kernel(d128, kCapability).choice;
+  ASSERT_EQ(base.kind, cuda::KernelKind::kWgmma);
+  cuda::KernelChoice c = base;
+  c.take_turns = true;
+  ASSERT_EQ(cuda::apply_wgmma_tile(c, "warpgroups=1,block_n=64,stages=3,blocks=2"), "");
+  EXPECT_EQ(c.warps, 4);
+  EXPECT_EQ(c.block_m, 64);
+  EXPECT_EQ(c.class_block_q, 64);
+  EXPECT_EQ(c.block_n, 64);
+  EXPECT_EQ(c.min_blocks, 2);
+  EXPECT_FALSE(c.take_turns);  // one warpgroup: nobody to take turns with
+  EXPECT_EQ(c.shared_bytes, 1024 + 64 * 256 + 3 * 64 * 512);
+  EXPECT_NE(c.config_type().find(", false, 1, 2>"), std::string::npos) << c.config_type();
+  EXPECT_NE(c.describe().find("2 blocks per multiprocessor"), std::string::npos) << c.describe();
+  // The default shape's type is unchanged by an empty experiment.
+  cuda::KernelChoice same = base;
+  ASSERT_EQ(cuda::apply_wgmma_tile(same, ""), "");
+  EXPECT_EQ(same.config_type(), base.config_type());
+  for (const char* bad : {"warpgroups=3", "block_n=96", "stages", "stages=x", "colour=1",
+                          "pipelined=1,stages=2", "blocks=2"}) {
+    SCOPED_TRACE(bad);
+    cuda::KernelChoice refused = base;
+    const std::string reason = cuda::apply_wgmma_tile(refused, bad);
+    EXPECT_NE(reason.find("FLEXATTN_CUDA_WGMMA_TILE"), std::string::npos) << reason;
+    EXPECT_EQ(refused.config_type(), base.config_type());
+  }
+  // A head-dim prefix: applies to its head dim only.
+  cuda::KernelChoice other_dim = base;
+  ASSERT_EQ(cuda::apply_wgmma_tile(other_dim, "d64:warpgroups=1"), "");
+  EXPECT_EQ(other_dim.config_type(), base.config_type());
+  ASSERT_EQ(cuda::apply_wgmma_tile(other_dim, "d128:warpgroups=1"), "");
+  EXPECT_EQ(other_dim.warps, 4);
+  EXPECT_NE(cuda::apply_wgmma_tile(other_dim, "d96:blocks=1").find("not d64 or d128"),
+            std::string::npos);
+  // blocks=2 at the default D128 shape: 2 x 225 KB do not fit.
+  cuda::KernelChoice two = base;
+  EXPECT_NE(cuda::apply_wgmma_tile(two, "blocks=2").find("do not fit"), std::string::npos);
+  cuda::KernelChoice mma = cuda::choose_kernel(d128, 80).choice;
+  const std::string before = mma.config_type();
+  EXPECT_EQ(cuda::apply_wgmma_tile(mma, "warpgroups=1"), "");
+  EXPECT_EQ(mma.config_type(), before);
+}
+
+// The experiment shapes compile for sm_90a (one warpgroup, 64-key tiles, two blocks).
+TEST(CudaForwardCompile, WgmmaTileExperimentsCompileForSm90a) {
+  SKIP_WITHOUT_CUDA_ENGINE();
+  constexpr int kCapability = 90;
+  for (const auto& [head_dim, spec] :
+       {std::pair{128, "warpgroups=1,block_n=64,stages=3,blocks=2"},
+        std::pair{64, "block_n=64,blocks=2"}, std::pair{64, "warpgroups=1,blocks=2"}}) {
+    SCOPED_TRACE(spec);
+    const Problem problem = make_problem(GeneratedCase{"tile", DType::kBF16, head_dim, head_dim,
+                                                       "30 * tanh(score / 30)", "q >= kv", {},
+                                                       {}, Layout::kBSHD, {}});
+    cuda::KernelChoice choice = cuda::choose_kernel(problem, kCapability).choice;
+    ASSERT_EQ(cuda::apply_wgmma_tile(choice, spec), "");
+    const std::string source = cuda::generate_translation_unit(
+        problem, cuda::bind_modifier(problem).bindings, choice, nullptr);
+    std::vector<char> cubin;
+    try {
+      cubin = cuda::compile_to_cubin(source, "tile.cu", kCapability, choice.architecture_suffix());
+    } catch (const Error& error) {
+      ADD_FAILURE() << error.what();
+    }
+    EXPECT_FALSE(cubin.empty());
+  }
+}
+
 // The variant where warpgroups take turns issuing (the default; FLEXATTN_CUDA_WGMMA_TURNS=0 is
 // without) compiles too, and says so.
 TEST(CudaForwardCompile, WgmmaTakingTurnsCompilesForSm90a) {

@@ -42,7 +42,7 @@ struct Lowering {
   KernelChoice choice;
   ModifierBindings bindings;
   std::optional<BackwardCode> backward;  // when the problem wants gradients
-  std::string source;  // the translation unit NVRTC compiles
+  std::string source;                    // the translation unit NVRTC compiles
 };
 
 std::int64_t ceil_div(std::int64_t value, std::int64_t divisor) {
@@ -57,8 +57,7 @@ bool wgmma_allowed() {
 }
 
 Support lower_backward(const Problem& problem, Lowering& lowering, int capability) {
-  const BackwardSelection selection =
-      choose_backward_kernel(problem, capability, wgmma_allowed());
+  const BackwardSelection selection = choose_backward_kernel(problem, capability, wgmma_allowed());
   if (!selection.reason.empty()) return Support::no(selection.reason);
   try {
     lowering.backward = backward_code(problem, selection.choice);
@@ -89,6 +88,11 @@ Support lower_problem(const Problem& problem, Lowering& lowering, int capability
   KernelSelection selection = choose_kernel(problem, capability, wgmma_allowed());
   if (!selection.reason.empty()) return Support::no(selection.reason);
   selection.choice.take_turns = selection.choice.pipelined && wgmma_turns();
+  // FLEXATTN_CUDA_WGMMA_TILE: a shape experiment (apply_wgmma_tile); a bad one is refused loudly.
+  if (const char* tile = std::getenv("FLEXATTN_CUDA_WGMMA_TILE"); tile != nullptr && *tile) {
+    const std::string error = apply_wgmma_tile(selection.choice, tile);
+    if (!error.empty()) return Support::no(error);
+  }
   const BindingSelection binding = bind_modifier(problem);
   if (!binding.reason.empty()) return Support::no(binding.reason);
   if (problem.heads_q() > kMaxGridYZ || problem.batch() > kMaxGridYZ) {
@@ -107,9 +111,8 @@ Support lower_problem(const Problem& problem, Lowering& lowering, int capability
   }
   // Every IR op has a lowering (codegen.cpp switches over Op without a default), so generating
   // the code is the last step of deciding support.
-  lowering.source = generate_translation_unit(
-      problem, lowering.bindings, lowering.choice,
-      lowering.backward ? &*lowering.backward : nullptr);
+  lowering.source = generate_translation_unit(problem, lowering.bindings, lowering.choice,
+                                              lowering.backward ? &*lowering.backward : nullptr);
   return Support::yes();
 }
 
@@ -123,7 +126,8 @@ std::string architecture_suffix(const Lowering& lowering) {
 // each with the dynamic shared memory it is launched with.
 std::vector<KernelFunction> kernel_functions(const Lowering& lowering) {
   std::vector<KernelFunction> functions = {
-      {std::string(kKernelName), lowering.choice.shared_bytes}};
+      {std::string(kKernelName), lowering.choice.shared_bytes,
+       lowering.choice.kind == KernelKind::kWgmma && lowering.choice.min_blocks > 1}};
   if (lowering.backward) {
     const BackwardChoice& backward = lowering.backward->choice;
     functions.push_back({std::string(kBackwardDeltaName), 0});
@@ -280,8 +284,7 @@ class CudaPlan final : public Plan {
     forward_.params.tile_offsets = device_ints(forward_.tile_offsets);
     forward_.params.tile_entries = device_ints(forward_.tile_entries);
     forward_.params.class_block_q = tiles.class_block_q;
-    forward_.grid_x =
-        static_cast<unsigned>(ceil_div(problem.seq_len_q(), lowering.choice.block_m));
+    forward_.grid_x = static_cast<unsigned>(ceil_div(problem.seq_len_q(), lowering.choice.block_m));
 
     if (lowering.backward) {
       if (backward_tiles == nullptr) throw_internal("cuda: a backward plan without its tiles");
@@ -351,8 +354,8 @@ class CudaPlan final : public Plan {
     if (b.choice.kind == KernelKind::kMma) {
       for (const auto& [name, view] :
            {std::pair{"q", &args.q}, std::pair{"k", &args.k}, std::pair{"v", &args.v},
-            std::pair{"out", &args.out}, std::pair{"dout", &args.dout},
-            std::pair{"dq", &args.dq}, std::pair{"dk", &args.dk}, std::pair{"dv", &args.dv}}) {
+            std::pair{"out", &args.out}, std::pair{"dout", &args.dout}, std::pair{"dq", &args.dq},
+            std::pair{"dk", &args.dk}, std::pair{"dv", &args.dv}}) {
         check_chunk_aligned(name, view->data);
       }
     }
@@ -371,8 +374,7 @@ class CudaPlan final : public Plan {
       const auto found = args.tensor_grads.find(bindings_.tensors[slot]);
       if (found == args.tensor_grads.end()) continue;
       gradients.push_back({slot, &found->second, bytes});
-      bytes += align_scratch(static_cast<std::size_t>(found->second.numel()) *
-                             sizeof(long long));
+      bytes += align_scratch(static_cast<std::size_t>(found->second.numel()) * sizeof(long long));
     }
 
     ContextScope scope(*driver_);
@@ -434,10 +436,9 @@ class CudaPlan final : public Plan {
   void launch(CUfunction function, Grid grid, int threads, int shared_bytes, CUstream stream,
               Params* params, std::string_view what) const {
     std::array<void*, 1> kernel_args = {params};
-    driver_->check(driver_->api().launch_kernel(function, grid.x, grid.y, grid.z,
-                                                static_cast<unsigned>(threads), 1, 1,
-                                                static_cast<unsigned>(shared_bytes), stream,
-                                                kernel_args.data(), nullptr),
+    driver_->check(driver_->api().launch_kernel(
+                       function, grid.x, grid.y, grid.z, static_cast<unsigned>(threads), 1, 1,
+                       static_cast<unsigned>(shared_bytes), stream, kernel_args.data(), nullptr),
                    fmt::format("cuLaunchKernel ({})", what));
   }
 
@@ -481,9 +482,9 @@ class CudaEngine final : public Engine {
     const int shared_limit = driver_->max_shared_memory_per_block();
     for (const KernelFunction& function : functions) {
       if (function.shared_bytes > shared_limit) {
-        result.support = Support::no(fmt::format(
-            "kernel {} needs {} bytes of shared memory; {} allows {}", function.name,
-            function.shared_bytes, driver_->device_name(), shared_limit));
+        result.support = Support::no(
+            fmt::format("kernel {} needs {} bytes of shared memory; {} allows {}", function.name,
+                        function.shared_bytes, driver_->device_name(), shared_limit));
         return result;
       }
     }
@@ -499,10 +500,10 @@ class CudaEngine final : public Engine {
       if (backward.dkdv_block_kv != backward.block_kv || backward.dq_block_q != backward.block_q) {
         dkdv_tiles = classify_tiles(problem, backward.block_q, backward.dkdv_block_kv);
       }
-      backward_text = fmt::format(
-          "; backward {}, {} of {} tiles visited ({} with the mask evaluated)",
-          backward.describe(), backward_tiles->tiles - backward_tiles->skipped,
-          backward_tiles->tiles, backward_tiles->mixed);
+      backward_text =
+          fmt::format("; backward {}, {} of {} tiles visited ({} with the mask evaluated)",
+                      backward.describe(), backward_tiles->tiles - backward_tiles->skipped,
+                      backward_tiles->tiles, backward_tiles->mixed);
     }
     KernelLookup kernel = kernels_.get(lowering.source, functions, architecture_suffix(lowering));
 
@@ -524,9 +525,7 @@ class CudaEngine final : public Engine {
   }
 
  private:
-  int capability() const {
-    return driver_->availability() ? driver_->compute_capability() : 0;
-  }
+  int capability() const { return driver_->availability() ? driver_->compute_capability() : 0; }
 
   std::shared_ptr<const Driver> driver_;
   DriverMemory memory_;
@@ -536,8 +535,6 @@ class CudaEngine final : public Engine {
 }  // namespace
 }  // namespace cuda
 
-std::shared_ptr<const Engine> make_cuda_engine() {
-  return std::make_shared<cuda::CudaEngine>();
-}
+std::shared_ptr<const Engine> make_cuda_engine() { return std::make_shared<cuda::CudaEngine>(); }
 
 }  // namespace flexattn

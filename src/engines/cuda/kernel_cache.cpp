@@ -145,9 +145,9 @@ std::filesystem::path cache_directory() {
 std::vector<char> compile_to_cubin(const std::string& source, const std::string& source_name,
                                    int capability, std::string_view suffix) {
   nvrtcProgram program = nullptr;
-  check_nvrtc(nvrtcCreateProgram(&program, source.c_str(), source_name.c_str(), 0, nullptr,
-                                 nullptr),
-              "nvrtcCreateProgram");
+  check_nvrtc(
+      nvrtcCreateProgram(&program, source.c_str(), source_name.c_str(), 0, nullptr, nullptr),
+      "nvrtcCreateProgram");
   const std::string architecture = fmt::format("--gpu-architecture=sm_{}{}", capability, suffix);
   const std::array<const char*, 2> options = {architecture.c_str(), "-std=c++17"};
   const nvrtcResult compiled =
@@ -181,8 +181,7 @@ std::vector<char> compile_to_cubin(const std::string& source, const std::string&
   return cubin;
 }
 
-CompiledKernel::CompiledKernel(std::shared_ptr<const Driver> driver,
-                               const std::vector<char>& cubin,
+CompiledKernel::CompiledKernel(std::shared_ptr<const Driver> driver, const std::vector<char>& cubin,
                                const std::vector<KernelFunction>& functions)
     : driver_(std::move(driver)) {
   ContextScope scope(*driver_);
@@ -190,14 +189,19 @@ CompiledKernel::CompiledKernel(std::shared_ptr<const Driver> driver,
   try {
     for (const KernelFunction& kernel : functions) {
       CUfunction function = nullptr;
+      driver_->check(driver_->api().module_get_function(&function, module_, kernel.name.c_str()),
+                     fmt::format("cuModuleGetFunction({})", kernel.name));
       driver_->check(
-          driver_->api().module_get_function(&function, module_, kernel.name.c_str()),
-          fmt::format("cuModuleGetFunction({})", kernel.name));
-      driver_->check(driver_->api().function_set_attribute(
-                         function, CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
-                         kernel.shared_bytes),
-                     fmt::format("cuFuncSetAttribute({}, MAX_DYNAMIC_SHARED_SIZE_BYTES)",
-                                 kernel.name));
+          driver_->api().function_set_attribute(
+              function, CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, kernel.shared_bytes),
+          fmt::format("cuFuncSetAttribute({}, MAX_DYNAMIC_SHARED_SIZE_BYTES)", kernel.name));
+      if (kernel.max_shared_carveout) {
+        driver_->check(
+            driver_->api().function_set_attribute(
+                function, CU_FUNC_ATTRIBUTE_PREFERRED_SHARED_MEMORY_CARVEOUT,
+                CU_SHAREDMEM_CARVEOUT_MAX_SHARED),
+            fmt::format("cuFuncSetAttribute({}, PREFERRED_SHARED_MEMORY_CARVEOUT)", kernel.name));
+      }
       functions_.emplace(kernel.name, function);
     }
   } catch (...) {

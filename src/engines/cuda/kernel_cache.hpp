@@ -35,6 +35,9 @@ std::filesystem::path cache_directory();
 struct KernelFunction {
   std::string name;
   int shared_bytes = 0;
+  // Ask for the largest shared-memory carveout (several blocks of a large dynamic shared memory
+  // per multiprocessor); otherwise the driver's default.
+  bool max_shared_carveout = false;
 };
 
 // A loaded module holding the generated kernels.

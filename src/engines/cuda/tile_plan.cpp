@@ -46,6 +46,7 @@ constexpr int kWgmmaWarps = 8;
 constexpr int kWgmmaPipelinedHeadDim = 128;
 constexpr int kWgmmaAlignment = 1024;  // the dynamic shared memory rounded up to the swizzle
 constexpr int kWgmmaCapability = 90;
+constexpr int kWgmmaMaxSharedBytes = 227 * 1024;  // per block on sm_90
 // Bound on the tile list (4 bytes an entry): 64 Mi entries, e.g. sequences of about 250k tokens.
 constexpr std::int64_t kMaxTileEntries = std::int64_t{1} << 26;
 
@@ -111,6 +112,15 @@ KernelChoice mma_choice(const Problem& problem) {
 
 bool wgmma_head_dim(std::int64_t head_dim) { return head_dim == 64 || head_dim == 128; }
 
+// The wgmma forward's shared memory (WgmmaConfig::kSharedBytes): the alignment slack, Q (then
+// the O staging), and the stages of K and V.
+int wgmma_shared_bytes(const KernelChoice& c) {
+  constexpr int kBytes = 2;  // bf16 / fp16
+  const int staging = std::max(c.head_dim_qk, c.head_dim_v);
+  return kWgmmaAlignment + c.block_m * staging * kBytes +
+         c.stages * c.block_n * (c.head_dim_qk + c.head_dim_v) * kBytes;
+}
+
 KernelChoice wgmma_choice(const Problem& problem) {
   KernelChoice c;
   c.kind = KernelKind::kWgmma;
@@ -127,10 +137,7 @@ KernelChoice wgmma_choice(const Problem& problem) {
   c.stages = c.pipelined ? 3 : 2;
   c.min_blocks = 1;
   c.class_block_q = c.block_m;
-  constexpr int kBytes = 2;  // bf16 / fp16
-  const int staging = std::max(c.head_dim_qk, c.head_dim_v);
-  c.shared_bytes = kWgmmaAlignment + c.block_m * staging * kBytes +
-                   c.stages * c.block_n * (c.head_dim_qk + c.head_dim_v) * kBytes;
+  c.shared_bytes = wgmma_shared_bytes(c);
   return c;
 }
 
@@ -259,9 +266,17 @@ int KernelChoice::threads() const { return warps * kWarpSize; }
 
 std::string KernelChoice::config_type() const {
   if (kind == KernelKind::kWgmma) {
+    // The trailing arguments only where they differ from their defaults (turns off, two
+    // warpgroups, one block per multiprocessor), so the default shapes keep their cache keys.
+    std::string tail;
+    if (warps != kWgmmaWarps || min_blocks != 1) {
+      tail = fmt::format(", {}, {}, {}", take_turns, warps / 4, min_blocks);
+    } else if (take_turns) {
+      tail = ", true";
+    }
     return fmt::format("flexattn_kernels::WgmmaConfig<{}, {}, {}, {}, {}, {}, {}{}>",
                        element_tag(dtype), head_dim_qk, head_dim_v, block_n, stages, pipelined,
-                       shared_bytes, take_turns ? ", true" : "");
+                       shared_bytes, tail);
   }
   if (kind == KernelKind::kMma) {
     return fmt::format("flexattn_kernels::MmaConfig<{}, {}, {}, {}, {}, {}, {}, {}, {}, {}>",
@@ -292,9 +307,10 @@ std::string KernelChoice::describe() const {
   if (kind == KernelKind::kWgmma) {
     return fmt::format(
         "tensor-core (wgmma, sm_90a) {}, {}x{} tiles, {} warps, {} stages{}{}, head dims {} and "
-        "{}, {} KB shared",
+        "{}, {} KB shared{}",
         to_string(dtype), block_m, block_n, warps, stages, pipelined ? ", pipelined" : "",
-        take_turns ? ", warpgroups take turns" : "", head_dim_qk, head_dim_v, shared_bytes / 1024);
+        take_turns ? ", warpgroups take turns" : "", head_dim_qk, head_dim_v, shared_bytes / 1024,
+        min_blocks > 1 ? fmt::format(", {} blocks per multiprocessor", min_blocks) : "");
   }
   if (kind == KernelKind::kMma) {
     return fmt::format(
@@ -306,6 +322,74 @@ std::string KernelChoice::describe() const {
   return fmt::format("fp32 units {}, {}x{} tiles, {} warps, head dims {} and {}, {} KB shared",
                      to_string(dtype), block_m, block_n, warps, head_dim_qk, head_dim_v,
                      shared_bytes / 1024);
+}
+
+std::string apply_wgmma_tile(KernelChoice& choice, std::string_view spec) {
+  if (choice.kind != KernelKind::kWgmma) return {};
+  // "d64:..." applies to head dim 64 only (likewise d128).
+  if (const std::size_t colon = spec.find(':'); colon != std::string_view::npos) {
+    const std::string_view dims = spec.substr(0, colon);
+    if (dims != "d64" && dims != "d128") {
+      return fmt::format("FLEXATTN_CUDA_WGMMA_TILE: '{}' is not d64 or d128", dims);
+    }
+    if (std::to_string(std::max(choice.head_dim_qk, choice.head_dim_v)) != dims.substr(1))
+      return {};
+    spec.remove_prefix(colon + 1);
+  }
+  KernelChoice c = choice;
+  int warpgroups = c.warps / 4;
+  std::size_t start = 0;
+  while (start < spec.size()) {
+    const std::size_t end = std::min(spec.find(',', start), spec.size());
+    const std::string_view item = spec.substr(start, end - start);
+    start = end + 1;
+    const std::size_t equals = item.find('=');
+    const std::string_view key = item.substr(0, equals);
+    int value = 0;
+    bool parsed = equals != std::string_view::npos && equals + 1 < item.size();
+    for (std::size_t i = equals + 1; parsed && i < item.size(); ++i) {
+      parsed = item[i] >= '0' && item[i] <= '9' && value < 1000;
+      value = value * 10 + (item[i] - '0');
+    }
+    if (!parsed) {
+      return fmt::format("FLEXATTN_CUDA_WGMMA_TILE: '{}' is not NAME=NUMBER", item);
+    }
+    if (key == "warpgroups" && (value == 1 || value == 2)) {
+      warpgroups = value;
+    } else if (key == "block_n" && (value == 64 || value == 128)) {
+      c.block_n = value;
+    } else if (key == "stages" && value >= 2 && value <= 4) {
+      c.stages = value;
+    } else if (key == "pipelined" && value <= 1) {
+      c.pipelined = value == 1;
+    } else if (key == "blocks" && (value == 1 || value == 2)) {
+      c.min_blocks = value;
+    } else {
+      return fmt::format(
+          "FLEXATTN_CUDA_WGMMA_TILE: '{}' is not one of warpgroups=1|2, block_n=64|128, "
+          "stages=2..4, pipelined=0|1, blocks=1|2",
+          item);
+    }
+  }
+  c.warps = 4 * warpgroups;
+  c.block_m = kWgmmaBlockM / 2 * warpgroups;
+  c.class_block_q = c.block_m;
+  c.take_turns = c.take_turns && c.pipelined && warpgroups == 2;
+  if (c.pipelined && c.stages < 3) {
+    return "FLEXATTN_CUDA_WGMMA_TILE: the pipelined loop needs 3 stages or more";
+  }
+  c.shared_bytes = wgmma_shared_bytes(c);
+  // A multiprocessor of sm_90 has 228 KB of shared memory, 1 KB of it reserved per block, and a
+  // block may have at most 227 KB.
+  if (c.shared_bytes > kWgmmaMaxSharedBytes ||
+      (c.shared_bytes + 1024) * c.min_blocks > kWgmmaMaxSharedBytes + 1024) {
+    return fmt::format(
+        "FLEXATTN_CUDA_WGMMA_TILE: {} blocks of {} bytes of shared memory do not fit "
+        "a multiprocessor",
+        c.min_blocks, c.shared_bytes);
+  }
+  choice = c;
+  return {};
 }
 
 KernelSelection choose_kernel(const Problem& problem, int capability, bool allow_wgmma) {

@@ -5,6 +5,7 @@
 
 #include <cstdint>
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include "flexattn/problem.hpp"
@@ -58,6 +59,13 @@ struct KernelSelection {
   std::string reason;  // empty when a kernel fits
 };
 KernelSelection choose_kernel(const Problem& problem, int capability, bool allow_wgmma = true);
+
+// Tuning experiments on the wgmma forward's shape (the FLEXATTN_CUDA_WGMMA_TILE variable): `spec`
+// is a comma-separated subset of warpgroups=1|2, block_n=64|128, stages=2..4, pipelined=0|1 and
+// blocks=1|2 (blocks per multiprocessor the registers and shared memory must allow), optionally
+// after "d64:" or "d128:" (only problems of that head dim are changed). Returns why
+// the shape is refused (choice unchanged), or empty. Other kernel kinds are left alone.
+std::string apply_wgmma_tile(KernelChoice& choice, std::string_view spec);
 
 // For every classified query block c (class_block_q rows), the kv tiles to visit:
 // entries[offsets[c] .. offsets[c + 1]), each kv_tile << 1 | mixed (the mask must be evaluated

@@ -25,10 +25,13 @@
 namespace flexattn_kernels {
 
 template <class ElementTag, int kHeadDimQk, int kHeadDimV, int kBlockN_, int kStages_,
-          bool kPipelined_, int kSharedBytes_, bool kTakeTurns_ = false>
+          bool kPipelined_, int kSharedBytes_, bool kTakeTurns_ = false, int kWarpgroups_ = 2,
+          int kMinBlocks_ = 1>
 struct WgmmaConfig {
   using Tag = ElementTag;
-  static constexpr int kWarpgroups = 2;
+  // Warpgroups per block (1 or 2), and blocks per multiprocessor the registers must allow: the
+  // default shape is 2 and 1; others are tuning experiments (FLEXATTN_CUDA_WGMMA_TILE).
+  static constexpr int kWarpgroups = kWarpgroups_;
   static constexpr int kWarpgroupRows = 64;  // the M of every wgmma
   static constexpr int kWarps = 4 * kWarpgroups;
   static constexpr int kThreads = kWarps * kWarpSize;
@@ -44,7 +47,7 @@ struct WgmmaConfig {
   // issued its own (a named barrier), so the tensor cores finish warpgroup 0's S first and its
   // element work starts while warpgroup 1's products run, instead of both waiting for both.
   static constexpr bool kTakeTurns = kTakeTurns_;
-  static constexpr int kMinBlocks = 1;
+  static constexpr int kMinBlocks = kMinBlocks_;
   static constexpr int kChunksQk = kHeadDimQk / kChunkElements;
   static constexpr int kChunksV = kHeadDimV / kChunkElements;
   static constexpr int kRealChunksV = kChunksV;     // head dims are 64 or 128: nothing padded
@@ -73,6 +76,9 @@ struct WgmmaConfig {
                 "double buffering; pipelined: K of tile j, V of tile j - 1 and tile j + 1's copy");
   static_assert(kSharedBytes == kSharedBytes_, "the host's shared-memory size (tile_plan.cpp)");
   static_assert(kPipelined || !kTakeTurns, "turns are taken in the pipelined loop");
+  static_assert(kWarpgroups == 1 || kWarpgroups == 2, "one or two warpgroups per block");
+  static_assert(kWarpgroups == 2 || !kTakeTurns, "turns are taken between two warpgroups");
+  static_assert(kMinBlocks == 1 || kMinBlocks == 2, "one or two blocks per multiprocessor");
 };
 
 // Named barrier 1 (0 is __syncthreads'): warpgroup 0 arrives once it has issued a tile's
