@@ -718,6 +718,98 @@ TEST(CudaForwardCompile, WgmmaTileExperimentsCompileForSm90a) {
   }
 }
 
+// A bias-like problem for the staging experiment: B 2, H 4, S 128 (kv a multiple of 8).
+Problem staging_problem(const std::string& score_mod, TensorDecl bias,
+                        Layout layout = Layout::kBSHD, std::int64_t head_dim = 128) {
+  ProblemDesc desc;
+  desc.batch = 2;
+  desc.heads_q = 4;
+  desc.heads_kv = 4;
+  desc.seq_len_q = 128;
+  desc.seq_len_kv = 128;
+  desc.head_dim_qk = head_dim;
+  desc.head_dim_v = head_dim;
+  desc.dtype = DType::kBF16;
+  desc.layout = layout;
+  desc.device = Device::kCuda;
+  if (layout == Layout::kTHD) {
+    desc.cu_seqlens_q = {0, 60, 128};
+    desc.cu_seqlens_kv = {0, 60, 128};
+    desc.seq_len_q = 0;
+    desc.seq_len_kv = 0;
+  }
+  desc.tensors["bias"] = std::move(bias);
+  desc.score_mod = ir::parse(score_mod, desc.scope());
+  return Problem(std::move(desc));
+}
+
+// FLEXATTN_CUDA_STAGE_TENSORS: which loads can be staged through shared memory.
+TEST(CudaCodegen, StageableTensorsAreDenseQueryKeyTiles) {
+  const TensorDecl hqk{DType::kBF16, {4, 128, 128}};
+  EXPECT_EQ(cuda::stageable_tensor(staging_problem("score + bias[h, q, kv]", hqk)), "bias");
+  EXPECT_EQ(cuda::stageable_tensor(staging_problem("score + bias[b, h, q, kv]",
+                                                   TensorDecl{DType::kF16, {2, 4, 128, 128}})),
+            "bias");
+  EXPECT_EQ(cuda::stageable_tensor(staging_problem("score * bias[h, q, kv] + 1", hqk)), "bias");
+  for (const auto& [score_mod, decl, layout] :
+       {std::tuple{"score + bias[h, q, kv]", TensorDecl{DType::kF32, {4, 128, 128}},
+                   Layout::kBSHD},                                            // 4-byte values
+        std::tuple{"score + bias[h, kv, q]", hqk, Layout::kBSHD},             // transposed
+        std::tuple{"score + bias[h, q, min(kv + 1, 127)]", hqk, Layout::kBSHD},  // shifted
+        std::tuple{"score + bias[h, q, kv]", hqk, Layout::kTHD},              // varlen
+        std::tuple{"score + bias[kv % 4, q, kv]", hqk, Layout::kBSHD}}) {     // varying head
+    SCOPED_TRACE(score_mod);
+    EXPECT_EQ(cuda::stageable_tensor(staging_problem(score_mod, decl, layout)), "");
+  }
+}
+
+// The staged wgmma forward: two stages without pipelining and the bias tiles in the shared
+// memory; the generated code reads the tile when the kernel passes one, and compiles for sm_90a.
+TEST(CudaForwardCompile, StagedTensorCompilesForSm90a) {
+  SKIP_WITHOUT_CUDA_ENGINE();
+  constexpr int kCapability = 90;
+  for (const std::int64_t head_dim : {64, 128}) {
+    SCOPED_TRACE(head_dim);
+    const Problem problem =
+        staging_problem("score + bias[h, q, kv]", TensorDecl{DType::kBF16, {4, 128, 128}},
+                        Layout::kBSHD, head_dim);
+    cuda::KernelChoice choice = cuda::choose_kernel(problem, kCapability).choice;
+    ASSERT_EQ(choice.kind, cuda::KernelKind::kWgmma);
+    choice.take_turns = choice.pipelined;
+    ASSERT_EQ(cuda::stage_wgmma_tensor(choice), "");
+    EXPECT_TRUE(choice.stage_tensor);
+    EXPECT_FALSE(choice.pipelined);
+    EXPECT_FALSE(choice.take_turns);
+    EXPECT_EQ(choice.stages, 2);
+    const int h = static_cast<int>(head_dim);
+    EXPECT_EQ(choice.shared_bytes, 1024 + 128 * h * 2 + 2 * (128 * 2 * h * 2 + 128 * 128 * 2));
+    EXPECT_NE(choice.config_type().find(", false, 2, 1, true>"), std::string::npos)
+        << choice.config_type();
+    EXPECT_NE(choice.describe().find("staged in shared memory"), std::string::npos);
+    const std::string source = cuda::generate_translation_unit(
+        problem, cuda::bind_modifier(problem).bindings, choice, nullptr);
+    const std::string generated = source.substr(source.find("// ---- generated"));
+    for (const char* fragment :
+         {"staged != nullptr ? staged_bf16(*staged) : load_tensor_bf16(",
+          "kStagedTensor = 0;", "kStagedRowStride = 128LL;", "staged_origin("}) {
+      EXPECT_NE(generated.find(fragment), std::string::npos) << fragment << "\n" << generated;
+    }
+    std::vector<char> cubin;
+    try {
+      cubin = cuda::compile_to_cubin(source, "staged.cu", kCapability, choice.architecture_suffix());
+    } catch (const Error& error) {
+      ADD_FAILURE() << error.what();
+    }
+    EXPECT_FALSE(cubin.empty());
+  }
+  // Without the experiment the generated code has no staged read.
+  const Problem plain =
+      staging_problem("score + bias[h, q, kv]", TensorDecl{DType::kBF16, {4, 128, 128}});
+  const std::string source = cuda_engine()->generated_source(plain);
+  EXPECT_EQ(source.find("staged_bf16(*staged"), std::string::npos);
+  EXPECT_NE(source.find("kStagedTensor = -1;"), std::string::npos);
+}
+
 // The variant where warpgroups take turns issuing (the default; FLEXATTN_CUDA_WGMMA_TURNS=0 is
 // without) compiles too, and says so.
 TEST(CudaForwardCompile, WgmmaTakingTurnsCompilesForSm90a) {

@@ -146,6 +146,29 @@ class GraphLowering {
   // Whether the root depends on the score, q or kv (else it is a field of Invariants or a leaf).
   bool varies() const { return varying_[static_cast<std::size_t>(graph_.root())]; }
 
+  // The staged load (stageable_load): its node reads the StagedElement when the kernel passes one
+  // (score_mod_log2 takes `const StagedElement* staged`). Returns the members that go with
+  // it: kStagedRowStride and staged_origin (the offset of element [..., 0, 0]).
+  std::string stage_load(std::size_t index) {
+    const GraphNode& node = graph_.nodes()[index];
+    const TensorDecl& decl = problem_.desc().tensors.at(node.name);
+    const char* reader = decl.dtype == DType::kBF16 ? "staged_bf16" : "staged_f16";
+    staged_ = fmt::format("(staged != nullptr ? {}(*staged) : {})", reader, load(node));
+    staged_index_ = index;
+    std::vector<std::string> indices;
+    for (std::size_t k = 0; k + 2 < node.args.size(); ++k) {
+      indices.push_back(operand(node, k, Type::kI32));
+    }
+    indices.push_back("0");
+    indices.push_back("0");
+    return fmt::format(
+        "  static constexpr int kStagedTensor = {};\n"
+        "  static constexpr long long kStagedRowStride = {}LL;\n"
+        "  __device__ static __forceinline__ long long staged_origin(const Invariants& inv, "
+        "const ForwardParams& p, const Coordinates& at) {{\n    return {};\n  }}\n",
+        slot_of(bindings_.tensors, node.name), decl.shape.back(), linear_offset(decl, indices));
+  }
+
   // The body of a function of the raw dot product q . k instead of the score (score_mod_log2 and
   // score_grad_from_dot, which the tensor-core kernels call). Constant multiplications are merged
   // where the graph allows, so softcap's `tanh(score / 30) * 30` costs two instructions less per
@@ -337,6 +360,7 @@ class GraphLowering {
 
   std::string expression(std::size_t index) const {
     if (const auto found = overrides_.find(index); found != overrides_.end()) return found->second;
+    if (index == staged_index_) return staged_;
     const GraphNode& node = graph_.nodes()[index];
     const Type type = node.type;
     switch (node.op) {
@@ -434,6 +458,8 @@ class GraphLowering {
   // Expressions that replace a node's own (emit_log2_from_dot's merged multiplications).
   std::map<std::size_t, std::string> overrides_;
   std::set<std::size_t> skipped_;  // nodes emit_varying leaves out (merged into a factor)
+  std::size_t staged_index_ = static_cast<std::size_t>(-1);  // stage_load's node
+  std::string staged_;                                        // and its expression
   const Problem& problem_;
   const ModifierBindings& bindings_;
   std::vector<bool> reachable_;
@@ -598,6 +624,51 @@ BackwardCode backward_code(const Problem& problem, const BackwardChoice& choice)
   return code;
 }
 
+namespace {
+
+// Whether node `index` of `graph` depends on the score, q or kv.
+bool varies_per_element(const Graph& graph, std::int32_t index) {
+  const GraphNode& node = graph.node(index);
+  if (node.op == Op::kScore || node.op == Op::kQuery || node.op == Op::kKey) return true;
+  for (std::int32_t arg : node.args) {
+    if (varies_per_element(graph, arg)) return true;
+  }
+  return false;
+}
+
+// stageable_tensor's load node in score_mod, or -1.
+std::int32_t stageable_load(const Problem& problem) {
+  if (problem.layout() == Layout::kTHD) return -1;
+  const Graph& graph = problem.score_mod();
+  for (std::size_t i = 0; i < graph.nodes().size(); ++i) {
+    const GraphNode& node = graph.nodes()[i];
+    if (node.op != Op::kLoad) continue;
+    const auto decl = problem.desc().tensors.find(node.name);
+    if (decl == problem.desc().tensors.end()) continue;
+    const std::vector<std::int64_t>& shape = decl->second.shape;
+    const std::size_t rank = shape.size();
+    if ((decl->second.dtype != DType::kBF16 && decl->second.dtype != DType::kF16) || rank < 2 ||
+        node.args.size() != rank || graph.node(node.args[rank - 1]).op != Op::kKey ||
+        graph.node(node.args[rank - 2]).op != Op::kQuery || shape[rank - 1] != problem.seq_len_kv() ||
+        shape[rank - 2] != problem.seq_len_q() || shape[rank - 1] % 8 != 0) {
+      continue;
+    }
+    bool invariant_rest = true;
+    for (std::size_t k = 0; k + 2 < rank; ++k) {
+      invariant_rest = invariant_rest && !varies_per_element(graph, node.args[k]);
+    }
+    if (invariant_rest) return static_cast<std::int32_t>(i);
+  }
+  return -1;
+}
+
+}  // namespace
+
+std::string stageable_tensor(const Problem& problem) {
+  const std::int32_t index = stageable_load(problem);
+  return index < 0 ? std::string() : problem.score_mod().node(index).name;
+}
+
 BindingSelection bind_modifier(const Problem& problem) {
   BindingSelection selection;
   std::set<std::string> tensors;
@@ -632,6 +703,12 @@ std::string generate_modifier_source(const Problem& problem, const ModifierBindi
   std::string score_body;
   const std::string score_value = score.emit_varying(score_body);
   GraphLowering score_log2(problem.score_mod(), "s", problem, bindings);
+  std::string staged_members = "  static constexpr int kStagedTensor = -1;\n";
+  if (choice.stage_tensor) {
+    const std::int32_t staged = stageable_load(problem);
+    if (staged < 0) throw_internal("cuda codegen: a staged tensor without a stageable load");
+    staged_members = score_log2.stage_load(static_cast<std::size_t>(staged));
+  }
   const std::string score_log2_body = score_log2.emit_from_dot(fields, assignments, true);
   std::string mask_body;
   const std::string mask_value = mask.emit_varying(mask_body);
@@ -659,8 +736,10 @@ std::string generate_modifier_source(const Problem& problem, const ModifierBindi
   text +=
       "  // score_mod(dot * scale) * log2(e), constant multiplications merged\n"
       "  __device__ static __forceinline__ float score_mod_log2(const Invariants& inv, "
-      "const ForwardParams& p, const Coordinates& at, float dot, int q, int kv) {\n" +
+      "const ForwardParams& p, const Coordinates& at, float dot, int q, int kv, "
+      "[[maybe_unused]] const StagedElement* staged) {\n" +
       score_log2_body + "  }\n";
+  text += staged_members;
   text += fmt::format("  // mask_mod: {}\n", problem.mask_mod().to_string());
   text +=
       "  __device__ static __forceinline__ bool mask_mod(const Invariants& inv, "

@@ -43,6 +43,13 @@ struct BackwardCode {
 // Throws Error when the score modifier cannot be differentiated.
 BackwardCode backward_code(const Problem& problem, const BackwardChoice& choice);
 
+// The load of score_mod that the wgmma forward can stage in shared memory beside K and V
+// (KernelChoice::stage_tensor, FLEXATTN_CUDA_STAGE_TENSORS): a bf16/fp16 tensor indexed
+// [..., q, kv] whose other indices depend only on (b, h) and the lengths, of shape
+// [..., seq_len_q, seq_len_kv] with seq_len_kv a multiple of 8, in a problem with fixed-length
+// sequences (not thd). Its tensor's name, or empty.
+std::string stageable_tensor(const Problem& problem);
+
 // The generated code alone: the Modifier struct of the problem's score_mod and mask_mod and the
 // entry point for `choice`; with `backward` (required when the problem wants gradients, null
 // otherwise) also the Modifier's backward members and the four backward entry points.

@@ -88,6 +88,13 @@ Support lower_problem(const Problem& problem, Lowering& lowering, int capability
   KernelSelection selection = choose_kernel(problem, capability, wgmma_allowed());
   if (!selection.reason.empty()) return Support::no(selection.reason);
   selection.choice.take_turns = selection.choice.pipelined && wgmma_turns();
+  // FLEXATTN_CUDA_STAGE_TENSORS=1: a dense bias-like tensor travels through shared memory
+  // (stage_wgmma_tensor; an experiment, off by default until measured on a GPU).
+  if (const char* stage = std::getenv("FLEXATTN_CUDA_STAGE_TENSORS");
+      stage != nullptr && std::string_view(stage) == "1" && !stageable_tensor(problem).empty()) {
+    const std::string error = stage_wgmma_tensor(selection.choice);
+    if (!error.empty()) return Support::no(error);
+  }
   // FLEXATTN_CUDA_WGMMA_TILE: a shape experiment (apply_wgmma_tile); a bad one is refused loudly.
   if (const char* tile = std::getenv("FLEXATTN_CUDA_WGMMA_TILE"); tile != nullptr && *tile) {
     const std::string error = apply_wgmma_tile(selection.choice, tile);
@@ -249,6 +256,7 @@ class CudaPlan final : public Plan {
         problem_(problem),
         driver_(std::move(driver)),
         choice_(lowering.choice),
+        staged_tensor_(lowering.choice.stage_tensor ? stageable_tensor(problem) : std::string()),
         bindings_(lowering.bindings),
         kernel_(std::move(kernel.kernel)) {
     ForwardParams base{};
@@ -429,6 +437,14 @@ class CudaPlan final : public Plan {
     for (std::size_t i = 0; i < bindings_.tensors.size(); ++i) {
       p.tensors[i].data = tensors.at(bindings_.tensors[i]).data;
     }
+    // A tensor staged through shared memory is copied 16 bytes at a time.
+    if (!staged_tensor_.empty() &&
+        reinterpret_cast<std::uintptr_t>(tensors.at(staged_tensor_).data) % 16 != 0) {
+      throw_invalid(fmt::format(
+          "cuda: tensor '{}' is not 16-byte aligned, which its staging through shared memory "
+          "needs (FLEXATTN_CUDA_STAGE_TENSORS=1); unset it, or pass an aligned tensor",
+          staged_tensor_));
+    }
   }
 
   // Launches `function` with its one argument block `params` (the driver copies it at launch).
@@ -445,6 +461,7 @@ class CudaPlan final : public Plan {
   Problem problem_;
   std::shared_ptr<const Driver> driver_;
   KernelChoice choice_;
+  std::string staged_tensor_;  // the tensor the forward stages in shared memory, if any
   ModifierBindings bindings_;
   std::shared_ptr<const CompiledKernel> kernel_;
   DeviceBuffer cu_seqlens_q_;

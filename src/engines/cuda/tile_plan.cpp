@@ -117,8 +117,16 @@ bool wgmma_head_dim(std::int64_t head_dim) { return head_dim == 64 || head_dim =
 int wgmma_shared_bytes(const KernelChoice& c) {
   constexpr int kBytes = 2;  // bf16 / fp16
   const int staging = std::max(c.head_dim_qk, c.head_dim_v);
+  const int staged = c.stage_tensor ? c.block_m * c.block_n * kBytes : 0;
   return kWgmmaAlignment + c.block_m * staging * kBytes +
-         c.stages * c.block_n * (c.head_dim_qk + c.head_dim_v) * kBytes;
+         c.stages * (c.block_n * (c.head_dim_qk + c.head_dim_v) * kBytes + staged);
+}
+
+// Whether `c`'s blocks fit a multiprocessor's shared memory: 228 KB on sm_90, 1 KB of it reserved
+// per block, at most 227 KB for one block.
+bool wgmma_shared_fits(const KernelChoice& c) {
+  return c.shared_bytes <= kWgmmaMaxSharedBytes &&
+         (c.shared_bytes + 1024) * c.min_blocks <= kWgmmaMaxSharedBytes + 1024;
 }
 
 KernelChoice wgmma_choice(const Problem& problem) {
@@ -269,7 +277,9 @@ std::string KernelChoice::config_type() const {
     // The trailing arguments only where they differ from their defaults (turns off, two
     // warpgroups, one block per multiprocessor), so the default shapes keep their cache keys.
     std::string tail;
-    if (warps != kWgmmaWarps || min_blocks != 1) {
+    if (stage_tensor) {
+      tail = fmt::format(", {}, {}, {}, true", take_turns, warps / 4, min_blocks);
+    } else if (warps != kWgmmaWarps || min_blocks != 1) {
       tail = fmt::format(", {}, {}, {}", take_turns, warps / 4, min_blocks);
     } else if (take_turns) {
       tail = ", true";
@@ -307,10 +317,11 @@ std::string KernelChoice::describe() const {
   if (kind == KernelKind::kWgmma) {
     return fmt::format(
         "tensor-core (wgmma, sm_90a) {}, {}x{} tiles, {} warps, {} stages{}{}, head dims {} and "
-        "{}, {} KB shared{}",
+        "{}, {} KB shared{}{}",
         to_string(dtype), block_m, block_n, warps, stages, pipelined ? ", pipelined" : "",
         take_turns ? ", warpgroups take turns" : "", head_dim_qk, head_dim_v, shared_bytes / 1024,
-        min_blocks > 1 ? fmt::format(", {} blocks per multiprocessor", min_blocks) : "");
+        min_blocks > 1 ? fmt::format(", {} blocks per multiprocessor", min_blocks) : "",
+        stage_tensor ? ", modifier tensor staged in shared memory" : "");
   }
   if (kind == KernelKind::kMma) {
     return fmt::format(
@@ -322,6 +333,22 @@ std::string KernelChoice::describe() const {
   return fmt::format("fp32 units {}, {}x{} tiles, {} warps, head dims {} and {}, {} KB shared",
                      to_string(dtype), block_m, block_n, warps, head_dim_qk, head_dim_v,
                      shared_bytes / 1024);
+}
+
+std::string stage_wgmma_tensor(KernelChoice& choice) {
+  if (choice.kind != KernelKind::kWgmma) return {};
+  KernelChoice c = choice;
+  c.stage_tensor = true;
+  c.pipelined = false;
+  c.take_turns = false;
+  c.stages = 2;
+  c.shared_bytes = wgmma_shared_bytes(c);
+  if (!wgmma_shared_fits(c)) {
+    return fmt::format("FLEXATTN_CUDA_STAGE_TENSORS: {} bytes of shared memory do not fit",
+                       c.shared_bytes);
+  }
+  choice = c;
+  return {};
 }
 
 std::string apply_wgmma_tile(KernelChoice& choice, std::string_view spec) {
@@ -378,11 +405,12 @@ std::string apply_wgmma_tile(KernelChoice& choice, std::string_view spec) {
   if (c.pipelined && c.stages < 3) {
     return "FLEXATTN_CUDA_WGMMA_TILE: the pipelined loop needs 3 stages or more";
   }
+  if (c.pipelined && c.stage_tensor) {
+    return "FLEXATTN_CUDA_WGMMA_TILE: a staged tensor (FLEXATTN_CUDA_STAGE_TENSORS) takes the "
+           "loop without pipelining";
+  }
   c.shared_bytes = wgmma_shared_bytes(c);
-  // A multiprocessor of sm_90 has 228 KB of shared memory, 1 KB of it reserved per block, and a
-  // block may have at most 227 KB.
-  if (c.shared_bytes > kWgmmaMaxSharedBytes ||
-      (c.shared_bytes + 1024) * c.min_blocks > kWgmmaMaxSharedBytes + 1024) {
+  if (!wgmma_shared_fits(c)) {
     return fmt::format(
         "FLEXATTN_CUDA_WGMMA_TILE: {} blocks of {} bytes of shared memory do not fit "
         "a multiprocessor",

@@ -37,6 +37,7 @@ struct KernelChoice {
   int stages = 0;  // mma: K/V shared-memory buffers in flight
   bool pipelined = false;  // wgmma: tile j's element work overlaps tile j - 1's P V
   bool take_turns = false;  // wgmma, pipelined: warpgroup 1 issues its products after 0's
+  bool stage_tensor = false;  // wgmma: the modifier's stageable tensor (codegen.hpp) in shared memory
   int min_blocks = 0;      // mma: thread blocks per multiprocessor the registers must allow
   int shared_bytes = 0;
 
@@ -59,6 +60,12 @@ struct KernelSelection {
   std::string reason;  // empty when a kernel fits
 };
 KernelSelection choose_kernel(const Problem& problem, int capability, bool allow_wgmma = true);
+
+// The wgmma forward with the modifier's stageable tensor (codegen.hpp: stageable_tensor) staged
+// in shared memory beside K and V, a tile per stage: the loop without pipelining, two stages
+// (FLEXATTN_CUDA_STAGE_TENSORS=1, an experiment). Returns why it cannot (choice unchanged), or
+// empty. Other kernel kinds are left alone.
+std::string stage_wgmma_tensor(KernelChoice& choice);
 
 // Tuning experiments on the wgmma forward's shape (the FLEXATTN_CUDA_WGMMA_TILE variable): `spec`
 // is a comma-separated subset of warpgroups=1|2, block_n=64|128, stages=2..4, pipelined=0|1 and

@@ -34,9 +34,11 @@ struct IdentityModifier {
     return score;
   }
   __device__ static float score_mod_log2(const Invariants&, const ForwardParams& p,
-                                         const Coordinates&, float dot, int, int) {
+                                         const Coordinates&, float dot, int, int,
+                                         const flexattn_kernels::StagedElement*) {
     return dot * p.scale_log2;
   }
+  static constexpr int kStagedTensor = -1;
   __device__ static bool mask_mod(const Invariants&, const ForwardParams&, const Coordinates&,
                                   int, int) {
     return true;
@@ -80,9 +82,11 @@ struct CausalSoftcapModifier {
            flexattn_kernels::load_tensor_f32(static_cast<const float*>(p.tensors[1].data), kv);
   }
   __device__ static float score_mod_log2(const Invariants& invariants, const ForwardParams& p,
-                                         const Coordinates& at, float dot, int q, int kv) {
+                                         const Coordinates& at, float dot, int q, int kv,
+                                         const flexattn_kernels::StagedElement*) {
     return score_mod(invariants, p, at, dot * p.scale, q, kv) * flexattn_kernels::kLog2e;
   }
+  static constexpr int kStagedTensor = -1;
   __device__ static bool mask_mod(const Invariants&, const ForwardParams&, const Coordinates&,
                                   int q, int kv) {
     return q >= kv;

@@ -9,7 +9,11 @@
 //   static float score_mod(const Invariants&, const ForwardParams&, const Coordinates&,
 //                          float score, int q, int kv);
 //   static float score_mod_log2(const Invariants&, const ForwardParams&, const Coordinates&,
-//                               float dot, int q, int kv);  // score_mod(dot * scale) * log2(e)
+//                               float dot, int q, int kv, const StagedElement*);
+//                               // score_mod(dot * scale) * log2(e)
+//   static constexpr int kStagedTensor;  // the tensor slot read from a StagedElement, or -1
+//   static long long staged_origin(const Invariants&, const ForwardParams&, const Coordinates&);
+//                               // its element [..., 0, 0] (only with kStagedTensor >= 0)
 //   static bool mask_mod(const Invariants&, const ForwardParams&, const Coordinates&, int q,
 //                        int kv);
 #pragma once
@@ -29,6 +33,41 @@ struct Coordinates {
   int q_len;
   int kv_len;
 };
+
+// A modifier tensor tile staged in shared memory by the wgmma forward (FLEXATTN_CUDA_STAGE_TENSORS:
+// a 16-bit tensor indexed [..., q, kv], e.g. a dense bias): rows q0.. of the block, columns kv0..
+// of the kv tile, in 64-value panels of panel_bytes with the 128-byte swizzle (SwizzledPanels).
+struct StagedTile {
+  unsigned address;  // shared-memory address, 1024-byte aligned
+  int panel_bytes;
+  int q0;
+  int kv0;
+};
+// One element of it, already read: the generated score_mod_log2 takes its value when given one,
+// else it reads the tensor in global memory.
+struct StagedElement {
+  unsigned short bits;
+};
+// Columns `column` and `column + 1` (even) of row `row`, as one 32-bit read. The address is
+// (tile + panel + row * 128) | (swizzled chunk * 16 + column % 8 * 2): the low 7 bits are a small
+// per-thread set of values the compiler keeps across tiles, and the OR keeps it from folding them
+// with the rest into one precomputed address per element (which spilled). asm volatile: the read
+// stays after the barrier that makes the tile visible.
+__device__ __forceinline__ unsigned staged_pair(const StagedTile& tile, int row, int column) {
+  const int chunk = column / 8;
+  const unsigned line = tile.address + static_cast<unsigned>((chunk / 8) * tile.panel_bytes) +
+                        static_cast<unsigned>(row * 128);
+  const unsigned within = static_cast<unsigned>(((chunk % 8) ^ (row % 8)) * 16 + (column % 8) * 2);
+  unsigned bits;
+  asm volatile("ld.shared.u32 %0, [%1];" : "=r"(bits) : "r"(line | within));
+  return bits;
+}
+__device__ __forceinline__ float staged_bf16(const StagedElement& element) {
+  return bf16_bits_to_float(element.bits);
+}
+__device__ __forceinline__ float staged_f16(const StagedElement& element) {
+  return half_bits_to_float(element.bits);
+}
 
 struct SequenceSpan {
   int q_offset;  // first token of the sequence (thd), else 0
@@ -58,8 +97,7 @@ __device__ __forceinline__ SequenceSpan sequence_span(const ForwardParams& p, in
 
 // Address of element (batch, token, head, 0) of a view.
 template <class T>
-__device__ __forceinline__ T* view_row(const SequenceView& view, int batch, int token,
-                                       int head) {
+__device__ __forceinline__ T* view_row(const SequenceView& view, int batch, int token, int head) {
   return static_cast<T*>(view.data) + batch * view.batch_stride + token * view.token_stride +
          head * view.head_stride;
 }
@@ -104,13 +142,14 @@ __device__ __forceinline__ float masked_logit(float logit, const ForwardParams& 
 template <class Modifier, bool kCheck, bool kLog2Domain>
 __device__ __forceinline__ float element_logit(float dot, const ForwardParams& p,
                                                const typename Modifier::Invariants& invariants,
-                                               const Coordinates& at, int q, int kv) {
+                                               const Coordinates& at, int q, int kv,
+                                               const StagedElement* staged = nullptr) {
   const int kv_inside = kCheck ? ir_min(kv, at.kv_len - 1) : kv;
   float logit;
   if constexpr (Modifier::kIdentityScore) {
     logit = dot * (kLog2Domain ? p.scale_log2 : p.scale);
   } else if constexpr (kLog2Domain) {
-    logit = Modifier::score_mod_log2(invariants, p, at, dot, q, kv_inside);
+    logit = Modifier::score_mod_log2(invariants, p, at, dot, q, kv_inside, staged);
   } else {
     logit = Modifier::score_mod(invariants, p, at, dot * p.scale, q, kv_inside);
   }

@@ -64,15 +64,32 @@ __device__ __forceinline__ void compute_logits(float (&score)[kTiles][kScoreTile
                                                const ForwardParams& p,
                                                const typename Modifier::Invariants& invariants,
                                                const Coordinates& at, const int (&query)[kTiles][2],
-                                               int kv_first) {
+                                               int kv_first, const StagedTile* staged = nullptr) {
 #pragma unroll
   for (int i = 0; i < kTiles; ++i) {
 #pragma unroll
     for (int j = 0; j < kScoreTiles; ++j) {
+      unsigned pair[2] = {0, 0};  // the staged tile's values of this thread's two columns
+      if (staged != nullptr) {    // known at compile time once inlined
+        // The unclamped columns: past the keys the tile holds zeros, and the scores are masked.
+#pragma unroll
+        for (int half = 0; half < 2; ++half) {
+          pair[half] =
+              staged_pair(*staged, query[i][half] - staged->q0, (kv_first - staged->kv0) + j * 8);
+        }
+      }
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
-        score[i][j][e] = element_logit<Modifier, kCheck, true>(
-            score[i][j][e], p, invariants, at, query[i][e / 2], kv_first + j * 8 + e % 2);
+        const int kv = kv_first + j * 8 + e % 2;
+        if (staged != nullptr) {
+          const StagedElement element{
+              static_cast<unsigned short>(e % 2 == 0 ? pair[e / 2] & 0xffffu : pair[e / 2] >> 16)};
+          score[i][j][e] = element_logit<Modifier, kCheck, true>(score[i][j][e], p, invariants, at,
+                                                                 query[i][e / 2], kv, &element);
+        } else {
+          score[i][j][e] = element_logit<Modifier, kCheck, true>(score[i][j][e], p, invariants, at,
+                                                                 query[i][e / 2], kv);
+        }
       }
     }
   }

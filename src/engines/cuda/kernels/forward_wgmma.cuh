@@ -26,7 +26,7 @@ namespace flexattn_kernels {
 
 template <class ElementTag, int kHeadDimQk, int kHeadDimV, int kBlockN_, int kStages_,
           bool kPipelined_, int kSharedBytes_, bool kTakeTurns_ = false, int kWarpgroups_ = 2,
-          int kMinBlocks_ = 1>
+          int kMinBlocks_ = 1, bool kStageTensor_ = false>
 struct WgmmaConfig {
   using Tag = ElementTag;
   // Warpgroups per block (1 or 2), and blocks per multiprocessor the registers must allow: the
@@ -65,7 +65,14 @@ struct WgmmaConfig {
   // The swizzle is a function of address bits 4-9: tiles start on 1024-byte boundaries, and the
   // dynamic shared memory is rounded up to one inside its first 1024 bytes.
   static constexpr int kAlignment = 1024;
-  static constexpr int kSharedBytes = kAlignment + kQBytes + kStages * (kKBytes + kVBytes);
+  // With kStageTensor the modifier's staged tensor (Modifier::kStagedTensor, 16-bit, indexed
+  // [..., q, kv]) travels beside K and V: a (kBlockM, kBlockN) tile per stage, read by the element
+  // code from shared memory instead of one global load per score (FLEXATTN_CUDA_STAGE_TENSORS).
+  static constexpr bool kStageTensor = kStageTensor_;
+  using StagedLayout = SwizzledPanels<kBlockM, kBlockN / kChunkElements>;
+  static constexpr int kStagedBytes = kStageTensor ? kBlockM * kBlockN * 2 : 0;
+  static constexpr int kSharedBytes =
+      kAlignment + kQBytes + kStages * (kKBytes + kVBytes + kStagedBytes);
 
   static_assert((kHeadDimQk == 64 || kHeadDimQk == 128) && (kHeadDimV == 64 || kHeadDimV == 128),
                 "the wgmma kernel takes head dims 64 and 128");
@@ -79,6 +86,7 @@ struct WgmmaConfig {
   static_assert(kWarpgroups == 1 || kWarpgroups == 2, "one or two warpgroups per block");
   static_assert(kWarpgroups == 2 || !kTakeTurns, "turns are taken between two warpgroups");
   static_assert(kMinBlocks == 1 || kMinBlocks == 2, "one or two blocks per multiprocessor");
+  static_assert(!kStageTensor || !kPipelined, "a staged tensor takes the loop without pipelining");
 };
 
 // Named barrier 1 (0 is __syncthreads'): warpgroup 0 arrives once it has issued a tile's
@@ -156,6 +164,15 @@ __device__ __forceinline__ void forward_wgmma(const ForwardParams& p) {
   const unsigned q_tile = aligned_start;                         // (kBlockM, qk) panels
   const unsigned k_tiles = q_tile + Config::kQBytes;             // kStages x (kBlockN, qk)
   const unsigned v_tiles = k_tiles + kStages * Config::kKBytes;  // kStages x (kBlockN, v)
+  // kStages x (kBlockM, kBlockN) of the staged tensor (kStageTensor), and its rows in global memory.
+  const unsigned staged_tiles = v_tiles + kStages * Config::kVBytes;
+  const unsigned short* staged_source = nullptr;
+  if constexpr (Config::kStageTensor) {
+    static_assert(Modifier::kStagedTensor >= 0, "the modifier reads a stageable tensor");
+    staged_source = static_cast<const unsigned short*>(p.tensors[Modifier::kStagedTensor].data) +
+                    Modifier::staged_origin(Modifier::prepare(p, at), p, at) +
+                    static_cast<long long>(q_start) * Modifier::kStagedRowStride;
+  }
 
   const EntryRange entries = visited_tiles(p, q_start, kBlockN, span.kv_len);
 
@@ -172,6 +189,15 @@ __device__ __forceinline__ void forward_wgmma(const ForwardParams& p) {
     load_rows_async<kBlockN, VLayout, Config::kChunksV, kThreads>(
         v_tiles + stage * Config::kVBytes, v_source + kv_start * p.v.token_stride, p.v.token_stride,
         rows_valid, Config::kChunksV, thread);
+    if constexpr (Config::kStageTensor) {
+      // Rows past the queries and columns past the keys are zero-filled (their scores are
+      // masked); the row length is a multiple of 8, so chunks are whole.
+      constexpr int kStagedChunks = kBlockN / kChunkElements;
+      load_rows_async<kBlockM, typename Config::StagedLayout, kStagedChunks, kThreads>(
+          staged_tiles + stage * Config::kStagedBytes, staged_source + kv_start,
+          Modifier::kStagedRowStride, span.q_len - q_start,
+          ir_min(kStagedChunks, (span.kv_len - kv_start) / kChunkElements), thread);
+    }
   };
   if constexpr (Config::kPipelined) {
     // Tile 0 now; each iteration copies the next one (one tile ahead, see the loop).
@@ -238,14 +264,18 @@ __device__ __forceinline__ void forward_wgmma(const ForwardParams& p) {
     wgmma_commit();
   };
   // Logits and the softmax's probabilities of a finished S; O untouched (it may be in flight).
-  auto probabilities = [&](int entry_index, float(&correction)[1][2]) {
+  auto probabilities = [&](int entry_index, float(&correction)[1][2], int stage) {
     const int entry = p.tile_entries[entry_index];
     const int kv_start = entry_kv_tile(entry) * kBlockN;
     const int kv_first = kv_start + 2 * quad_lane;
+    const StagedTile staged{staged_tiles + stage * Config::kStagedBytes,
+                            static_cast<int>(Config::StagedLayout::kPanelBytes), q_start,
+                            kv_start};
+    const StagedTile* staged_tile = Config::kStageTensor ? &staged : nullptr;
     if (entry_is_mixed(entry) || kv_start + kBlockN > span.kv_len) {
-      compute_logits<Modifier, true>(score, p, invariants, at, query, kv_first);
+      compute_logits<Modifier, true>(score, p, invariants, at, query, kv_first, staged_tile);
     } else {
-      compute_logits<Modifier, false>(score, p, invariants, at, query, kv_first);
+      compute_logits<Modifier, false>(score, p, invariants, at, query, kv_first, staged_tile);
     }
     return softmax_probabilities(score, row_max, row_sum, correction);
   };
@@ -305,7 +335,7 @@ __device__ __forceinline__ void forward_wgmma(const ForwardParams& p) {
       wgmma_wait<0>();
       fence_operands(score_flat);
       float correction[1][2];
-      probabilities(entries.begin, correction);  // O is still 0: nothing to rescale
+      probabilities(entries.begin, correction, stage);  // O is still 0: nothing to rescale
       pack_probabilities(stage);
     }
     for (int entry_index = entries.begin + 1; entry_index < entries.end; ++entry_index) {
@@ -318,7 +348,7 @@ __device__ __forceinline__ void forward_wgmma(const ForwardParams& p) {
       wgmma_wait<1>();  // S is done; P V may still run
       fence_operands(score_flat);
       float correction[1][2];
-      const bool max_changed = probabilities(entry_index, correction);
+      const bool max_changed = probabilities(entry_index, correction, stage);
       wgmma_wait<0>();
       fence_operands(output_flat);
       rescale_output(output, correction, max_changed);
@@ -342,7 +372,7 @@ __device__ __forceinline__ void forward_wgmma(const ForwardParams& p) {
       wgmma_wait<0>();
       fence_operands(score_flat);
       float correction[1][2];
-      const bool max_changed = probabilities(entry_index, correction);
+      const bool max_changed = probabilities(entry_index, correction, stage);
       rescale_output(output, correction, max_changed);
       pack_probabilities(stage);
       multiply_values();
