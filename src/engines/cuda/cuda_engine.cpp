@@ -87,7 +87,6 @@ bool wgmma_turns() {
 Support lower_problem(const Problem& problem, Lowering& lowering, int capability) {
   KernelSelection selection = choose_kernel(problem, capability, wgmma_allowed());
   if (!selection.reason.empty()) return Support::no(selection.reason);
-  selection.choice.take_turns = selection.choice.pipelined && wgmma_turns();
   // FLEXATTN_CUDA_STAGE_TENSORS=1: a dense bias-like tensor travels through shared memory
   // (stage_wgmma_tensor; an experiment, off by default until measured on a GPU).
   if (const char* stage = std::getenv("FLEXATTN_CUDA_STAGE_TENSORS");
@@ -100,6 +99,8 @@ Support lower_problem(const Problem& problem, Lowering& lowering, int capability
     const std::string error = apply_wgmma_tile(selection.choice, tile);
     if (!error.empty()) return Support::no(error);
   }
+  // Turns need the pipelined loop and two warpgroups (also where an experiment made them so).
+  selection.choice.take_turns = selection.choice.turns_possible() && wgmma_turns();
   const BindingSelection binding = bind_modifier(problem);
   if (!binding.reason.empty()) return Support::no(binding.reason);
   if (problem.heads_q() > kMaxGridYZ || problem.batch() > kMaxGridYZ) {

@@ -272,6 +272,10 @@ const char* element_tag(DType dtype) {
 
 int KernelChoice::threads() const { return warps * kWarpSize; }
 
+bool KernelChoice::turns_possible() const {
+  return kind == KernelKind::kWgmma && pipelined && warps == kWgmmaWarps;
+}
+
 std::string KernelChoice::config_type() const {
   if (kind == KernelKind::kWgmma) {
     // The trailing arguments only where they differ from their defaults (turns off, two
@@ -401,7 +405,7 @@ std::string apply_wgmma_tile(KernelChoice& choice, std::string_view spec) {
   c.warps = 4 * warpgroups;
   c.block_m = kWgmmaBlockM / 2 * warpgroups;
   c.class_block_q = c.block_m;
-  c.take_turns = c.take_turns && c.pipelined && warpgroups == 2;
+  c.take_turns = c.take_turns && c.turns_possible();
   if (c.pipelined && c.stages < 3) {
     return "FLEXATTN_CUDA_WGMMA_TILE: the pipelined loop needs 3 stages or more";
   }

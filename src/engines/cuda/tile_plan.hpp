@@ -42,6 +42,8 @@ struct KernelChoice {
   int shared_bytes = 0;
 
   int threads() const;
+  // wgmma: whether the loop can take turns (pipelined, two warpgroups).
+  bool turns_possible() const;
   // The C++ type of the kernel configuration ("flexattn_kernels::MmaConfig<...>").
   std::string config_type() const;
   std::string describe() const;  // "mma bf16, 128x64 tiles, 4 warps, 2 stages, qk 80->128, v 80"
