@@ -93,7 +93,7 @@ std::vector<GeneratedCase> cases() {
       {"softcap_causal_fp16_d64", DType::kF16, 64, 64, "30 * tanh(score / 30)", "q >= kv", {}, {},
        Layout::kBHSD, {"ir_tanh(", "kHasMask = true", "HalfTag", "forward_mma"}},
       {"softcap_fp32_d64", DType::kF32, 64, 64, "30 * tanh(score / 30)", "", {}, {},
-       Layout::kBSHD, {"ir_tanh(", "ir_mul(score", "forward_simt"}},
+       Layout::kBSHD, {"tanhf(", "ir_mul(score", "forward_simt"}},
       {"alibi_bf16_d80_v72_sbhd", DType::kBF16, 80, 72, "score + slopes[h] * (kv - q)", "", {{"slopes", slopes}},
        {}, Layout::kSBHD, {"load_tensor_f32(", "inv.s", "80, 72, 128, 128"}},
       {"bias_window_fp32_d256", DType::kF32, 256, 256, "score + bias[h, q, kv]", "q >= kv && q - kv < 32",
@@ -203,8 +203,9 @@ TEST(CudaCodegenBackward, SoftcapHasAScoreGradient) {
   EXPECT_NE(source.find("kIdentityDerivative = false"), std::string::npos) << source;
   EXPECT_NE(source.find("kHasTensorGrads = false"), std::string::npos) << source;
   EXPECT_NE(source.find("kLocalGradSlots = 1;"), std::string::npos) << source;
-  const std::string score_grad = between(source, "float score_grad(", "void tensor_grads(");
-  EXPECT_NE(score_grad.find("ir_tanh("), std::string::npos) << score_grad;
+  const std::string score_grad = between(source, "float score_grad(", "float score_grad_from_dot(");
+  EXPECT_NE(score_grad.find("tanhf("), std::string::npos) << score_grad;  // the fp32 kernels'
+  EXPECT_EQ(score_grad.find("ir_tanh("), std::string::npos) << score_grad;
   // From the dot product: the same merged tanh argument as score_mod_log2 (one tanh per element
   // after inlining), and (1 - t^2) / 30 * 30 returned as 1 - t^2.
   const std::string from_dot = between(source, "float score_grad_from_dot(", "void tensor_grads(");
@@ -213,6 +214,7 @@ TEST(CudaCodegenBackward, SoftcapHasAScoreGradient) {
   EXPECT_NE(logit.find("ir_mul(dot, inv.s2_dot)"), std::string::npos) << logit;
   EXPECT_EQ(from_dot.find("(0x1.ep+4f)"), std::string::npos) << from_dot;
   EXPECT_EQ(from_dot.find("const float score"), std::string::npos) << from_dot;
+  EXPECT_NE(from_dot.find("ir_tanh("), std::string::npos) << from_dot;
   for (const char* entry : {"flexattn_forward(", "flexattn_backward_delta(",
                             "flexattn_backward_dkdv(", "flexattn_backward_dq(",
                             "flexattn_backward_finalize("}) {

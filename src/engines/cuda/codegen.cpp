@@ -248,6 +248,7 @@ class GraphLowering {
       }
     }
     skipped_.insert(chain.begin(), chain.end());
+    fast_tanh_ = true;
     emit_varying(statements);
     const std::string value = reference(base);
     const auto single = static_cast<float>(factor);
@@ -255,6 +256,7 @@ class GraphLowering {
         single == 1.0f ? value : fmt::format("ir_mul({}, {})", value, float_literal(factor));
     skipped_.clear();
     overrides_.clear();
+    fast_tanh_ = false;
     return statements + fmt::format("    return {};\n", result);
   }
 
@@ -435,10 +437,12 @@ class GraphLowering {
       case Op::kRsqrt:
         return call("ir_rsqrt", node, Type::kF32);
       case Op::kTanh:
-        // ir_tanh (device_math.cuh): tanhf's accuracy without its branch-free clamp. The
-        // exp2/reciprocal form alone (3e-7 absolute error near 0) was measured at 1.7x the softcap
-        // speed on the mma.sync kernel but fails the fp32-level LSE tolerance on short sequences.
-        return call("ir_tanh", node, Type::kF32);
+        // The tensor-core kernels' functions (emit_from_dot) use ir_tanh (device_math.cuh):
+        // tanhf's accuracy without its clamp, two instructions less per score; the fp32 kernels
+        // keep CUDA's tanhf, as verified against the fp32 tolerance. (The exp2/reciprocal form
+        // alone, 3e-7 absolute error near 0, was measured at 1.7x the softcap speed on the
+        // mma.sync kernel but fails the fp32-level LSE tolerance on short sequences.)
+        return call(fast_tanh_ ? "ir_tanh" : "tanhf", node, Type::kF32);
       case Op::kSigmoid:
         return call("ir_sigmoid", node, Type::kF32);
       case Op::kFloor:
@@ -458,6 +462,7 @@ class GraphLowering {
   // Expressions that replace a node's own (emit_log2_from_dot's merged multiplications).
   std::map<std::size_t, std::string> overrides_;
   std::set<std::size_t> skipped_;  // nodes emit_varying leaves out (merged into a factor)
+  bool fast_tanh_ = false;         // tanh as ir_tanh (emit_from_dot), else tanhf
   std::size_t staged_index_ = static_cast<std::size_t>(-1);  // stage_load's node
   std::string staged_;                                        // and its expression
   const Problem& problem_;

@@ -62,7 +62,8 @@ __device__ __forceinline__ int ir_abs(int x) { return x < 0 ? ir_neg(x) : x; }
 __device__ __forceinline__ float ir_abs(float x) { return fabsf(x); }
 __device__ __forceinline__ float ir_sigmoid(float x) { return 1.0f / (1.0f + expf(-x)); }
 
-// tanh(x) without branches, for the element pipelines (softcap runs it on every score). For
+// tanh(x) without branches, for the tensor-core kernels' element pipelines (softcap runs it on
+// every score; the fp32 kernels keep tanhf). For
 // |x| >= 0.6: 1 - 2 / (exp(2|x|) + 1) with the hardware's ex2 and reciprocal, carrying the sign;
 // it saturates to 1 on its own (exp overflows to inf, the reciprocal to 0), so no clamp. Below 0.6
 // that form cancels, and x + x^3 P(x^2) takes over: P is our own fit (weighted least squares,
