@@ -356,6 +356,40 @@ __device__ __forceinline__ float dq_logit(const float (&s)[kTilesKv][4], int j, 
   return logit2;
 }
 
+// The dQ kernels' rows of one thread (`first_row` and first_row + 8, the accumulator layout):
+// position clamped into the sequence, validity, LSE in the log2 domain and delta.
+__device__ __forceinline__ void dq_rows(const BackwardParams& bp, int batch, int head,
+                                        const SequenceSpan& span, int first_row, int (&query)[2],
+                                        bool (&row_valid)[2], float (&lse2)[2],
+                                        float (&delta)[2]) {
+#pragma unroll
+  for (int half = 0; half < 2; ++half) {
+    const int row = first_row + half * 8;
+    row_valid[half] = row < span.q_len;
+    query[half] = ir_min(row, span.q_len - 1);
+    lse2[half] = row_valid[half] ? *lse_row(bp, batch, head, span.q_offset + row) * kLog2e
+                                 : negative_infinity();
+    delta[half] = row_valid[half] ? *delta_address(bp, batch, head, span.q_offset + row) : 0.0f;
+  }
+}
+
+// After the delta pass (see exact_delta_rows in backward_common.cuh): each row's P renormalised
+// by its own sum (LSE += log2 sum P) and delta = sum P dP / sum P, from the quads' partial sums.
+__device__ __forceinline__ void renormalise_dq_rows(const float (&row_pdp)[2],
+                                                    const float (&row_p)[2],
+                                                    const bool (&row_valid)[2], float (&lse2)[2],
+                                                    float (&delta)[2]) {
+#pragma unroll
+  for (int half = 0; half < 2; ++half) {
+    const float sum_pdp = quad_sum(row_pdp[half]);
+    const float sum_p = quad_sum(row_p[half]);
+    if (row_valid[half] && sum_p > 0.0f) {
+      lse2[half] += log2f(sum_p);
+      delta[half] = sum_pdp / sum_p;
+    }
+  }
+}
+
 // The delta pass (tensor gradients wanted; see exact_delta_rows in backward_common.cuh): sums
 // P dP and P per row.
 template <class Modifier, int kTilesKv>
@@ -469,15 +503,7 @@ __device__ __forceinline__ void backward_dq_mma(const BackwardParams& bp) {
   bool row_valid[2];
   float lse2[2];
   float delta[2];
-#pragma unroll
-  for (int half = 0; half < 2; ++half) {
-    const int row = q_start + warp * 16 + group + half * 8;
-    row_valid[half] = row < span.q_len;
-    query[half] = ir_min(row, span.q_len - 1);
-    lse2[half] = row_valid[half] ? *lse_row(bp, batch, head, span.q_offset + row) * kLog2e
-                                 : negative_infinity();
-    delta[half] = row_valid[half] ? *delta_address(bp, batch, head, span.q_offset + row) : 0.0f;
-  }
+  dq_rows(bp, batch, head, span, q_start + warp * 16 + group, query, row_valid, lse2, delta);
   const typename Modifier::Invariants invariants = Modifier::prepare(p, at);
   long long local[Modifier::kLocalGradSlots];
 #pragma unroll
@@ -504,15 +530,7 @@ __device__ __forceinline__ void backward_dq_mma(const BackwardParams& bp) {
     if (pass == 1 && first_pass == 0) {
       wait_copies<0>();
       __syncthreads();  // every warp is done with the last K/V stage of the first pass
-#pragma unroll
-      for (int half = 0; half < 2; ++half) {
-        const float sum_pdp = quad_sum(row_pdp[half]);
-        const float sum_p = quad_sum(row_p[half]);
-        if (row_valid[half] && sum_p > 0.0f) {
-          lse2[half] += log2f(sum_p);
-          delta[half] = sum_pdp / sum_p;
-        }
-      }
+      renormalise_dq_rows(row_pdp, row_p, row_valid, lse2, delta);
       if (entries.begin < entries.end) load_keys_and_values(entries.begin, 0);
       commit_copies();
     }

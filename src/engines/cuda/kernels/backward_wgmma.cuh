@@ -100,11 +100,9 @@ __device__ __forceinline__ void backward_dkdv_wgmma(const BackwardParams& bp) {
   constexpr int kCoreGroupBytes = kSwizzleRows * kPanelRowBytes;  // 8 rows: a descriptor stride
   constexpr int kStepBytes = 16 * 2;  // one k-step of 16 values along a K-major row
   const ForwardParams& p = bp.fwd;
-  extern __shared__ __align__(128) unsigned char shared_memory[];
-  const unsigned shared_start = shared_address(shared_memory);
-  const unsigned aligned_start =
-      (shared_start + Config::kAlignment - 1) & ~static_cast<unsigned>(Config::kAlignment - 1);
-  unsigned char* shared = shared_memory + (aligned_start - shared_start);
+  const AlignedShared aligned = aligned_shared_memory<Config::kAlignment>();
+  const unsigned aligned_start = aligned.address;
+  unsigned char* shared = aligned.pointer;
 
   const int thread = threadIdx.x;
   const int warp = thread / kWarpSize;
@@ -306,11 +304,9 @@ __device__ __forceinline__ void backward_dq_wgmma(const BackwardParams& bp) {
   constexpr int kCoreGroupBytes = kSwizzleRows * kPanelRowBytes;  // 8 rows: a descriptor stride
   constexpr int kStepBytes = 16 * 2;  // one k-step of 16 values along a K-major row
   const ForwardParams& p = bp.fwd;
-  extern __shared__ __align__(128) unsigned char shared_memory[];
-  const unsigned shared_start = shared_address(shared_memory);
-  const unsigned aligned_start =
-      (shared_start + Config::kAlignment - 1) & ~static_cast<unsigned>(Config::kAlignment - 1);
-  unsigned char* shared = shared_memory + (aligned_start - shared_start);
+  const AlignedShared aligned = aligned_shared_memory<Config::kAlignment>();
+  const unsigned aligned_start = aligned.address;
+  unsigned char* shared = aligned.pointer;
 
   const int thread = threadIdx.x;
   const int warp = thread / kWarpSize;
@@ -364,15 +360,7 @@ __device__ __forceinline__ void backward_dq_wgmma(const BackwardParams& bp) {
   bool row_valid[2];
   float lse2[2];
   float delta[2];
-#pragma unroll
-  for (int half = 0; half < 2; ++half) {
-    const int row = q_start + warp * 16 + group + half * 8;
-    row_valid[half] = row < span.q_len;
-    query[half] = ir_min(row, span.q_len - 1);
-    lse2[half] = row_valid[half] ? *lse_row(bp, batch, head, span.q_offset + row) * kLog2e
-                                 : negative_infinity();
-    delta[half] = row_valid[half] ? *delta_address(bp, batch, head, span.q_offset + row) : 0.0f;
-  }
+  dq_rows(bp, batch, head, span, q_start + warp * 16 + group, query, row_valid, lse2, delta);
   const typename Modifier::Invariants invariants = Modifier::prepare(p, at);
   long long local[Modifier::kLocalGradSlots];
 #pragma unroll
@@ -399,15 +387,7 @@ __device__ __forceinline__ void backward_dq_wgmma(const BackwardParams& bp) {
     if (pass == 1 && first_pass == 0) {
       wait_copies<0>();
       __syncthreads();  // every warp is done with the last K/V stage of the first pass
-#pragma unroll
-      for (int half = 0; half < 2; ++half) {
-        const float sum_pdp = quad_sum(row_pdp[half]);
-        const float sum_p = quad_sum(row_p[half]);
-        if (row_valid[half] && sum_p > 0.0f) {
-          lse2[half] += log2f(sum_p);
-          delta[half] = sum_pdp / sum_p;
-        }
-      }
+      renormalise_dq_rows(row_pdp, row_p, row_valid, lse2, delta);
       if (entries.begin < entries.end) load_keys_and_values(entries.begin, 0);
       commit_copies();
     }

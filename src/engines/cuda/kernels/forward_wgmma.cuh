@@ -133,11 +133,9 @@ __device__ __forceinline__ void forward_wgmma(const ForwardParams& p) {
   constexpr int kPanelRowBytes = kSwizzleRows * kChunkBytes;      // 128
   constexpr int kCoreGroupBytes = kSwizzleRows * kPanelRowBytes;  // 8 rows: a descriptor stride
   constexpr int kStepBytes = 16 * 2;  // one k-step of 16 values along a K-major row
-  extern __shared__ __align__(128) unsigned char shared_memory[];
-  const unsigned shared_start = shared_address(shared_memory);
-  const unsigned aligned_start =
-      (shared_start + Config::kAlignment - 1) & ~static_cast<unsigned>(Config::kAlignment - 1);
-  unsigned char* shared = shared_memory + (aligned_start - shared_start);
+  const AlignedShared aligned = aligned_shared_memory<Config::kAlignment>();
+  const unsigned aligned_start = aligned.address;
+  unsigned char* shared = aligned.pointer;
 
   const int thread = threadIdx.x;
   const int warp = thread / kWarpSize;

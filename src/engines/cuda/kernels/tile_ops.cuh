@@ -88,6 +88,21 @@ struct SwizzledRows {
     return swizzled_offset<kChunksPerRow>(row, chunk);
   }
 };
+// The dynamic shared memory from its first kAlignment-byte boundary (the 128-byte swizzle the
+// wgmma descriptors read is a function of address bits 4-9, so tiles start on 1024-byte
+// boundaries; the host adds kAlignment bytes of slack): its shared address and a pointer to it.
+struct AlignedShared {
+  unsigned address;
+  unsigned char* pointer;
+};
+template <int kAlignment>
+__device__ __forceinline__ AlignedShared aligned_shared_memory() {
+  extern __shared__ __align__(128) unsigned char shared_memory[];
+  const unsigned start = shared_address(shared_memory);
+  const unsigned aligned = (start + kAlignment - 1) & ~static_cast<unsigned>(kAlignment - 1);
+  return AlignedShared{aligned, shared_memory + (aligned - start)};
+}
+
 template <int kRows, int kChunksPerRow>
 struct SwizzledPanels {
   static constexpr int kChunks = kChunksPerRow;
