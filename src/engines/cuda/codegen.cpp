@@ -143,8 +143,10 @@ class GraphLowering {
     return reference(static_cast<std::size_t>(graph_.root()));
   }
 
-  // Whether the root depends on the score, q or kv (else it is a field of Invariants or a leaf).
-  bool varies() const { return varying_[static_cast<std::size_t>(graph_.root())]; }
+  // Whether the root (or node `index`) depends on the score, q or kv (else it is a field of
+  // Invariants or a leaf).
+  bool varies() const { return varies(static_cast<std::size_t>(graph_.root())); }
+  bool varies(std::size_t index) const { return varying_[index]; }
 
   // The staged load (stageable_load): its node reads the StagedElement when the kernel passes one
   // (score_mod_log2 takes `const StagedElement* staged`). Returns the members that go with
@@ -464,7 +466,7 @@ class GraphLowering {
   std::set<std::size_t> skipped_;  // nodes emit_varying leaves out (merged into a factor)
   bool fast_tanh_ = false;         // tanh as ir_tanh (emit_from_dot), else tanhf
   std::size_t staged_index_ = static_cast<std::size_t>(-1);  // stage_load's node
-  std::string staged_;                                        // and its expression
+  std::string staged_;                                       // and its expression
   const Problem& problem_;
   const ModifierBindings& bindings_;
   std::vector<bool> reachable_;
@@ -631,20 +633,12 @@ BackwardCode backward_code(const Problem& problem, const BackwardChoice& choice)
 
 namespace {
 
-// Whether node `index` of `graph` depends on the score, q or kv.
-bool varies_per_element(const Graph& graph, std::int32_t index) {
-  const GraphNode& node = graph.node(index);
-  if (node.op == Op::kScore || node.op == Op::kQuery || node.op == Op::kKey) return true;
-  for (std::int32_t arg : node.args) {
-    if (varies_per_element(graph, arg)) return true;
-  }
-  return false;
-}
-
 // stageable_tensor's load node in score_mod, or -1.
 std::int32_t stageable_load(const Problem& problem) {
   if (problem.layout() == Layout::kTHD) return -1;
   const Graph& graph = problem.score_mod();
+  const ModifierBindings no_bindings;  // only which nodes vary per element is asked
+  const GraphLowering lowering(graph, "s", problem, no_bindings);
   for (std::size_t i = 0; i < graph.nodes().size(); ++i) {
     const GraphNode& node = graph.nodes()[i];
     if (node.op != Op::kLoad) continue;
@@ -654,13 +648,14 @@ std::int32_t stageable_load(const Problem& problem) {
     const std::size_t rank = shape.size();
     if ((decl->second.dtype != DType::kBF16 && decl->second.dtype != DType::kF16) || rank < 2 ||
         node.args.size() != rank || graph.node(node.args[rank - 1]).op != Op::kKey ||
-        graph.node(node.args[rank - 2]).op != Op::kQuery || shape[rank - 1] != problem.seq_len_kv() ||
-        shape[rank - 2] != problem.seq_len_q() || shape[rank - 1] % 8 != 0) {
+        graph.node(node.args[rank - 2]).op != Op::kQuery ||
+        shape[rank - 1] != problem.seq_len_kv() || shape[rank - 2] != problem.seq_len_q() ||
+        shape[rank - 1] % 8 != 0) {
       continue;
     }
     bool invariant_rest = true;
     for (std::size_t k = 0; k + 2 < rank; ++k) {
-      invariant_rest = invariant_rest && !varies_per_element(graph, node.args[k]);
+      invariant_rest = invariant_rest && !lowering.varies(static_cast<std::size_t>(node.args[k]));
     }
     if (invariant_rest) return static_cast<std::int32_t>(i);
   }
