@@ -3,6 +3,7 @@
 #include <fmt/format.h>
 
 #include <algorithm>
+#include <charconv>
 
 #include "flexattn/analysis.hpp"
 #include "flexattn/error.hpp"
@@ -377,12 +378,10 @@ std::string apply_wgmma_tile(KernelChoice& choice, std::string_view spec) {
     const std::size_t equals = item.find('=');
     const std::string_view key = item.substr(0, equals);
     int value = 0;
-    bool parsed = equals != std::string_view::npos && equals + 1 < item.size();
-    for (std::size_t i = equals + 1; parsed && i < item.size(); ++i) {
-      parsed = item[i] >= '0' && item[i] <= '9' && value < 1000;
-      value = value * 10 + (item[i] - '0');
-    }
-    if (!parsed) {
+    const std::string_view digits =
+        equals == std::string_view::npos ? std::string_view() : item.substr(equals + 1);
+    const auto [last, error] = std::from_chars(digits.data(), digits.data() + digits.size(), value);
+    if (digits.empty() || error != std::errc() || last != digits.data() + digits.size()) {
       return fmt::format("FLEXATTN_CUDA_WGMMA_TILE: '{}' is not NAME=NUMBER", item);
     }
     if (key == "warpgroups" && (value == 1 || value == 2)) {
