@@ -364,5 +364,64 @@ TEST(CudaArguments, MisalignedDataIsRefused) {
   for (void* buffer : buffers) memory.release(buffer);
 }
 
+// A dense [h, q, kv] bf16 bias is staged through shared memory by the wgmma forward (its
+// default), which copies 16-byte chunks. A bias that starts 2 bytes past such a boundary (a view
+// into a larger buffer) still works: the plan runs its forward without staging, with the same
+// result as the aligned call, both within a few bf16 roundings of the reference.
+TEST(CudaArguments, MisalignedStagedTensorRunsWithoutStaging) {
+  SKIP_WITHOUT_DEVICE();
+  const auto engine = device_engine();
+  ProblemDesc desc;
+  desc.batch = 1;
+  desc.heads_q = 2;
+  desc.heads_kv = 2;
+  desc.seq_len_q = 256;
+  desc.seq_len_kv = 256;
+  desc.head_dim_qk = 128;
+  desc.dtype = DType::kBF16;
+  desc.layout = Layout::kBHSD;
+  desc.device = Device::kCuda;
+  desc.tensors["bias"] = TensorDecl{DType::kBF16, {2, 256, 256}};
+  desc.score_mod = ir::parse("score + bias[h, q, kv]", desc.scope());
+  const Problem problem(std::move(desc));
+  const Inputs inputs = random_inputs(problem, 11);
+  const Outputs reference = run_engine(*builtin_engine("cpu_ref"), problem, inputs);
+
+  const std::unique_ptr<Plan> plan = engine->plan(problem);
+  const std::string description = plan->info().description;
+  if (description.find("wgmma") != std::string::npos) {
+    EXPECT_NE(description.find("staged in shared memory"), std::string::npos) << description;
+  }
+  const DeviceMemory& memory = *engine->memory();
+  const TensorView expected_out = problem.expected("o");
+  const TensorView expected_lse = problem.expected("lse");
+  DeviceTensor q(memory, inputs.q), k(memory, inputs.k), v(memory, inputs.v);
+  DeviceTensor aligned_bias(memory, inputs.tensors.at("bias"));
+  const HostTensor& bias = inputs.tensors.at("bias");
+  void* buffer = memory.allocate(bias.bytes() + 16);
+  char* shifted = static_cast<char*>(buffer) + 2;  // element-aligned, not 16-byte aligned
+  memory.copy_to_device(shifted, bias.data(), bias.bytes());
+  std::vector<HostTensor> results;
+  for (void* bias_data : {aligned_bias.view().data, static_cast<void*>(shifted)}) {
+    DeviceTensor out(memory, HostTensor(expected_out.dtype, expected_out.shape), true);
+    DeviceTensor lse(memory, HostTensor(expected_lse.dtype, expected_lse.shape), true);
+    ForwardArgs args;
+    args.q = q.view();
+    args.k = k.view();
+    args.v = v.view();
+    args.out = out.view();
+    args.lse = lse.view();
+    args.tensors["bias"] = aligned_bias.view();
+    args.tensors["bias"].data = bias_data;
+    plan->forward(args);
+    results.push_back(out.download());
+  }
+  memory.release(buffer);
+  const double allowed = 4.0 * std::ldexp(1.0, -8) * std::max(1.0, max_abs_value(reference.out));
+  EXPECT_TRUE(within_tolerance(results[0], reference.out, allowed)) << "aligned";
+  EXPECT_TRUE(within_tolerance(results[1], reference.out, allowed)) << "2 bytes past 16";
+  EXPECT_TRUE(within_tolerance(results[1], results[0], allowed)) << "unstaged vs staged";
+}
+
 }  // namespace
 }  // namespace flexattn::test

@@ -43,6 +43,10 @@ struct Lowering {
   ModifierBindings bindings;
   std::optional<BackwardCode> backward;  // when the problem wants gradients
   std::string source;                    // the translation unit NVRTC compiles
+  // With a staged tensor (KernelChoice::stage_tensor): the same kernels without staging, which
+  // the plan compiles and runs the first time that tensor is not 16-byte aligned.
+  std::optional<KernelChoice> unstaged_choice;
+  std::string unstaged_source;
 };
 
 std::int64_t ceil_div(std::int64_t value, std::int64_t divisor) {
@@ -84,23 +88,45 @@ bool wgmma_turns() {
   return value == nullptr || std::string_view(value) != "0";
 }
 
+bool stage_tensors() {
+  const char* value = std::getenv("FLEXATTN_CUDA_STAGE_TENSORS");
+  return value == nullptr || std::string_view(value) != "0";
+}
+
 Support lower_problem(const Problem& problem, Lowering& lowering, int capability) {
   KernelSelection selection = choose_kernel(problem, capability, wgmma_allowed());
   if (!selection.reason.empty()) return Support::no(selection.reason);
-  // FLEXATTN_CUDA_STAGE_TENSORS=1: a dense bias-like tensor travels through shared memory
-  // (stage_wgmma_tensor; an experiment, off by default until measured on a GPU).
-  if (const char* stage = std::getenv("FLEXATTN_CUDA_STAGE_TENSORS");
-      stage != nullptr && std::string_view(stage) == "1" && !stageable_tensor(problem).empty()) {
-    const std::string error = stage_wgmma_tensor(selection.choice);
-    if (!error.empty()) return Support::no(error);
+  // A dense bias-like tensor travels through shared memory (stage_wgmma_tensor) where it can: a
+  // [.., q, kv] bf16 bias at head dim 128 measured 215 -> 360 TFLOP/s (H200, 2026-12-02).
+  // FLEXATTN_CUDA_STAGE_TENSORS=0 switches it off (comparisons). Where the stages do not fit, the
+  // kernel reads the tensor from global memory as before.
+  std::optional<KernelChoice> unstaged;
+  if (stage_tensors() && !stageable_tensor(problem).empty()) {
+    KernelChoice staged = selection.choice;
+    if (stage_wgmma_tensor(staged).empty() && staged.stage_tensor) {
+      unstaged = selection.choice;
+      selection.choice = staged;
+    }
   }
   // FLEXATTN_CUDA_WGMMA_TILE: a shape experiment (apply_wgmma_tile); a bad one is refused loudly.
   if (const char* tile = std::getenv("FLEXATTN_CUDA_WGMMA_TILE"); tile != nullptr && *tile) {
-    const std::string error = apply_wgmma_tile(selection.choice, tile);
-    if (!error.empty()) return Support::no(error);
+    for (KernelChoice* choice : {&selection.choice, unstaged ? &*unstaged : nullptr}) {
+      if (choice == nullptr) continue;
+      const std::string error = apply_wgmma_tile(*choice, tile);
+      if (!error.empty()) return Support::no(error);
+    }
   }
   // Turns need the pipelined loop and two warpgroups (also where an experiment made them so).
   selection.choice.take_turns = selection.choice.turns_possible() && wgmma_turns();
+  if (unstaged) {
+    unstaged->take_turns = unstaged->turns_possible() && wgmma_turns();
+    // Both run on the same tile list and grid.
+    if (unstaged->block_m != selection.choice.block_m ||
+        unstaged->block_n != selection.choice.block_n ||
+        unstaged->class_block_q != selection.choice.class_block_q) {
+      throw_internal("cuda: the staged and unstaged forward kernels tile differently");
+    }
+  }
   const BindingSelection binding = bind_modifier(problem);
   if (!binding.reason.empty()) return Support::no(binding.reason);
   if (problem.heads_q() > kMaxGridYZ || problem.batch() > kMaxGridYZ) {
@@ -121,6 +147,12 @@ Support lower_problem(const Problem& problem, Lowering& lowering, int capability
   // the code is the last step of deciding support.
   lowering.source = generate_translation_unit(problem, lowering.bindings, lowering.choice,
                                               lowering.backward ? &*lowering.backward : nullptr);
+  if (unstaged) {
+    lowering.unstaged_source =
+        generate_translation_unit(problem, lowering.bindings, *unstaged,
+                                  lowering.backward ? &*lowering.backward : nullptr);
+    lowering.unstaged_choice = unstaged;
+  }
   return Support::yes();
 }
 
@@ -132,10 +164,12 @@ std::string architecture_suffix(const Lowering& lowering) {
 
 // The kernels of the module: the forward, and the backward's four when gradients are wanted,
 // each with the dynamic shared memory it is launched with.
-std::vector<KernelFunction> kernel_functions(const Lowering& lowering) {
+// `forward` is the forward kernel's choice (lowering.choice, or its unstaged_choice).
+std::vector<KernelFunction> kernel_functions(const Lowering& lowering,
+                                             const KernelChoice& forward) {
   std::vector<KernelFunction> functions = {
-      {std::string(kKernelName), lowering.choice.shared_bytes,
-       lowering.choice.kind == KernelKind::kWgmma && lowering.choice.min_blocks > 1}};
+      {std::string(kKernelName), forward.shared_bytes,
+       forward.kind == KernelKind::kWgmma && forward.min_blocks > 1}};
   if (lowering.backward) {
     const BackwardChoice& backward = lowering.backward->choice;
     functions.push_back({std::string(kBackwardDeltaName), 0});
@@ -232,6 +266,30 @@ struct ForwardState {
   unsigned grid_x = 0;
 };
 
+// The forward without its staged tensor, for a call whose staged tensor is not 16-byte aligned
+// (the staging copies 16-byte chunks): compiled the first time one comes (the kernel cache's
+// mutex orders concurrent first calls; both get the same module).
+struct UnstagedForward {
+  KernelChoice choice;
+  std::string source;
+  std::vector<KernelFunction> functions;
+  std::string suffix;
+  std::shared_ptr<KernelCache> cache;
+  mutable std::mutex mutex;
+  mutable std::shared_ptr<const CompiledKernel> kernel;
+  mutable CUfunction function = nullptr;
+
+  CUfunction get() const {
+    const std::lock_guard<std::mutex> lock(mutex);
+    if (function == nullptr) {
+      KernelLookup lookup = cache->get(source, functions, suffix);
+      function = lookup.kernel->function(kKernelName);
+      kernel = std::move(lookup.kernel);
+    }
+    return function;
+  }
+};
+
 // What the backward pass needs: its own tile lists (query-major for the dQ kernel, kv-major for
 // the dK/dV kernel, for its block sizes) and the four kernels.
 struct BackwardState {
@@ -252,7 +310,8 @@ class CudaPlan final : public Plan {
  public:
   CudaPlan(PlanInfo info, const Problem& problem, std::shared_ptr<const Driver> driver,
            const Lowering& lowering, KernelLookup kernel, const TileList& tiles,
-           const TileList* backward_tiles, const TileList* dkdv_tiles)
+           const TileList* backward_tiles, const TileList* dkdv_tiles,
+           const std::shared_ptr<KernelCache>& cache)
       : Plan(std::move(info)),
         problem_(problem),
         driver_(std::move(driver)),
@@ -294,6 +353,14 @@ class CudaPlan final : public Plan {
     forward_.params.tile_entries = device_ints(forward_.tile_entries);
     forward_.params.class_block_q = tiles.class_block_q;
     forward_.grid_x = static_cast<unsigned>(ceil_div(problem.seq_len_q(), lowering.choice.block_m));
+    if (lowering.unstaged_choice) {
+      unstaged_ = std::make_unique<UnstagedForward>();
+      unstaged_->choice = *lowering.unstaged_choice;
+      unstaged_->source = lowering.unstaged_source;
+      unstaged_->functions = kernel_functions(lowering, *lowering.unstaged_choice);
+      unstaged_->suffix = architecture_suffix(lowering);
+      unstaged_->cache = cache;
+    }
 
     if (lowering.backward) {
       if (backward_tiles == nullptr) throw_internal("cuda: a backward plan without its tiles");
@@ -342,9 +409,16 @@ class CudaPlan final : public Plan {
       }
     }
     bind_tensors(args.tensors, p);
+    CUfunction function = forward_.function;
+    const KernelChoice* choice = &choice_;
+    if (unstaged_ && reinterpret_cast<std::uintptr_t>(args.tensors.at(staged_tensor_).data) %
+                             kChunkAlignment != 0) {
+      function = unstaged_->get();
+      choice = &unstaged_->choice;
+    }
     ContextScope scope(*driver_);
-    launch(forward_.function, {forward_.grid_x, heads_q(), batch()}, choice_.threads(),
-           choice_.shared_bytes, static_cast<CUstream>(args.stream), &p, "forward");
+    launch(function, {forward_.grid_x, heads_q(), batch()}, choice->threads(),
+           choice->shared_bytes, static_cast<CUstream>(args.stream), &p, "forward");
   }
 
   void run_backward(const BackwardArgs& args) const override {
@@ -438,14 +512,6 @@ class CudaPlan final : public Plan {
     for (std::size_t i = 0; i < bindings_.tensors.size(); ++i) {
       p.tensors[i].data = tensors.at(bindings_.tensors[i]).data;
     }
-    // A tensor staged through shared memory is copied 16 bytes at a time.
-    if (!staged_tensor_.empty() &&
-        reinterpret_cast<std::uintptr_t>(tensors.at(staged_tensor_).data) % 16 != 0) {
-      throw_invalid(fmt::format(
-          "cuda: tensor '{}' is not 16-byte aligned, which its staging through shared memory "
-          "needs (FLEXATTN_CUDA_STAGE_TENSORS=1); unset it, or pass an aligned tensor",
-          staged_tensor_));
-    }
   }
 
   // Launches `function` with its one argument block `params` (the driver copies it at launch).
@@ -469,11 +535,15 @@ class CudaPlan final : public Plan {
   DeviceBuffer cu_seqlens_kv_;
   ForwardState forward_;
   std::optional<BackwardState> backward_;
+  std::unique_ptr<UnstagedForward> unstaged_;  // with a staged tensor
 };
 
 class CudaEngine final : public Engine {
  public:
-  CudaEngine() : driver_(Driver::open()), memory_(driver_), kernels_(driver_) {}
+  CudaEngine()
+      : driver_(Driver::open()),
+        memory_(driver_),
+        kernels_(std::make_shared<KernelCache>(driver_)) {}
 
   std::string_view name() const override { return kEngineName; }
   Device device() const override { return Device::kCuda; }
@@ -496,7 +566,7 @@ class CudaEngine final : public Engine {
     result.support = lower_problem(problem, lowering, capability());
     if (!result.support || stage == Stage::kCheck) return result;
 
-    const std::vector<KernelFunction> functions = kernel_functions(lowering);
+    const std::vector<KernelFunction> functions = kernel_functions(lowering, lowering.choice);
     const int shared_limit = driver_->max_shared_memory_per_block();
     for (const KernelFunction& function : functions) {
       if (function.shared_bytes > shared_limit) {
@@ -523,7 +593,7 @@ class CudaEngine final : public Engine {
                       backward.describe(), backward_tiles->tiles - backward_tiles->skipped,
                       backward_tiles->tiles, backward_tiles->mixed);
     }
-    KernelLookup kernel = kernels_.get(lowering.source, functions, architecture_suffix(lowering));
+    KernelLookup kernel = kernels_->get(lowering.source, functions, architecture_suffix(lowering));
 
     PlanInfo info;
     info.engine = std::string(kEngineName);
@@ -538,7 +608,8 @@ class CudaEngine final : public Engine {
     info.signature = problem.signature();
     result.plan = std::make_unique<CudaPlan>(
         std::move(info), problem, driver_, lowering, std::move(kernel), tiles,
-        backward_tiles ? &*backward_tiles : nullptr, dkdv_tiles ? &*dkdv_tiles : nullptr);
+        backward_tiles ? &*backward_tiles : nullptr, dkdv_tiles ? &*dkdv_tiles : nullptr,
+        kernels_);
     return result;
   }
 
@@ -547,7 +618,7 @@ class CudaEngine final : public Engine {
 
   std::shared_ptr<const Driver> driver_;
   DriverMemory memory_;
-  mutable KernelCache kernels_;
+  std::shared_ptr<KernelCache> kernels_;  // shared with the plans (their unstaged forwards)
 };
 
 }  // namespace

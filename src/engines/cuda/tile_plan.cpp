@@ -39,12 +39,16 @@ constexpr int kSimtClassBlockQ = 64;
 // element work while tile j - 1's P V runs: +5 - 7% with softcap and ALiBi, measured), which
 // needs three stages of K and V (tile j's K, tile j - 1's V, tile j + 1's copy: 225 KB with Q, of
 // the 227 KB a block may have); at head dim 64 the pipelined loop measured 8% slower without a
-// modifier (287 vs 311 TFLOP/s), so it waits for each product, with two stages. Only the head
-// dims it holds unpadded, on the architecture it exists on.
+// modifier (287 vs 311 TFLOP/s), so it waits for each product, with two stages, on 64-key tiles
+// with two blocks per multiprocessor (registers capped at 128 a thread): 292 -> 352 TFLOP/s
+// without a modifier, softcap 155 -> 174, causal 262 -> 301 (H200, 2026-12-02, docs/gpu-runs).
+// Only the head dims it holds unpadded, on the architecture it exists on.
 constexpr int kWgmmaBlockM = 128;
 constexpr int kWgmmaBlockN = 128;
 constexpr int kWgmmaWarps = 8;
 constexpr int kWgmmaPipelinedHeadDim = 128;
+constexpr int kWgmmaSmallBlockN = 64;  // head dim 64: 64-key tiles,
+constexpr int kWgmmaSmallMinBlocks = 2;  // two blocks per multiprocessor
 constexpr int kWgmmaAlignment = 1024;  // the dynamic shared memory rounded up to the swizzle
 constexpr int kWgmmaCapability = 90;
 constexpr int kWgmmaMaxSharedBytes = 227 * 1024;  // per block on sm_90
@@ -141,10 +145,10 @@ KernelChoice wgmma_choice(const Problem& problem) {
   c.tiles_per_warp = 1;
   c.warps = kWgmmaWarps;
   c.block_m = kWgmmaBlockM;
-  c.block_n = kWgmmaBlockN;
   c.pipelined = std::max(c.head_dim_qk, c.head_dim_v) == kWgmmaPipelinedHeadDim;
+  c.block_n = c.pipelined ? kWgmmaBlockN : kWgmmaSmallBlockN;
   c.stages = c.pipelined ? 3 : 2;
-  c.min_blocks = 1;
+  c.min_blocks = c.pipelined ? 1 : kWgmmaSmallMinBlocks;
   c.class_block_q = c.block_m;
   c.shared_bytes = wgmma_shared_bytes(c);
   return c;
@@ -347,6 +351,8 @@ std::string stage_wgmma_tensor(KernelChoice& choice) {
   c.pipelined = false;
   c.take_turns = false;
   c.stages = 2;
+  // The staged tile's reads need registers the two-blocks cap (128 a thread) does not leave.
+  c.min_blocks = 1;
   c.shared_bytes = wgmma_shared_bytes(c);
   if (!wgmma_shared_fits(c)) {
     return fmt::format("FLEXATTN_CUDA_STAGE_TENSORS: {} bytes of shared memory do not fit",

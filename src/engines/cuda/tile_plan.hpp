@@ -64,9 +64,10 @@ struct KernelSelection {
 KernelSelection choose_kernel(const Problem& problem, int capability, bool allow_wgmma = true);
 
 // The wgmma forward with the modifier's stageable tensor (codegen.hpp: stageable_tensor) staged
-// in shared memory beside K and V, a tile per stage: the loop without pipelining, two stages
-// (FLEXATTN_CUDA_STAGE_TENSORS=1, an experiment). Returns why it cannot (choice unchanged), or
-// empty. Other kernel kinds are left alone.
+// in shared memory beside K and V, a tile per stage: the loop without pipelining, two stages, one
+// block per multiprocessor (the engine's default where it fits; FLEXATTN_CUDA_STAGE_TENSORS=0
+// switches it off). Returns why it cannot (choice unchanged), or empty. Other kernel kinds are
+// left alone.
 std::string stage_wgmma_tensor(KernelChoice& choice);
 
 // Tuning experiments on the wgmma forward's shape (the FLEXATTN_CUDA_WGMMA_TILE variable): `spec`
