@@ -380,12 +380,13 @@ TEST(CudaArguments, MisalignedStagedTensorRunsWithoutStaging) {
   desc.head_dim_qk = 128;
   desc.dtype = DType::kBF16;
   desc.layout = Layout::kBHSD;
-  desc.device = Device::kCuda;
   desc.tensors["bias"] = TensorDecl{DType::kBF16, {2, 256, 256}};
   desc.score_mod = ir::parse("score + bias[h, q, kv]", desc.scope());
+  const Problem on_cpu(desc);  // the reference runs on the host
+  desc.device = Device::kCuda;
   const Problem problem(std::move(desc));
-  const Inputs inputs = random_inputs(problem, 11);
-  const Outputs reference = run_engine(*builtin_engine("cpu_ref"), problem, inputs);
+  const Inputs inputs = random_inputs(on_cpu, 11);
+  const Outputs reference = run_engine(*builtin_engine("cpu_ref"), on_cpu, inputs);
 
   const std::unique_ptr<Plan> plan = engine->plan(problem);
   const std::string description = plan->info().description;
