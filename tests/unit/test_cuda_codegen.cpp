@@ -699,6 +699,41 @@ TEST(CudaForwardChoice, WgmmaTileExperimentsAreParsedAndChecked) {
   EXPECT_EQ(mma.config_type(), before);
 }
 
+// producer=1: a third warpgroup of 128 threads (launched, not counted in `warps`), 64 bytes of
+// stage barriers; only with two computing warpgroups at one block per multiprocessor.
+TEST(CudaForwardChoice, WgmmaProducerAddsAWarpgroupAndItsBarriers) {
+  constexpr int kCapability = 90;
+  const Problem d128 = make_problem(GeneratedCase{"d128", DType::kBF16, 128, 128, "", "", {}, {},
+                                                  Layout::kBSHD, {}});
+  const cuda::KernelChoice base = cuda::choose_kernel(d128, kCapability).choice;
+  cuda::KernelChoice c = base;
+  c.take_turns = true;
+  ASSERT_EQ(cuda::apply_wgmma_tile(c, "producer=1"), "");
+  EXPECT_TRUE(c.producer);
+  EXPECT_TRUE(c.take_turns);
+  EXPECT_EQ(c.warps, 8);
+  EXPECT_EQ(c.threads(), 384);
+  EXPECT_EQ(base.threads(), 256);
+  EXPECT_EQ(c.shared_bytes, base.shared_bytes + 64);
+  EXPECT_NE(c.config_type().find(", 230464, true, 2, 1, false, true>"), std::string::npos)
+      << c.config_type();
+  EXPECT_NE(c.describe().find("producer warpgroup"), std::string::npos) << c.describe();
+  for (const char* bad : {"producer=1,warpgroups=1", "producer=2"}) {
+    SCOPED_TRACE(bad);
+    cuda::KernelChoice refused = base;
+    EXPECT_NE(cuda::apply_wgmma_tile(refused, bad).find("FLEXATTN_CUDA_WGMMA_TILE"),
+              std::string::npos);
+    EXPECT_FALSE(refused.producer);
+  }
+  // Head dim 64 runs two blocks per multiprocessor by default: the producer needs blocks=1.
+  const Problem d64 = make_problem(GeneratedCase{"d64", DType::kBF16, 64, 64, "", "", {}, {},
+                                                 Layout::kBSHD, {}});
+  cuda::KernelChoice small = cuda::choose_kernel(d64, kCapability).choice;
+  EXPECT_NE(cuda::apply_wgmma_tile(small, "producer=1").find("blocks=1"), std::string::npos);
+  ASSERT_EQ(cuda::apply_wgmma_tile(small, "producer=1,blocks=1"), "");
+  EXPECT_EQ(small.threads(), 384);
+}
+
 // The experiment shapes compile for sm_90a (one warpgroup, 64-key tiles, two blocks).
 TEST(CudaForwardCompile, WgmmaTileExperimentsCompileForSm90a) {
   SKIP_WITHOUT_CUDA_ENGINE();
@@ -817,6 +852,38 @@ TEST(CudaForwardCompile, StagedTensorCompilesForSm90a) {
   const std::string source = cuda_engine()->generated_source(plain);
   EXPECT_EQ(source.find("staged_bf16(*staged"), std::string::npos);
   EXPECT_NE(source.find("kStagedTensor = -1;"), std::string::npos);
+}
+
+// The producer variant compiles for sm_90a in both loops (pipelined, and without pipelining with
+// a staged tensor or at head dim 64), hands its registers over (setmaxnreg) and launches with the
+// producer's threads.
+TEST(CudaForwardCompile, WgmmaProducerCompilesForSm90a) {
+  SKIP_WITHOUT_CUDA_ENGINE();
+  constexpr int kCapability = 90;
+  const TensorDecl bias{DType::kBF16, {4, 128, 128}};
+  for (const auto& [head_dim, score_mod, spec] :
+       {std::tuple{128, "30 * tanh(score / 30)", "producer=1"},
+        std::tuple{128, "score + bias[h, q, kv]", "producer=1"},
+        std::tuple{64, "30 * tanh(score / 30)", "producer=1,blocks=1"}}) {
+    SCOPED_TRACE(score_mod);
+    const Problem problem = staging_problem(score_mod, bias, Layout::kBSHD, head_dim);
+    cuda::KernelChoice choice = cuda::choose_kernel(problem, kCapability).choice;
+    if (!cuda::stageable_tensor(problem).empty()) {
+      ASSERT_EQ(cuda::stage_wgmma_tensor(choice), "");
+    }
+    ASSERT_EQ(cuda::apply_wgmma_tile(choice, spec), "");
+    const std::string source = cuda::generate_translation_unit(
+        problem, cuda::bind_modifier(problem).bindings, choice, nullptr);
+    EXPECT_NE(source.find("__launch_bounds__(FlexattnConfig::kBlockThreads"), std::string::npos);
+    std::vector<char> cubin;
+    try {
+      cubin = cuda::compile_to_cubin(source, "producer.cu", kCapability,
+                                     choice.architecture_suffix());
+    } catch (const Error& error) {
+      ADD_FAILURE() << error.what();
+    }
+    EXPECT_FALSE(cubin.empty());
+  }
 }
 
 // The variant where warpgroups take turns issuing (the default; FLEXATTN_CUDA_WGMMA_TURNS=0 is

@@ -751,9 +751,10 @@ std::string generate_modifier_source(const Problem& problem, const ModifierBindi
   const bool tensor_cores = choice.kind != KernelKind::kSimt;
   text += fmt::format("using FlexattnConfig = {};\n", choice.config_type());
   text += fmt::format(
-      "extern \"C\" __global__ void __launch_bounds__(FlexattnConfig::kThreads{}) {}(\n"
+      "extern \"C\" __global__ void __launch_bounds__(FlexattnConfig::{}{}) {}(\n"
       "    const flexattn_kernels::ForwardParams params) {{\n"
       "  flexattn_kernels::{}<FlexattnConfig, flexattn_generated::Modifier>(params);\n}}\n",
+      choice.kind == KernelKind::kWgmma ? "kBlockThreads" : "kThreads",
       tensor_cores ? ", FlexattnConfig::kMinBlocks" : "", kKernelName, choice.kernel_template());
   if (backward != nullptr) text += backward_entry_points(problem, backward->choice);
   return text;

@@ -50,6 +50,8 @@ constexpr int kWgmmaPipelinedHeadDim = 128;
 constexpr int kWgmmaSmallBlockN = 64;  // head dim 64: 64-key tiles,
 constexpr int kWgmmaSmallMinBlocks = 2;  // two blocks per multiprocessor
 constexpr int kWgmmaAlignment = 1024;  // the dynamic shared memory rounded up to the swizzle
+constexpr int kWgmmaProducerThreads = 128;  // the producer warpgroup (WgmmaConfig::kProducer)
+constexpr int kWgmmaBarrierBytes = 64;      // its stages' mbarriers
 constexpr int kWgmmaCapability = 90;
 constexpr int kWgmmaMaxSharedBytes = 227 * 1024;  // per block on sm_90
 // Bound on the tile list (4 bytes an entry): 64 Mi entries, e.g. sequences of about 250k tokens.
@@ -123,8 +125,9 @@ int wgmma_shared_bytes(const KernelChoice& c) {
   constexpr int kBytes = 2;  // bf16 / fp16
   const int staging = std::max(c.head_dim_qk, c.head_dim_v);
   const int staged = c.stage_tensor ? c.block_m * c.block_n * kBytes : 0;
+  const int barriers = c.producer ? kWgmmaBarrierBytes : 0;
   return kWgmmaAlignment + c.block_m * staging * kBytes +
-         c.stages * (c.block_n * (c.head_dim_qk + c.head_dim_v) * kBytes + staged);
+         c.stages * (c.block_n * (c.head_dim_qk + c.head_dim_v) * kBytes + staged) + barriers;
 }
 
 // Whether `c`'s blocks fit a multiprocessor's shared memory: 228 KB on sm_90, 1 KB of it reserved
@@ -275,7 +278,9 @@ const char* element_tag(DType dtype) {
   throw_internal("cuda engine: no element type for " + std::string(to_string(dtype)));
 }
 
-int KernelChoice::threads() const { return warps * kWarpSize; }
+int KernelChoice::threads() const {
+  return warps * kWarpSize + (producer ? kWgmmaProducerThreads : 0);
+}
 
 bool KernelChoice::turns_possible() const {
   return kind == KernelKind::kWgmma && pipelined && warps == kWgmmaWarps;
@@ -286,7 +291,9 @@ std::string KernelChoice::config_type() const {
     // The trailing arguments only where they differ from their defaults (turns off, two
     // warpgroups, one block per multiprocessor), so the default shapes keep their cache keys.
     std::string tail;
-    if (stage_tensor) {
+    if (producer) {
+      tail = fmt::format(", {}, {}, {}, {}, true", take_turns, warps / 4, min_blocks, stage_tensor);
+    } else if (stage_tensor) {
       tail = fmt::format(", {}, {}, {}, true", take_turns, warps / 4, min_blocks);
     } else if (warps != kWgmmaWarps || min_blocks != 1) {
       tail = fmt::format(", {}, {}, {}", take_turns, warps / 4, min_blocks);
@@ -326,11 +333,12 @@ std::string KernelChoice::describe() const {
   if (kind == KernelKind::kWgmma) {
     return fmt::format(
         "tensor-core (wgmma, sm_90a) {}, {}x{} tiles, {} warps, {} stages{}{}, head dims {} and "
-        "{}, {} KB shared{}{}",
+        "{}, {} KB shared{}{}{}",
         to_string(dtype), block_m, block_n, warps, stages, pipelined ? ", pipelined" : "",
         take_turns ? ", warpgroups take turns" : "", head_dim_qk, head_dim_v, shared_bytes / 1024,
         min_blocks > 1 ? fmt::format(", {} blocks per multiprocessor", min_blocks) : "",
-        stage_tensor ? ", modifier tensor staged in shared memory" : "");
+        stage_tensor ? ", modifier tensor staged in shared memory" : "",
+        producer ? ", a producer warpgroup loads the stages" : "");
   }
   if (kind == KernelKind::kMma) {
     return fmt::format(
@@ -400,10 +408,12 @@ std::string apply_wgmma_tile(KernelChoice& choice, std::string_view spec) {
       c.pipelined = value == 1;
     } else if (key == "blocks" && (value == 1 || value == 2)) {
       c.min_blocks = value;
+    } else if (key == "producer" && value <= 1) {
+      c.producer = value == 1;
     } else {
       return fmt::format(
           "FLEXATTN_CUDA_WGMMA_TILE: '{}' is not one of warpgroups=1|2, block_n=64|128, "
-          "stages=2..4, pipelined=0|1, blocks=1|2",
+          "stages=2..4, pipelined=0|1, blocks=1|2, producer=0|1",
           item);
     }
   }
@@ -413,6 +423,10 @@ std::string apply_wgmma_tile(KernelChoice& choice, std::string_view spec) {
   c.take_turns = c.take_turns && c.turns_possible();
   if (c.pipelined && c.stages < 3) {
     return "FLEXATTN_CUDA_WGMMA_TILE: the pipelined loop needs 3 stages or more";
+  }
+  if (c.producer && (warpgroups != 2 || c.min_blocks != 1)) {
+    return "FLEXATTN_CUDA_WGMMA_TILE: a producer serves two warpgroups at one block per "
+           "multiprocessor (warpgroups=2, blocks=1)";
   }
   if (c.pipelined && c.stage_tensor) {
     return "FLEXATTN_CUDA_WGMMA_TILE: a staged tensor (FLEXATTN_CUDA_STAGE_TENSORS) takes the "

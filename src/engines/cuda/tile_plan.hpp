@@ -38,6 +38,9 @@ struct KernelChoice {
   bool pipelined = false;  // wgmma: tile j's element work overlaps tile j - 1's P V
   bool take_turns = false;  // wgmma, pipelined: warpgroup 1 issues its products after 0's
   bool stage_tensor = false;  // wgmma: the modifier's stageable tensor (codegen.hpp) in shared memory
+  // wgmma: a third warpgroup copies K and V and hands the stages over through mbarriers (the
+  // `warps` count only the two that compute; threads() adds its 128).
+  bool producer = false;
   int min_blocks = 0;      // mma: thread blocks per multiprocessor the registers must allow
   int shared_bytes = 0;
 
@@ -71,8 +74,9 @@ KernelSelection choose_kernel(const Problem& problem, int capability, bool allow
 std::string stage_wgmma_tensor(KernelChoice& choice);
 
 // Tuning experiments on the wgmma forward's shape (the FLEXATTN_CUDA_WGMMA_TILE variable): `spec`
-// is a comma-separated subset of warpgroups=1|2, block_n=64|128, stages=2..4, pipelined=0|1 and
-// blocks=1|2 (blocks per multiprocessor the registers and shared memory must allow), optionally
+// is a comma-separated subset of warpgroups=1|2, block_n=64|128, stages=2..4, pipelined=0|1,
+// blocks=1|2 (blocks per multiprocessor the registers and shared memory must allow) and
+// producer=0|1 (a producer warpgroup; two computing warpgroups, one block), optionally
 // after "d64:" or "d128:" (only problems of that head dim are changed). Returns why
 // the shape is refused (choice unchanged), or empty. Other kernel kinds are left alone.
 std::string apply_wgmma_tile(KernelChoice& choice, std::string_view spec);

@@ -165,7 +165,9 @@ __device__ __forceinline__ void online_softmax(float (&score)[kTiles][kScoreTile
 // The block's epilogue, once every warp is done with the shared tiles: normalises O, writes the
 // LSE, stages O (as the storage type) in shared memory and stores the rows inside the sequence
 // with coalesced 16-byte stores. Config names the warps' rows (kRowsPerWarp, kTilesPerWarp).
-template <class Config>
+// kBarrier: the named barrier of the Config::kThreads threads that run it (a block with a producer
+// warpgroup), or -1 for __syncthreads.
+template <class Config, int kBarrier = -1>
 __device__ __forceinline__ void store_output(
     const ForwardParams& p, unsigned char* shared,
     const float (&output)[Config::kTilesPerWarp][Config::kOutputTiles][4],
@@ -200,7 +202,11 @@ __device__ __forceinline__ void store_output(
       }
     }
   }
-  __syncthreads();
+  if constexpr (kBarrier >= 0) {
+    asm volatile("bar.sync %0, %1;" ::"n"(kBarrier), "n"(kThreads) : "memory");
+  } else {
+    __syncthreads();
+  }
 
   // Coalesced 16-byte stores of the rows inside the sequence.
   unsigned short* o_destination =

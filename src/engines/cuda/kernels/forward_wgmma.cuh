@@ -26,7 +26,7 @@ namespace flexattn_kernels {
 
 template <class ElementTag, int kHeadDimQk, int kHeadDimV, int kBlockN_, int kStages_,
           bool kPipelined_, int kSharedBytes_, bool kTakeTurns_ = false, int kWarpgroups_ = 2,
-          int kMinBlocks_ = 1, bool kStageTensor_ = false>
+          int kMinBlocks_ = 1, bool kStageTensor_ = false, bool kProducer_ = false>
 struct WgmmaConfig {
   using Tag = ElementTag;
   // Warpgroups per block (1 or 2), and blocks per multiprocessor the registers must allow: the
@@ -71,8 +71,21 @@ struct WgmmaConfig {
   static constexpr bool kStageTensor = kStageTensor_;
   using StagedLayout = SwizzledPanels<kBlockM, kBlockN / kChunkElements>;
   static constexpr int kStagedBytes = kStageTensor ? kBlockM * kBlockN * 2 : 0;
+  // With kProducer a third warpgroup (threads kThreads .. kBlockThreads - 1, after the two that
+  // compute) copies K, V and the staged tensor into the stages and hands each stage over through
+  // shared-memory barriers: "full" (its copies landed) and "empty" (every computing warp is done
+  // with it). The computing warpgroups then never meet at a block barrier per tile, and
+  // setmaxnreg moves the producer's registers to them. Without it all threads copy and compute.
+  static constexpr bool kProducer = kProducer_;
+  static constexpr int kProducerThreads = kProducer ? 128 : 0;
+  static constexpr int kBlockThreads = kThreads + kProducerThreads;  // the launch's threads
+  static constexpr int kLoaderThreads = kProducer ? kProducerThreads : kThreads;
+  // 128 x 40 + 256 x 232 = 384 x 168: the registers the launch gives the block.
+  static constexpr int kProducerRegisters = 40;
+  static constexpr int kConsumerRegisters = 232;
+  static constexpr int kBarrierBytes = kProducer ? 64 : 0;  // full[kStages], empty[kStages]
   static constexpr int kSharedBytes =
-      kAlignment + kQBytes + kStages * (kKBytes + kVBytes + kStagedBytes);
+      kAlignment + kQBytes + kStages * (kKBytes + kVBytes + kStagedBytes) + kBarrierBytes;
 
   static_assert((kHeadDimQk == 64 || kHeadDimQk == 128) && (kHeadDimV == 64 || kHeadDimV == 128),
                 "the wgmma kernel takes head dims 64 and 128");
@@ -87,7 +100,16 @@ struct WgmmaConfig {
   static_assert(kWarpgroups == 2 || !kTakeTurns, "turns are taken between two warpgroups");
   static_assert(kMinBlocks == 1 || kMinBlocks == 2, "one or two blocks per multiprocessor");
   static_assert(!kStageTensor || !kPipelined, "a staged tensor takes the loop without pipelining");
+  static_assert(!kProducer || (kWarpgroups == 2 && kMinBlocks == 1 && kStages <= 4),
+                "a producer serves two computing warpgroups, one block per multiprocessor");
+  static_assert(!kProducer || kProducerThreads * kProducerRegisters +
+                                      kThreads * kConsumerRegisters <=
+                                  kBlockThreads * (65536 / kBlockThreads / 8 * 8),
+                "the register split fits the launch's registers");
 };
+
+// Named barrier 2: the computing warpgroups of a block with a producer (which has left by then).
+constexpr int kConsumerBarrier = 2;
 
 // Named barrier 1 (0 is __syncthreads'): warpgroup 0 arrives once it has issued a tile's
 // products, warpgroup 1 waits there before issuing its own; one arrival and one wait per tile.
@@ -164,6 +186,10 @@ __device__ __forceinline__ void forward_wgmma(const ForwardParams& p) {
   const unsigned v_tiles = k_tiles + kStages * Config::kKBytes;  // kStages x (kBlockN, v)
   // kStages x (kBlockM, kBlockN) of the staged tensor (kStageTensor), and its rows in global memory.
   const unsigned staged_tiles = v_tiles + kStages * Config::kVBytes;
+  // With kProducer: the stages' full and empty barriers.
+  const unsigned barriers = staged_tiles + kStages * Config::kStagedBytes;
+  auto full_barrier = [&](int stage) { return barriers + 8 * stage; };
+  auto empty_barrier = [&](int stage) { return barriers + 8 * (kStages + stage); };
   const unsigned short* staged_source = nullptr;
   if constexpr (Config::kStageTensor) {
     static_assert(Modifier::kStagedTensor >= 0, "the modifier reads a stageable tensor");
@@ -174,40 +200,96 @@ __device__ __forceinline__ void forward_wgmma(const ForwardParams& p) {
 
   const EntryRange entries = visited_tiles(p, q_start, kBlockN, span.kv_len);
 
-  load_rows_async<kBlockM, typename Config::QLayout, Config::kChunksQk, kThreads>(
-      q_tile, q_source, p.q.token_stride, span.q_len - q_start, Config::kChunksQk, thread);
-  commit_copies();
-
-  auto load_keys_and_values = [&](int entry_index, int stage) {
+  // Copies kv tile `entry_index` into `stage`: `loader` of the kLoaderThreads threads that copy.
+  auto load_keys_and_values = [&](int entry_index, int stage, int loader) {
+    constexpr int kLoaders = Config::kLoaderThreads;
     const int kv_start = entry_kv_tile(p.tile_entries[entry_index]) * kBlockN;
     const int rows_valid = span.kv_len - kv_start;
-    load_rows_async<kBlockN, KLayout, Config::kChunksQk, kThreads>(
+    load_rows_async<kBlockN, KLayout, Config::kChunksQk, kLoaders>(
         k_tiles + stage * Config::kKBytes, k_source + kv_start * p.k.token_stride, p.k.token_stride,
-        rows_valid, Config::kChunksQk, thread);
-    load_rows_async<kBlockN, VLayout, Config::kChunksV, kThreads>(
+        rows_valid, Config::kChunksQk, loader);
+    load_rows_async<kBlockN, VLayout, Config::kChunksV, kLoaders>(
         v_tiles + stage * Config::kVBytes, v_source + kv_start * p.v.token_stride, p.v.token_stride,
-        rows_valid, Config::kChunksV, thread);
+        rows_valid, Config::kChunksV, loader);
     if constexpr (Config::kStageTensor) {
       // Rows past the queries and columns past the keys are zero-filled (their scores are
       // masked); the row length is a multiple of 8, so chunks are whole.
       constexpr int kStagedChunks = kBlockN / kChunkElements;
-      load_rows_async<kBlockM, typename Config::StagedLayout, kStagedChunks, kThreads>(
+      load_rows_async<kBlockM, typename Config::StagedLayout, kStagedChunks, kLoaders>(
           staged_tiles + stage * Config::kStagedBytes, staged_source + kv_start,
           Modifier::kStagedRowStride, span.q_len - q_start,
-          ir_min(kStagedChunks, (span.kv_len - kv_start) / kChunkElements), thread);
+          ir_min(kStagedChunks, (span.kv_len - kv_start) / kChunkElements), loader);
     }
   };
-  if constexpr (Config::kPipelined) {
+
+  if constexpr (Config::kProducer) {
+    if (thread == 0) {
+      for (int stage = 0; stage < kStages; ++stage) {
+        barrier_init(full_barrier(stage), Config::kProducerThreads);  // each copying thread
+        barrier_init(empty_barrier(stage), Config::kWarps);           // lane 0 of each warp
+      }
+    }
+    __syncthreads();  // the barriers initialised; the last block-wide barrier
+    if (warpgroup == Config::kWarpgroups) {
+      // The producer: tile i into stage i % kStages once the computing warps released the tile
+      // kStages before it (phase i / kStages - 1 of its empty barrier); a tile is announced
+      // (full) once its copies landed, one tile later, so two tiles' copies are in flight.
+      release_registers<Config::kProducerRegisters>();
+      const int loader = thread - kThreads;
+      const int count = entries.end - entries.begin;
+      for (int iteration = 0; iteration < count; ++iteration) {
+        const int stage = iteration % kStages;
+        if (iteration >= kStages) {
+          barrier_wait(empty_barrier(stage), (iteration / kStages - 1) & 1);
+        }
+        load_keys_and_values(entries.begin + iteration, stage, loader);
+        commit_copies();
+        if (iteration > 0) {
+          wait_copies<1>();      // tile iteration - 1 landed
+          fence_async_shared();  // and is visible to the wgmma reads
+          barrier_arrive(full_barrier((iteration - 1) % kStages));
+        }
+      }
+      if (count > 0) {
+        wait_copies<0>();
+        fence_async_shared();
+        barrier_arrive(full_barrier((count - 1) % kStages));
+      }
+      return;
+    }
+    claim_registers<Config::kConsumerRegisters>();
+  }
+
+  load_rows_async<kBlockM, typename Config::QLayout, Config::kChunksQk, kThreads>(
+      q_tile, q_source, p.q.token_stride, span.q_len - q_start, Config::kChunksQk, thread);
+  commit_copies();
+  if constexpr (Config::kProducer) {
+    wait_copies<0>();
+    fence_async_shared();
+    named_barrier_sync<kConsumerBarrier>(kThreads);  // Q visible to both warpgroups
+  } else if constexpr (Config::kPipelined) {
     // Tile 0 now; each iteration copies the next one (one tile ahead, see the loop).
-    if (entries.begin < entries.end) load_keys_and_values(entries.begin, 0);
+    if (entries.begin < entries.end) load_keys_and_values(entries.begin, 0, thread);
     commit_copies();
   } else {
 #pragma unroll
     for (int stage = 0; stage < kStages - 1; ++stage) {
-      if (entries.begin + stage < entries.end) load_keys_and_values(entries.begin + stage, stage);
+      if (entries.begin + stage < entries.end) {
+        load_keys_and_values(entries.begin + stage, stage, thread);
+      }
       commit_copies();
     }
   }
+  // With kProducer: waits until tile `iteration` (of this block's list) is in its stage.
+  auto await_stage = [&](int iteration) {
+    barrier_wait(full_barrier(iteration % kStages), (iteration / kStages) & 1);
+  };
+  // With kProducer: this warp is done with the stage of tile `iteration` (its products waited for).
+  auto release_stage = [&](int iteration) {
+    if constexpr (Config::kProducer) {
+      if (lane == 0) barrier_arrive(empty_barrier(iteration % kStages));
+    }
+  };
 
   float output[1][kOutputTiles][4];  // (rows, head_dim_v) accumulators
   float row_max[1][2];               // log2 domain
@@ -300,15 +382,19 @@ __device__ __forceinline__ void forward_wgmma(const ForwardParams& p) {
     // Waits for tile `entry_index` and starts the copy of the next one; returns its stage.
     auto begin_tile = [&](int entry_index) {
       const int iteration = entry_index - entries.begin;
-      wait_copies<0>();      // tile `iteration` (its copy was the last one committed)
-      fence_async_shared();  // this thread's copies, visible to the wgmma reads after the barrier
-      // Tile `iteration` visible to all; the stage refilled below held tile iteration - 2, whose
-      // P V every warpgroup waited for in the previous iteration.
-      __syncthreads();
-      if (entry_index + 1 < entries.end) {
-        load_keys_and_values(entry_index + 1, (iteration + 1) % kStages);
+      if constexpr (Config::kProducer) {
+        await_stage(iteration);
+      } else {
+        wait_copies<0>();      // tile `iteration` (its copy was the last one committed)
+        fence_async_shared();  // this thread's copies, visible to the wgmma reads after the barrier
+        // Tile `iteration` visible to all; the stage refilled below held tile iteration - 2,
+        // whose P V every warpgroup waited for in the previous iteration.
+        __syncthreads();
+        if (entry_index + 1 < entries.end) {
+          load_keys_and_values(entry_index + 1, (iteration + 1) % kStages, thread);
+        }
+        commit_copies();
       }
-      commit_copies();
       return iteration % kStages;
     };
     // The first tile on its own: nothing in flight beside its S. (A P V issued on only some
@@ -349,6 +435,7 @@ __device__ __forceinline__ void forward_wgmma(const ForwardParams& p) {
       const bool max_changed = probabilities(entry_index, correction, stage);
       wgmma_wait<0>();
       fence_operands(output_flat);
+      release_stage(entry_index - 1 - entries.begin);  // its V was read by the P V just waited for
       rescale_output(output, correction, max_changed);
       pack_probabilities(stage);
     }
@@ -358,13 +445,18 @@ __device__ __forceinline__ void forward_wgmma(const ForwardParams& p) {
     for (int entry_index = entries.begin; entry_index < entries.end; ++entry_index) {
       const int iteration = entry_index - entries.begin;
       const int stage = iteration % kStages;
-      wait_copies<kStages - 2>();
-      fence_async_shared();  // this thread's copies, visible to the wgmma reads after the barrier
-      __syncthreads();  // tile `iteration` visible; the buffer refilled below is no longer read
-      if (entry_index + kStages - 1 < entries.end) {
-        load_keys_and_values(entry_index + kStages - 1, (iteration + kStages - 1) % kStages);
+      if constexpr (Config::kProducer) {
+        await_stage(iteration);
+      } else {
+        wait_copies<kStages - 2>();
+        fence_async_shared();  // this thread's copies, visible to the wgmma reads after the barrier
+        __syncthreads();  // tile `iteration` visible; the buffer refilled below is no longer read
+        if (entry_index + kStages - 1 < entries.end) {
+          load_keys_and_values(entry_index + kStages - 1, (iteration + kStages - 1) % kStages,
+                               thread);
+        }
+        commit_copies();
       }
-      commit_copies();
       fence_before_products();
       issue_scores(stage);
       wgmma_wait<0>();
@@ -374,12 +466,19 @@ __device__ __forceinline__ void forward_wgmma(const ForwardParams& p) {
       rescale_output(output, correction, max_changed);
       pack_probabilities(stage);
       multiply_values();
+      release_stage(iteration);  // K, V and the staged tile read
     }
   }
-  wait_copies<0>();
-  __syncthreads();  // every warp is done with Q, K and V: the Q buffer now stages O
-
-  store_output<Config>(p, shared, output, row_max, row_sum, span, batch, head, q_start, thread);
+  if constexpr (Config::kProducer) {
+    // Every computing warp is done with Q: its buffer now stages O.
+    named_barrier_sync<kConsumerBarrier>(kThreads);
+    store_output<Config, kConsumerBarrier>(p, shared, output, row_max, row_sum, span, batch, head,
+                                           q_start, thread);
+  } else {
+    wait_copies<0>();
+    __syncthreads();  // every warp is done with Q, K and V: the Q buffer now stages O
+    store_output<Config>(p, shared, output, row_max, row_sum, span, batch, head, q_start, thread);
+  }
 }
 
 }  // namespace flexattn_kernels

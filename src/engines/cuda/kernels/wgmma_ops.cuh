@@ -82,6 +82,60 @@ __device__ __forceinline__ void fence_operands(unsigned (&values)[kCount]) {
   for (int i = 0; i < kCount; ++i) asm volatile("" : "+r"(values[i])::"memory");
 }
 
+// ---- a producer warpgroup's hand-off (sm_90: mbarrier parity waits, setmaxnreg) ---------------
+//
+// A shared-memory mbarrier (8 bytes) counts arrivals; when `count` threads (as initialised) have
+// arrived, its current phase completes and the next begins. A waiter names the phase by its
+// parity: waiting for parity p returns once the phase with that parity has completed, and a
+// fresh barrier counts as having completed the phase before phase 0 (parity 1).
+__device__ __forceinline__ void barrier_init(unsigned barrier, unsigned count) {
+#if FLEXATTN_WGMMA_AVAILABLE
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(barrier), "r"(count) : "memory");
+#endif
+}
+// Arrival with release semantics: this thread's earlier writes are visible to a thread whose
+// wait sees the phase complete.
+__device__ __forceinline__ void barrier_arrive(unsigned barrier) {
+#if FLEXATTN_WGMMA_AVAILABLE
+  asm volatile("{\n.reg .b64 state;\nmbarrier.arrive.shared::cta.b64 state, [%0];\n}\n" ::"r"(
+                   barrier)
+               : "memory");
+#endif
+}
+// Waits (acquire) until the phase of parity `parity` has completed.
+__device__ __forceinline__ void barrier_wait(unsigned barrier, unsigned parity) {
+#if FLEXATTN_WGMMA_AVAILABLE
+  unsigned done = 0;
+  do {
+    asm volatile(
+        "{\n.reg .pred p;\nmbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n"
+        "selp.u32 %0, 1, 0, p;\n}\n"
+        : "=r"(done)
+        : "r"(barrier), "r"(parity)
+        : "memory");
+  } while (done == 0);
+#endif
+}
+// A warpgroup gives registers back to the block's pool, or takes them from it (every thread of
+// the warpgroup runs the same one; counts are multiples of 8 in 24..256).
+template <int kRegisters>
+__device__ __forceinline__ void release_registers() {
+#if FLEXATTN_WGMMA_AVAILABLE
+  asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(kRegisters));
+#endif
+}
+template <int kRegisters>
+__device__ __forceinline__ void claim_registers() {
+#if FLEXATTN_WGMMA_AVAILABLE
+  asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(kRegisters));
+#endif
+}
+// A named barrier (1..15; 0 is __syncthreads') for `threads` threads, a multiple of 32.
+template <int kBarrier>
+__device__ __forceinline__ void named_barrier_sync(int threads) {
+  asm volatile("bar.sync %0, %1;" ::"n"(kBarrier), "r"(threads) : "memory");
+}
+
 // Operand lists: the 32 or 64 accumulators as "%0, ..." placeholders and "+f" operands.
 #define FLEXATTN_WGMMA_D32                   \
   "%0, %1, %2, %3, %4, %5, %6, %7, "         \
