@@ -517,15 +517,17 @@ TEST(CudaForwardChoice, WgmmaOnlyOnSm90ForSixteenBitHeadDims64And128) {
   EXPECT_EQ(d128.kind, cuda::KernelKind::kWgmma);
   EXPECT_EQ(d128.block_m, 128);
   EXPECT_EQ(d128.block_n, 128);
-  EXPECT_EQ(d128.threads(), 256);
+  EXPECT_TRUE(d128.producer);  // two computing warpgroups and the producer's
+  EXPECT_EQ(d128.threads(), 384);
   EXPECT_EQ(d128.architecture_suffix(), "a");
   EXPECT_EQ(d128.kernel_template(), "forward_wgmma");
-  // kernels/forward_wgmma.cuh: 1024 (alignment) + Q 128 rows + 3 stages of 128 keys of K and V.
-  EXPECT_EQ(d128.shared_bytes, 1024 + 128 * 128 * 2 + 3 * 128 * (128 + 128) * 2);
+  // kernels/forward_wgmma.cuh: 1024 (alignment) + Q 128 rows + 3 stages of 128 keys of K and V +
+  // the producer's 64 bytes of stage barriers.
+  EXPECT_EQ(d128.shared_bytes, 1024 + 128 * 128 * 2 + 3 * 128 * (128 + 128) * 2 + 64);
   EXPECT_LE(d128.shared_bytes, 227 * 1024);  // what one block may have on sm_90
   EXPECT_EQ(d128.config_type(),
             fmt::format("flexattn_kernels::WgmmaConfig<flexattn_kernels::BFloat16Tag, 128, 128, "
-                        "128, 3, true, {}>",
+                        "128, 3, true, {}, false, 2, 1, false, true>",
                         d128.shared_bytes));
   EXPECT_TRUE(d128.pipelined);
   // Head dim 64: the loop that waits for each product, two stages of 64 keys, two blocks per
@@ -706,24 +708,37 @@ TEST(CudaForwardChoice, WgmmaProducerAddsAWarpgroupAndItsBarriers) {
   const Problem d128 = make_problem(GeneratedCase{"d128", DType::kBF16, 128, 128, "", "", {}, {},
                                                   Layout::kBSHD, {}});
   const cuda::KernelChoice base = cuda::choose_kernel(d128, kCapability).choice;
+  ASSERT_TRUE(base.producer);  // the head-dim-128 default
   cuda::KernelChoice c = base;
   c.take_turns = true;
+  c.alternate = true;
   ASSERT_EQ(cuda::apply_wgmma_tile(c, "producer=1"), "");
   EXPECT_TRUE(c.producer);
   EXPECT_TRUE(c.take_turns);
+  EXPECT_TRUE(c.alternate);
   EXPECT_EQ(c.warps, 8);
   EXPECT_EQ(c.threads(), 384);
-  EXPECT_EQ(base.threads(), 256);
-  EXPECT_EQ(c.shared_bytes, base.shared_bytes + 64);
-  EXPECT_NE(c.config_type().find(", 230464, true, 2, 1, false, true>"), std::string::npos)
+  EXPECT_NE(c.config_type().find(", 230464, true, 2, 1, false, true, true>"), std::string::npos)
       << c.config_type();
   EXPECT_NE(c.describe().find("producer warpgroup"), std::string::npos) << c.describe();
+  EXPECT_NE(c.describe().find("warpgroups alternate"), std::string::npos) << c.describe();
+  cuda::KernelChoice without = c;
+  ASSERT_EQ(cuda::apply_wgmma_tile(without, "producer=0"), "");
+  EXPECT_FALSE(without.alternate);  // alternation needs the producer
+  EXPECT_EQ(without.threads(), 256);
+  EXPECT_EQ(without.shared_bytes, base.shared_bytes - 64);
+  EXPECT_NE(without.config_type().find(", 230400, true>"), std::string::npos)
+      << without.config_type();
+  // A shape the producer cannot serve drops it unless it is named.
+  cuda::KernelChoice one = base;
+  ASSERT_EQ(cuda::apply_wgmma_tile(one, "warpgroups=1"), "");
+  EXPECT_FALSE(one.producer);
   for (const char* bad : {"producer=1,warpgroups=1", "producer=2"}) {
     SCOPED_TRACE(bad);
     cuda::KernelChoice refused = base;
     EXPECT_NE(cuda::apply_wgmma_tile(refused, bad).find("FLEXATTN_CUDA_WGMMA_TILE"),
               std::string::npos);
-    EXPECT_FALSE(refused.producer);
+    EXPECT_EQ(refused.config_type(), base.config_type());
   }
   // Head dim 64 runs two blocks per multiprocessor by default: the producer needs blocks=1.
   const Problem d64 = make_problem(GeneratedCase{"d64", DType::kBF16, 64, 64, "", "", {}, {},
@@ -887,27 +902,36 @@ TEST(CudaForwardCompile, WgmmaProducerCompilesForSm90a) {
 }
 
 // The variant where warpgroups take turns issuing (the default; FLEXATTN_CUDA_WGMMA_TURNS=0 is
-// without) compiles too, and says so.
+// without), and the strict alternation with the producer (FLEXATTN_CUDA_WGMMA_TURNS=2), compile
+// too, and say so.
 TEST(CudaForwardCompile, WgmmaTakingTurnsCompilesForSm90a) {
   SKIP_WITHOUT_CUDA_ENGINE();
   constexpr int kCapability = 90;
   const Problem problem = make_problem(GeneratedCase{"turns", DType::kBF16, 128, 128,
                                                      "30 * tanh(score / 30)", "q >= kv", {}, {},
                                                      Layout::kBSHD, {}});
-  cuda::KernelChoice choice = cuda::choose_kernel(problem, kCapability).choice;
-  ASSERT_TRUE(choice.pipelined);
-  choice.take_turns = true;
-  EXPECT_NE(choice.describe().find("take turns"), std::string::npos) << choice.describe();
-  const std::string source = cuda::generate_translation_unit(
-      problem, cuda::bind_modifier(problem).bindings, choice, nullptr);
-  EXPECT_NE(source.find("230400, true>"), std::string::npos);
-  std::vector<char> cubin;
-  try {
-    cubin = cuda::compile_to_cubin(source, "turns.cu", kCapability, choice.architecture_suffix());
-  } catch (const Error& error) {
-    ADD_FAILURE() << error.what();
+  for (const bool alternate : {false, true}) {
+    SCOPED_TRACE(alternate);
+    cuda::KernelChoice choice = cuda::choose_kernel(problem, kCapability).choice;
+    ASSERT_TRUE(choice.pipelined);
+    ASSERT_TRUE(choice.producer);
+    choice.take_turns = true;
+    choice.alternate = alternate;
+    EXPECT_NE(choice.describe().find(alternate ? "alternate" : "take turns"), std::string::npos)
+        << choice.describe();
+    const std::string source = cuda::generate_translation_unit(
+        problem, cuda::bind_modifier(problem).bindings, choice, nullptr);
+    EXPECT_NE(source.find(alternate ? "230464, true, 2, 1, false, true, true>"
+                                    : "230464, true, 2, 1, false, true>"),
+              std::string::npos);
+    std::vector<char> cubin;
+    try {
+      cubin = cuda::compile_to_cubin(source, "turns.cu", kCapability, choice.architecture_suffix());
+    } catch (const Error& error) {
+      ADD_FAILURE() << error.what();
+    }
+    EXPECT_FALSE(cubin.empty());
   }
-  EXPECT_FALSE(cubin.empty());
 }
 
 // The backward translation units compile for sm_90 (NVRTC, no GPU). These need the backward

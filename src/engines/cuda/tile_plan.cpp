@@ -152,6 +152,7 @@ KernelChoice wgmma_choice(const Problem& problem) {
   c.block_n = c.pipelined ? kWgmmaBlockN : kWgmmaSmallBlockN;
   c.stages = c.pipelined ? 3 : 2;
   c.min_blocks = c.pipelined ? 1 : kWgmmaSmallMinBlocks;
+  c.producer = c.pipelined;
   c.class_block_q = c.block_m;
   c.shared_bytes = wgmma_shared_bytes(c);
   return c;
@@ -292,7 +293,8 @@ std::string KernelChoice::config_type() const {
     // warpgroups, one block per multiprocessor), so the default shapes keep their cache keys.
     std::string tail;
     if (producer) {
-      tail = fmt::format(", {}, {}, {}, {}, true", take_turns, warps / 4, min_blocks, stage_tensor);
+      tail = fmt::format(", {}, {}, {}, {}, true{}", take_turns, warps / 4, min_blocks,
+                         stage_tensor, alternate ? ", true" : "");
     } else if (stage_tensor) {
       tail = fmt::format(", {}, {}, {}, true", take_turns, warps / 4, min_blocks);
     } else if (warps != kWgmmaWarps || min_blocks != 1) {
@@ -335,7 +337,8 @@ std::string KernelChoice::describe() const {
         "tensor-core (wgmma, sm_90a) {}, {}x{} tiles, {} warps, {} stages{}{}, head dims {} and "
         "{}, {} KB shared{}{}{}",
         to_string(dtype), block_m, block_n, warps, stages, pipelined ? ", pipelined" : "",
-        take_turns ? ", warpgroups take turns" : "", head_dim_qk, head_dim_v, shared_bytes / 1024,
+        take_turns ? (alternate ? ", warpgroups alternate" : ", warpgroups take turns") : "",
+        head_dim_qk, head_dim_v, shared_bytes / 1024,
         min_blocks > 1 ? fmt::format(", {} blocks per multiprocessor", min_blocks) : "",
         stage_tensor ? ", modifier tensor staged in shared memory" : "",
         producer ? ", a producer warpgroup loads the stages" : "");
@@ -358,6 +361,8 @@ std::string stage_wgmma_tensor(KernelChoice& choice) {
   c.stage_tensor = true;
   c.pipelined = false;
   c.take_turns = false;
+  c.alternate = false;
+  c.producer = false;  // measured slower with the staged tile (359 -> 333 TFLOP/s, bias, D 128)
   c.stages = 2;
   // The staged tile's reads need registers the two-blocks cap (128 a thread) does not leave.
   c.min_blocks = 1;
@@ -384,6 +389,7 @@ std::string apply_wgmma_tile(KernelChoice& choice, std::string_view spec) {
   }
   KernelChoice c = choice;
   int warpgroups = c.warps / 4;
+  bool producer_named = false;
   std::size_t start = 0;
   while (start < spec.size()) {
     const std::size_t end = std::min(spec.find(',', start), spec.size());
@@ -410,6 +416,7 @@ std::string apply_wgmma_tile(KernelChoice& choice, std::string_view spec) {
       c.min_blocks = value;
     } else if (key == "producer" && value <= 1) {
       c.producer = value == 1;
+      producer_named = true;
     } else {
       return fmt::format(
           "FLEXATTN_CUDA_WGMMA_TILE: '{}' is not one of warpgroups=1|2, block_n=64|128, "
@@ -421,6 +428,9 @@ std::string apply_wgmma_tile(KernelChoice& choice, std::string_view spec) {
   c.block_m = kWgmmaBlockM / 2 * warpgroups;
   c.class_block_q = c.block_m;
   c.take_turns = c.take_turns && c.turns_possible();
+  // Where the spec does not name it, the producer stays only where it can serve the new shape.
+  if (!producer_named) c.producer = c.producer && warpgroups == 2 && c.min_blocks == 1;
+  c.alternate = c.alternate && c.take_turns && c.producer;
   if (c.pipelined && c.stages < 3) {
     return "FLEXATTN_CUDA_WGMMA_TILE: the pipelined loop needs 3 stages or more";
   }

@@ -26,7 +26,8 @@ namespace flexattn_kernels {
 
 template <class ElementTag, int kHeadDimQk, int kHeadDimV, int kBlockN_, int kStages_,
           bool kPipelined_, int kSharedBytes_, bool kTakeTurns_ = false, int kWarpgroups_ = 2,
-          int kMinBlocks_ = 1, bool kStageTensor_ = false, bool kProducer_ = false>
+          int kMinBlocks_ = 1, bool kStageTensor_ = false, bool kProducer_ = false,
+          bool kAlternate_ = false>
 struct WgmmaConfig {
   using Tag = ElementTag;
   // Warpgroups per block (1 or 2), and blocks per multiprocessor the registers must allow: the
@@ -47,6 +48,10 @@ struct WgmmaConfig {
   // issued its own (a named barrier), so the tensor cores finish warpgroup 0's S first and its
   // element work starts while warpgroup 1's products run, instead of both waiting for both.
   static constexpr bool kTakeTurns = kTakeTurns_;
+  // With turns and a producer: warpgroup 0 also waits for warpgroup 1's products of the previous
+  // tile before issuing its own, so the two strictly alternate (one's element work runs while the
+  // other's products do). Without a producer the per-tile block barrier keeps them in step anyway.
+  static constexpr bool kAlternate = kAlternate_;
   static constexpr int kMinBlocks = kMinBlocks_;
   static constexpr int kChunksQk = kHeadDimQk / kChunkElements;
   static constexpr int kChunksV = kHeadDimV / kChunkElements;
@@ -98,6 +103,7 @@ struct WgmmaConfig {
   static_assert(kPipelined || !kTakeTurns, "turns are taken in the pipelined loop");
   static_assert(kWarpgroups == 1 || kWarpgroups == 2, "one or two warpgroups per block");
   static_assert(kWarpgroups == 2 || !kTakeTurns, "turns are taken between two warpgroups");
+  static_assert(!kAlternate || (kTakeTurns && kProducer_), "alternating turns need a producer");
   static_assert(kMinBlocks == 1 || kMinBlocks == 2, "one or two blocks per multiprocessor");
   static_assert(!kStageTensor || !kPipelined, "a staged tensor takes the loop without pipelining");
   static_assert(!kProducer || (kWarpgroups == 2 && kMinBlocks == 1 && kStages <= 4),
@@ -113,12 +119,17 @@ constexpr int kConsumerBarrier = 2;
 
 // Named barrier 1 (0 is __syncthreads'): warpgroup 0 arrives once it has issued a tile's
 // products, warpgroup 1 waits there before issuing its own; one arrival and one wait per tile.
+// Barrier 3, with kAlternate, the other way: warpgroup 1 arrives once it has issued, warpgroup 0
+// waits there before its next tile.
 constexpr int kTurnBarrier = 1;
+constexpr int kTurnBackBarrier = 3;
+template <int kBarrier = kTurnBarrier>
 __device__ __forceinline__ void turn_wait(int threads) {
-  asm volatile("bar.sync %0, %1;" ::"n"(kTurnBarrier), "r"(threads) : "memory");
+  asm volatile("bar.sync %0, %1;" ::"n"(kBarrier), "r"(threads) : "memory");
 }
+template <int kBarrier = kTurnBarrier>
 __device__ __forceinline__ void turn_pass(int threads) {
-  asm volatile("bar.arrive %0, %1;" ::"n"(kTurnBarrier), "r"(threads) : "memory");
+  asm volatile("bar.arrive %0, %1;" ::"n"(kBarrier), "r"(threads) : "memory");
 }
 
 // Issues (and commits) O += P V for one kv tile: P as register A fragments (one per 16 keys),
@@ -402,20 +413,33 @@ __device__ __forceinline__ void forward_wgmma(const ForwardParams& p) {
     // Warpgroup 1 issues after warpgroup 0 (kTakeTurns).
     auto await_turn = [&]() {
       if constexpr (Config::kTakeTurns) {
-        if (warpgroup == 1) turn_wait(kThreads);
+        if (warpgroup == 1) {
+          turn_wait(kThreads);
+        } else if constexpr (Config::kAlternate) {
+          turn_wait<kTurnBackBarrier>(kThreads);
+        }
       }
     };
-    auto pass_turn = [&]() {
+    // `more`: whether another tile follows (kAlternate: warpgroup 0 waits for it).
+    auto pass_turn = [&](bool more) {
       if constexpr (Config::kTakeTurns) {
-        if (warpgroup == 0) turn_pass(kThreads);
+        if (warpgroup == 0) {
+          turn_pass(kThreads);
+        } else if constexpr (Config::kAlternate) {
+          if (more) turn_pass<kTurnBackBarrier>(kThreads);
+        }
       }
     };
+    if constexpr (Config::kAlternate) {
+      // Warpgroup 0 goes first.
+      if (warpgroup == 1 && entries.begin < entries.end) turn_pass<kTurnBackBarrier>(kThreads);
+    }
     if (entries.begin < entries.end) {
       const int stage = begin_tile(entries.begin);
       await_turn();
       fence_before_products();
       issue_scores(stage);
-      pass_turn();
+      pass_turn(entries.begin + 1 < entries.end);
       wgmma_wait<0>();
       fence_operands(score_flat);
       float correction[1][2];
@@ -428,7 +452,7 @@ __device__ __forceinline__ void forward_wgmma(const ForwardParams& p) {
       fence_before_products();
       issue_scores(stage);
       issue_probability_value<Config>(output_flat, p_fragment, previous_v_tile);  // tile - 1
-      pass_turn();
+      pass_turn(entry_index + 1 < entries.end);
       wgmma_wait<1>();  // S is done; P V may still run
       fence_operands(score_flat);
       float correction[1][2];
