@@ -42,6 +42,9 @@ constexpr int kSimtClassBlockQ = 64;
 // modifier (287 vs 311 TFLOP/s), so it waits for each product, with two stages, on 64-key tiles
 // with two blocks per multiprocessor (registers capped at 128 a thread): 292 -> 352 TFLOP/s
 // without a modifier, softcap 155 -> 174, causal 262 -> 301 (H200, 2026-12-02, docs/gpu-runs).
+// At head dim 128 a producer warpgroup copies the stages (WgmmaConfig::kProducer): no modifier
+// 470 -> 496, softcap 294 -> 299, causal softcap 260 -> 273 (H200, 2026-12-03); not with a staged
+// tensor (359 -> 333) nor at head dim 64 (one block instead of two: 351 -> 241).
 // Only the head dims it holds unpadded, on the architecture it exists on.
 constexpr int kWgmmaBlockM = 128;
 constexpr int kWgmmaBlockN = 128;

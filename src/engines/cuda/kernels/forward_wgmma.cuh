@@ -17,6 +17,9 @@
 // and after the last tile O += P V of it. Tile j's K, tile j - 1's V and tile j + 1's copy are
 // in flight at once: three stages. Without kPipelined each product is waited for before its
 // result is read (two stages); only the block's other warpgroup overlaps the element work.
+// Copies: either all threads cp.async the next tile and the block meets at __syncthreads every
+// tile, or (kProducer, the head-dim-128 default) a third warpgroup copies and hands each stage
+// over through a "full" and an "empty" mbarrier, and the computing warpgroups never meet per tile.
 #pragma once
 
 #include "forward_mma.cuh"
