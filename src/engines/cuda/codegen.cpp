@@ -5,12 +5,10 @@
 
 #include <algorithm>
 #include <cmath>
-#include <cstdlib>
 #include <cstdint>
 #include <limits>
 #include <map>
 #include <set>
-#include <string_view>
 #include <tuple>
 #include <utility>
 
@@ -31,13 +29,6 @@ const char* c_type(Type type) {
       return "bool";
   }
   throw_internal("cuda codegen: unknown type");
-}
-
-// The tensor-core kernels' tanh: ir_tanh, or with FLEXATTN_CUDA_TANH=voted ir_tanh_voted (the
-// same values; the exponential branch skipped per warp when no lane needs it), an experiment.
-const char* tanh_function() {
-  const char* value = std::getenv("FLEXATTN_CUDA_TANH");
-  return value != nullptr && std::string_view(value) == "voted" ? "ir_tanh_voted" : "ir_tanh";
 }
 
 std::string float_literal(double value) {
@@ -453,7 +444,7 @@ class GraphLowering {
         // keep CUDA's tanhf, as verified against the fp32 tolerance. (The exp2/reciprocal form
         // alone, 3e-7 absolute error near 0, was measured at 1.7x the softcap speed on the
         // mma.sync kernel but fails the fp32-level LSE tolerance on short sequences.)
-        return call(fast_tanh_ ? tanh_function() : "tanhf", node, Type::kF32);
+        return call(fast_tanh_ ? "ir_tanh" : "tanhf", node, Type::kF32);
       case Op::kSigmoid:
         return call("ir_sigmoid", node, Type::kF32);
       case Op::kFloor:
