@@ -443,7 +443,9 @@ class GraphLowering {
         // tanhf's accuracy without its clamp, two instructions less per score; the fp32 kernels
         // keep CUDA's tanhf, as verified against the fp32 tolerance. (The exp2/reciprocal form
         // alone, 3e-7 absolute error near 0, was measured at 1.7x the softcap speed on the
-        // mma.sync kernel but fails the fp32-level LSE tolerance on short sequences.)
+        // mma.sync kernel but fails the fp32-level LSE tolerance on short sequences. A per-warp
+        // vote that skips the exponential branch when no lane needs it measured a third slower
+        // on the wgmma kernel, H200 2026-12-03: the branches serialize the element code.)
         return call(fast_tanh_ ? "ir_tanh" : "tanhf", node, Type::kF32);
       case Op::kSigmoid:
         return call("ir_sigmoid", node, Type::kF32);
