@@ -122,8 +122,13 @@ constexpr int kConsumerBarrier = 2;
 
 // Named barrier 1 (0 is __syncthreads'): warpgroup 0 arrives once it has issued a tile's
 // products, warpgroup 1 waits there before issuing its own; one arrival and one wait per tile.
-// Barrier 3, with kAlternate, the other way: warpgroup 1 arrives once it has issued, warpgroup 0
-// waits there before its next tile.
+// A hardware barrier completes on its count, whoever arrives: were warpgroup 0 to arrive for
+// tile j + 1 before warpgroup 1 waited for tile j, the two arrivals would complete a phase alone
+// and warpgroup 1 would wait for one arrival too many at the end. Without a producer the per-tile
+// __syncthreads rules that out. With one, barrier 3 does, the other way: warpgroup 1 arrives once
+// it has issued tile j, and warpgroup 0 waits there after issuing tile j + 1, before it arrives
+// for it (by then warpgroup 1 issued tile j long ago: no stall in the steady state). With
+// kAlternate warpgroup 0 waits there before issuing instead (strict alternation).
 constexpr int kTurnBarrier = 1;
 constexpr int kTurnBackBarrier = 3;
 template <int kBarrier = kTurnBarrier>
@@ -423,12 +428,16 @@ __device__ __forceinline__ void forward_wgmma(const ForwardParams& p) {
         }
       }
     };
-    // `more`: whether another tile follows (kAlternate: warpgroup 0 waits for it).
-    auto pass_turn = [&](bool more) {
+    // `first`: the block's first tile; `more`: another tile follows (warpgroup 0 waits for
+    // warpgroup 1's arrival on barrier 3 for this tile before its next one).
+    auto pass_turn = [&](bool first, bool more) {
       if constexpr (Config::kTakeTurns) {
         if (warpgroup == 0) {
+          if constexpr (Config::kProducer && !Config::kAlternate) {
+            if (!first) turn_wait<kTurnBackBarrier>(kThreads);  // warpgroup 1 issued tile - 1
+          }
           turn_pass(kThreads);
-        } else if constexpr (Config::kAlternate) {
+        } else if constexpr (Config::kProducer) {
           if (more) turn_pass<kTurnBackBarrier>(kThreads);
         }
       }
@@ -442,7 +451,7 @@ __device__ __forceinline__ void forward_wgmma(const ForwardParams& p) {
       await_turn();
       fence_before_products();
       issue_scores(stage);
-      pass_turn(entries.begin + 1 < entries.end);
+      pass_turn(true, entries.begin + 1 < entries.end);
       wgmma_wait<0>();
       fence_operands(score_flat);
       float correction[1][2];
@@ -455,7 +464,7 @@ __device__ __forceinline__ void forward_wgmma(const ForwardParams& p) {
       fence_before_products();
       issue_scores(stage);
       issue_probability_value<Config>(output_flat, p_fragment, previous_v_tile);  // tile - 1
-      pass_turn(entry_index + 1 < entries.end);
+      pass_turn(false, entry_index + 1 < entries.end);
       wgmma_wait<1>();  // S is done; P V may still run
       fence_operands(score_flat);
       float correction[1][2];
