@@ -733,7 +733,9 @@ TEST(CudaForwardChoice, WgmmaProducerAddsAWarpgroupAndItsBarriers) {
   cuda::KernelChoice one = base;
   ASSERT_EQ(cuda::apply_wgmma_tile(one, "warpgroups=1"), "");
   EXPECT_FALSE(one.producer);
-  for (const char* bad : {"producer=1,warpgroups=1", "producer=2"}) {
+  // (-1 was accepted as "off" until 2026-12-03: the values are 0 or 1 exactly.)
+  for (const char* bad :
+       {"producer=1,warpgroups=1", "producer=2", "producer=-1", "pipelined=-1"}) {
     SCOPED_TRACE(bad);
     cuda::KernelChoice refused = base;
     EXPECT_NE(cuda::apply_wgmma_tile(refused, bad).find("FLEXATTN_CUDA_WGMMA_TILE"),

@@ -413,11 +413,11 @@ std::string apply_wgmma_tile(KernelChoice& choice, std::string_view spec) {
       c.block_n = value;
     } else if (key == "stages" && value >= 2 && value <= 4) {
       c.stages = value;
-    } else if (key == "pipelined" && value <= 1) {
+    } else if (key == "pipelined" && (value == 0 || value == 1)) {
       c.pipelined = value == 1;
     } else if (key == "blocks" && (value == 1 || value == 2)) {
       c.min_blocks = value;
-    } else if (key == "producer" && value <= 1) {
+    } else if (key == "producer" && (value == 0 || value == 1)) {
       c.producer = value == 1;
       producer_named = true;
     } else {
