@@ -605,6 +605,18 @@ TEST(CudaCodegen, ConstantMultiplicationsAroundTheScoreAreMerged) {
   }
 }
 
+// NVRTC compiles `source` to a cubin (no GPU needed); a compile error is the test's failure.
+void expect_compiles(const std::string& source, const std::string& name, int capability,
+                     const std::string& suffix = "") {
+  std::vector<char> cubin;
+  try {
+    cubin = cuda::compile_to_cubin(source, name, capability, suffix);
+  } catch (const Error& error) {
+    ADD_FAILURE() << error.what();
+  }
+  EXPECT_FALSE(cubin.empty());
+}
+
 // The wgmma translation units, forward and forward + backward, compile for sm_90a with NVRTC (no
 // GPU) and hold the warpgroup instructions: the engine's module on an H200.
 TEST(CudaForwardCompile, WgmmaTranslationUnitsCompileForSm90a) {
@@ -641,14 +653,7 @@ TEST(CudaForwardCompile, WgmmaTranslationUnitsCompileForSm90a) {
       EXPECT_NE(source.find("flexattn_kernels::backward_dq_wgmma<FlexattnWgmmaConfig"),
                 std::string::npos);
     }
-    std::vector<char> cubin;
-    try {
-      cubin = cuda::compile_to_cubin(source, c.name + ".cu", kCapability,
-                                     selection.choice.architecture_suffix());
-    } catch (const Error& error) {
-      ADD_FAILURE() << error.what();
-    }
-    EXPECT_FALSE(cubin.empty());
+    expect_compiles(source, c.name + ".cu", kCapability, selection.choice.architecture_suffix());
   }
 }
 
@@ -766,13 +771,7 @@ TEST(CudaForwardCompile, WgmmaTileExperimentsCompileForSm90a) {
     ASSERT_EQ(cuda::apply_wgmma_tile(choice, spec), "");
     const std::string source = cuda::generate_translation_unit(
         problem, cuda::bind_modifier(problem).bindings, choice, nullptr);
-    std::vector<char> cubin;
-    try {
-      cubin = cuda::compile_to_cubin(source, "tile.cu", kCapability, choice.architecture_suffix());
-    } catch (const Error& error) {
-      ADD_FAILURE() << error.what();
-    }
-    EXPECT_FALSE(cubin.empty());
+    expect_compiles(source, "tile.cu", kCapability, choice.architecture_suffix());
   }
 }
 
@@ -855,13 +854,7 @@ TEST(CudaForwardCompile, StagedTensorCompilesForSm90a) {
           "kStagedTensor = 0;", "kStagedRowStride = 128LL;", "staged_origin("}) {
       EXPECT_NE(generated.find(fragment), std::string::npos) << fragment << "\n" << generated;
     }
-    std::vector<char> cubin;
-    try {
-      cubin = cuda::compile_to_cubin(source, "staged.cu", kCapability, choice.architecture_suffix());
-    } catch (const Error& error) {
-      ADD_FAILURE() << error.what();
-    }
-    EXPECT_FALSE(cubin.empty());
+    expect_compiles(source, "staged.cu", kCapability, choice.architecture_suffix());
   }
   // Without the experiment the generated code has no staged read.
   const Problem plain =
@@ -892,14 +885,7 @@ TEST(CudaForwardCompile, WgmmaProducerCompilesForSm90a) {
     const std::string source = cuda::generate_translation_unit(
         problem, cuda::bind_modifier(problem).bindings, choice, nullptr);
     EXPECT_NE(source.find("__launch_bounds__(FlexattnConfig::kBlockThreads"), std::string::npos);
-    std::vector<char> cubin;
-    try {
-      cubin = cuda::compile_to_cubin(source, "producer.cu", kCapability,
-                                     choice.architecture_suffix());
-    } catch (const Error& error) {
-      ADD_FAILURE() << error.what();
-    }
-    EXPECT_FALSE(cubin.empty());
+    expect_compiles(source, "producer.cu", kCapability, choice.architecture_suffix());
   }
 }
 
@@ -926,13 +912,7 @@ TEST(CudaForwardCompile, WgmmaTakingTurnsCompilesForSm90a) {
     EXPECT_NE(source.find(alternate ? "230464, true, 2, 1, false, true, true>"
                                     : "230464, true, 2, 1, false, true>"),
               std::string::npos);
-    std::vector<char> cubin;
-    try {
-      cubin = cuda::compile_to_cubin(source, "turns.cu", kCapability, choice.architecture_suffix());
-    } catch (const Error& error) {
-      ADD_FAILURE() << error.what();
-    }
-    EXPECT_FALSE(cubin.empty());
+    expect_compiles(source, "turns.cu", kCapability, choice.architecture_suffix());
   }
 }
 
@@ -952,13 +932,7 @@ TEST(CudaBackwardCompile, GeneratedBackwardTranslationUnitsCompile) {
     SCOPED_TRACE(c.name);
     const std::string source = cuda_engine()->generated_source(make_backward_problem(c));
     ASSERT_EQ(source.find("not supported"), std::string::npos) << source;
-    std::vector<char> cubin;
-    try {
-      cubin = cuda::compile_to_cubin(source, c.name + ".cu", kCapability);
-    } catch (const Error& error) {
-      ADD_FAILURE() << error.what();
-    }
-    EXPECT_FALSE(cubin.empty());
+    expect_compiles(source, c.name + ".cu", kCapability);
   }
 }
 #endif
