@@ -716,20 +716,17 @@ TEST(CudaForwardChoice, WgmmaProducerAddsAWarpgroupAndItsBarriers) {
   ASSERT_TRUE(base.producer);  // the head-dim-128 default
   cuda::KernelChoice c = base;
   c.take_turns = true;
-  c.alternate = true;
   ASSERT_EQ(cuda::apply_wgmma_tile(c, "producer=1"), "");
   EXPECT_TRUE(c.producer);
   EXPECT_TRUE(c.take_turns);
-  EXPECT_TRUE(c.alternate);
   EXPECT_EQ(c.warps, 8);
   EXPECT_EQ(c.threads(), 384);
-  EXPECT_NE(c.config_type().find(", 230464, true, 2, 1, false, true, true>"), std::string::npos)
+  EXPECT_NE(c.config_type().find(", 230464, true, 2, 1, false, true>"), std::string::npos)
       << c.config_type();
   EXPECT_NE(c.describe().find("producer warpgroup"), std::string::npos) << c.describe();
-  EXPECT_NE(c.describe().find("warpgroups alternate"), std::string::npos) << c.describe();
   cuda::KernelChoice without = c;
   ASSERT_EQ(cuda::apply_wgmma_tile(without, "producer=0"), "");
-  EXPECT_FALSE(without.alternate);  // alternation needs the producer
+  EXPECT_FALSE(without.producer);
   EXPECT_EQ(without.threads(), 256);
   EXPECT_EQ(without.shared_bytes, base.shared_bytes - 64);
   EXPECT_NE(without.config_type().find(", 230400, true>"), std::string::npos)
@@ -890,27 +887,25 @@ TEST(CudaForwardCompile, WgmmaProducerCompilesForSm90a) {
 }
 
 // The variant where warpgroups take turns issuing (the default; FLEXATTN_CUDA_WGMMA_TURNS=0 is
-// without), and the strict alternation with the producer (FLEXATTN_CUDA_WGMMA_TURNS=2), compile
-// too, and say so.
+// without) compiles with the producer warpgroup (the default) and without it (producer=0, where
+// the block barrier per tile pairs the turns), and says so.
 TEST(CudaForwardCompile, WgmmaTakingTurnsCompilesForSm90a) {
   SKIP_WITHOUT_CUDA_ENGINE();
   constexpr int kCapability = 90;
   const Problem problem = make_problem(GeneratedCase{"turns", DType::kBF16, 128, 128,
                                                      "30 * tanh(score / 30)", "q >= kv", {}, {},
                                                      Layout::kBSHD, {}});
-  for (const bool alternate : {false, true}) {
-    SCOPED_TRACE(alternate);
+  for (const bool producer : {true, false}) {
+    SCOPED_TRACE(producer);
     cuda::KernelChoice choice = cuda::choose_kernel(problem, kCapability).choice;
     ASSERT_TRUE(choice.pipelined);
     ASSERT_TRUE(choice.producer);
+    ASSERT_EQ(cuda::apply_wgmma_tile(choice, producer ? "producer=1" : "producer=0"), "");
     choice.take_turns = true;
-    choice.alternate = alternate;
-    EXPECT_NE(choice.describe().find(alternate ? "alternate" : "take turns"), std::string::npos)
-        << choice.describe();
+    EXPECT_NE(choice.describe().find("take turns"), std::string::npos) << choice.describe();
     const std::string source = cuda::generate_translation_unit(
         problem, cuda::bind_modifier(problem).bindings, choice, nullptr);
-    EXPECT_NE(source.find(alternate ? "230464, true, 2, 1, false, true, true>"
-                                    : "230464, true, 2, 1, false, true>"),
+    EXPECT_NE(source.find(producer ? "230464, true, 2, 1, false, true>" : "230400, true>"),
               std::string::npos);
     expect_compiles(source, "turns.cu", kCapability, choice.architecture_suffix());
   }

@@ -83,15 +83,9 @@ Support lower_backward(const Problem& problem, Lowering& lowering, int capabilit
 // The pipelined wgmma forward's warpgroups take turns issuing their products
 // (WgmmaConfig::kTakeTurns): measured faster on every head-dim-128 row (no modifier +8%, softcap
 // +4%; docs/performance.md). FLEXATTN_CUDA_WGMMA_TURNS=0 switches it off (comparisons).
-// FLEXATTN_CUDA_WGMMA_TURNS=2: with a producer warpgroup the turns alternate strictly
-// (WgmmaConfig::kAlternate), an experiment.
 bool wgmma_turns() {
   const char* value = std::getenv("FLEXATTN_CUDA_WGMMA_TURNS");
   return value == nullptr || std::string_view(value) != "0";
-}
-bool wgmma_alternate() {
-  const char* value = std::getenv("FLEXATTN_CUDA_WGMMA_TURNS");
-  return value != nullptr && std::string_view(value) == "2";
 }
 
 bool stage_tensors() {
@@ -124,11 +118,8 @@ Support lower_problem(const Problem& problem, Lowering& lowering, int capability
   }
   // Turns need the pipelined loop and two warpgroups (also where an experiment made them so).
   selection.choice.take_turns = selection.choice.turns_possible() && wgmma_turns();
-  selection.choice.alternate =
-      selection.choice.take_turns && selection.choice.producer && wgmma_alternate();
   if (unstaged) {
     unstaged->take_turns = unstaged->turns_possible() && wgmma_turns();
-    unstaged->alternate = unstaged->take_turns && unstaged->producer && wgmma_alternate();
     // Both run on the same tile list and grid.
     if (unstaged->block_m != selection.choice.block_m ||
         unstaged->block_n != selection.choice.block_n ||

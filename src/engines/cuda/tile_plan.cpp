@@ -296,8 +296,7 @@ std::string KernelChoice::config_type() const {
     // warpgroups, one block per multiprocessor), so the default shapes keep their cache keys.
     std::string tail;
     if (producer) {
-      tail = fmt::format(", {}, {}, {}, {}, true{}", take_turns, warps / 4, min_blocks,
-                         stage_tensor, alternate ? ", true" : "");
+      tail = fmt::format(", {}, {}, {}, {}, true", take_turns, warps / 4, min_blocks, stage_tensor);
     } else if (stage_tensor) {
       tail = fmt::format(", {}, {}, {}, true", take_turns, warps / 4, min_blocks);
     } else if (warps != kWgmmaWarps || min_blocks != 1) {
@@ -340,8 +339,7 @@ std::string KernelChoice::describe() const {
         "tensor-core (wgmma, sm_90a) {}, {}x{} tiles, {} warps, {} stages{}{}, head dims {} and "
         "{}, {} KB shared{}{}{}",
         to_string(dtype), block_m, block_n, warps, stages, pipelined ? ", pipelined" : "",
-        take_turns ? (alternate ? ", warpgroups alternate" : ", warpgroups take turns") : "",
-        head_dim_qk, head_dim_v, shared_bytes / 1024,
+        take_turns ? ", warpgroups take turns" : "", head_dim_qk, head_dim_v, shared_bytes / 1024,
         min_blocks > 1 ? fmt::format(", {} blocks per multiprocessor", min_blocks) : "",
         stage_tensor ? ", modifier tensor staged in shared memory" : "",
         producer ? ", a producer warpgroup loads the stages" : "");
@@ -364,7 +362,6 @@ std::string stage_wgmma_tensor(KernelChoice& choice) {
   c.stage_tensor = true;
   c.pipelined = false;
   c.take_turns = false;
-  c.alternate = false;
   c.producer = false;  // measured slower with the staged tile (359 -> 333 TFLOP/s, bias, D 128)
   c.stages = 2;
   // The staged tile's reads need registers the two-blocks cap (128 a thread) does not leave.
@@ -433,7 +430,6 @@ std::string apply_wgmma_tile(KernelChoice& choice, std::string_view spec) {
   c.take_turns = c.take_turns && c.turns_possible();
   // Where the spec does not name it, the producer stays only where it can serve the new shape.
   if (!producer_named) c.producer = c.producer && warpgroups == 2 && c.min_blocks == 1;
-  c.alternate = c.alternate && c.take_turns && c.producer;
   if (c.pipelined && c.stages < 3) {
     return "FLEXATTN_CUDA_WGMMA_TILE: the pipelined loop needs 3 stages or more";
   }

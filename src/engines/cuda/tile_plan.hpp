@@ -41,8 +41,6 @@ struct KernelChoice {
   // wgmma: a third warpgroup copies K and V and hands the stages over through mbarriers (the
   // `warps` count only the two that compute; threads() adds its 128).
   bool producer = false;
-  // wgmma, with turns and a producer: warpgroup 0 also waits for warpgroup 1 (strict alternation).
-  bool alternate = false;
   int min_blocks = 0;      // mma: thread blocks per multiprocessor the registers must allow
   int shared_bytes = 0;
 

@@ -203,7 +203,7 @@ __device__ __forceinline__ void store_output(
     }
   }
   if constexpr (kBarrier >= 0) {
-    asm volatile("bar.sync %0, %1;" ::"n"(kBarrier), "n"(kThreads) : "memory");
+    named_barrier_sync<kBarrier>(kThreads);
   } else {
     __syncthreads();
   }

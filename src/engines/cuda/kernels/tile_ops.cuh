@@ -55,6 +55,19 @@ struct LaneOffsets {
   }
 };
 
+// ---- named barriers ----------------------------------------------------------------------------
+
+// Named barrier kBarrier (1..15; 0 is __syncthreads') for `threads` threads, a multiple of 32:
+// wait there, or arrive without waiting.
+template <int kBarrier>
+__device__ __forceinline__ void named_barrier_sync(int threads) {
+  asm volatile("bar.sync %0, %1;" ::"n"(kBarrier), "r"(threads) : "memory");
+}
+template <int kBarrier>
+__device__ __forceinline__ void named_barrier_arrive(int threads) {
+  asm volatile("bar.arrive %0, %1;" ::"n"(kBarrier), "r"(threads) : "memory");
+}
+
 // ---- asynchronous copies ---------------------------------------------------------------------
 
 // Copies 16 bytes, or zero-fills the destination when `valid` is false (source not read).

@@ -130,11 +130,6 @@ __device__ __forceinline__ void claim_registers() {
   asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(kRegisters));
 #endif
 }
-// A named barrier (1..15; 0 is __syncthreads') for `threads` threads, a multiple of 32.
-template <int kBarrier>
-__device__ __forceinline__ void named_barrier_sync(int threads) {
-  asm volatile("bar.sync %0, %1;" ::"n"(kBarrier), "r"(threads) : "memory");
-}
 
 // Operand lists: the 32 or 64 accumulators as "%0, ..." placeholders and "+f" operands.
 #define FLEXATTN_WGMMA_D32                   \
