@@ -886,42 +886,6 @@ TEST(CudaForwardCompile, WgmmaProducerCompilesForSm90a) {
   }
 }
 
-// lookahead=1: the next tile's S issued before this tile's element work (pipelined, with a
-// producer; no turns then), parsed and refused where it cannot run, and compiled for sm_90a on
-// both tile widths. (A generic lambda in the kernel compiled with nvcc but not with NVRTC,
-// which takes its call operator for a host function: this test compiles with NVRTC.)
-TEST(CudaForwardCompile, WgmmaLookaheadIsCheckedAndCompilesForSm90a) {
-  SKIP_WITHOUT_CUDA_ENGINE();
-  constexpr int kCapability = 90;
-  const Problem problem = make_problem(GeneratedCase{"lookahead", DType::kBF16, 128, 128,
-                                                     "30 * tanh(score / 30)", "q >= kv", {}, {},
-                                                     Layout::kBSHD, {}});
-  const cuda::KernelChoice base = cuda::choose_kernel(problem, kCapability).choice;
-  for (const char* bad : {"lookahead=1,producer=0", "lookahead=1,pipelined=0,stages=2",
-                          "lookahead=2"}) {
-    SCOPED_TRACE(bad);
-    cuda::KernelChoice refused = base;
-    EXPECT_NE(cuda::apply_wgmma_tile(refused, bad).find("FLEXATTN_CUDA_WGMMA_TILE"),
-              std::string::npos);
-    EXPECT_FALSE(refused.lookahead);
-  }
-  for (const char* spec : {"block_n=64,stages=4,lookahead=1", "lookahead=1"}) {
-    SCOPED_TRACE(spec);
-    cuda::KernelChoice choice = base;
-    choice.take_turns = true;
-    ASSERT_EQ(cuda::apply_wgmma_tile(choice, spec), "");
-    EXPECT_TRUE(choice.lookahead);
-    EXPECT_FALSE(choice.take_turns);
-    EXPECT_FALSE(choice.turns_possible());
-    EXPECT_NE(choice.config_type().find(", false, 2, 1, false, true, true>"), std::string::npos)
-        << choice.config_type();
-    EXPECT_NE(choice.describe().find("next tile's S"), std::string::npos) << choice.describe();
-    const std::string source = cuda::generate_translation_unit(
-        problem, cuda::bind_modifier(problem).bindings, choice, nullptr);
-    expect_compiles(source, "lookahead.cu", kCapability, choice.architecture_suffix());
-  }
-}
-
 // The variant where warpgroups take turns issuing (the default; FLEXATTN_CUDA_WGMMA_TURNS=0 is
 // without) compiles with the producer warpgroup (the default) and without it (producer=0, where
 // the block barrier per tile pairs the turns), and says so.

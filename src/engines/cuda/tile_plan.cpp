@@ -287,7 +287,7 @@ int KernelChoice::threads() const {
 }
 
 bool KernelChoice::turns_possible() const {
-  return kind == KernelKind::kWgmma && pipelined && warps == kWgmmaWarps && !lookahead;
+  return kind == KernelKind::kWgmma && pipelined && warps == kWgmmaWarps;
 }
 
 std::string KernelChoice::config_type() const {
@@ -296,8 +296,7 @@ std::string KernelChoice::config_type() const {
     // warpgroups, one block per multiprocessor), so the default shapes keep their cache keys.
     std::string tail;
     if (producer) {
-      tail = fmt::format(", {}, {}, {}, {}, true{}", take_turns, warps / 4, min_blocks, stage_tensor,
-                         lookahead ? ", true" : "");
+      tail = fmt::format(", {}, {}, {}, {}, true", take_turns, warps / 4, min_blocks, stage_tensor);
     } else if (stage_tensor) {
       tail = fmt::format(", {}, {}, {}, true", take_turns, warps / 4, min_blocks);
     } else if (warps != kWgmmaWarps || min_blocks != 1) {
@@ -338,13 +337,12 @@ std::string KernelChoice::describe() const {
   if (kind == KernelKind::kWgmma) {
     return fmt::format(
         "tensor-core (wgmma, sm_90a) {}, {}x{} tiles, {} warps, {} stages{}{}, head dims {} and "
-        "{}, {} KB shared{}{}{}{}",
+        "{}, {} KB shared{}{}{}",
         to_string(dtype), block_m, block_n, warps, stages, pipelined ? ", pipelined" : "",
         take_turns ? ", warpgroups take turns" : "", head_dim_qk, head_dim_v, shared_bytes / 1024,
         min_blocks > 1 ? fmt::format(", {} blocks per multiprocessor", min_blocks) : "",
         stage_tensor ? ", modifier tensor staged in shared memory" : "",
-        producer ? ", a producer warpgroup loads the stages" : "",
-        lookahead ? ", the next tile's S issued before this tile's element work" : "");
+        producer ? ", a producer warpgroup loads the stages" : "");
   }
   if (kind == KernelKind::kMma) {
     return fmt::format(
@@ -365,7 +363,6 @@ std::string stage_wgmma_tensor(KernelChoice& choice) {
   c.pipelined = false;
   c.take_turns = false;
   c.producer = false;  // measured slower with the staged tile (359 -> 333 TFLOP/s, bias, D 128)
-  c.lookahead = false;
   c.stages = 2;
   // The staged tile's reads need registers the two-blocks cap (128 a thread) does not leave.
   c.min_blocks = 1;
@@ -420,18 +417,17 @@ std::string apply_wgmma_tile(KernelChoice& choice, std::string_view spec) {
     } else if (key == "producer" && (value == 0 || value == 1)) {
       c.producer = value == 1;
       producer_named = true;
-    } else if (key == "lookahead" && (value == 0 || value == 1)) {
-      c.lookahead = value == 1;
     } else {
       return fmt::format(
           "FLEXATTN_CUDA_WGMMA_TILE: '{}' is not one of warpgroups=1|2, block_n=64|128, "
-          "stages=2..4, pipelined=0|1, blocks=1|2, producer=0|1, lookahead=0|1",
+          "stages=2..4, pipelined=0|1, blocks=1|2, producer=0|1",
           item);
     }
   }
   c.warps = 4 * warpgroups;
   c.block_m = kWgmmaBlockM / 2 * warpgroups;
   c.class_block_q = c.block_m;
+  c.take_turns = c.take_turns && c.turns_possible();
   // Where the spec does not name it, the producer stays only where it can serve the new shape.
   if (!producer_named) c.producer = c.producer && warpgroups == 2 && c.min_blocks == 1;
   if (c.pipelined && c.stages < 3) {
@@ -441,11 +437,6 @@ std::string apply_wgmma_tile(KernelChoice& choice, std::string_view spec) {
     return "FLEXATTN_CUDA_WGMMA_TILE: a producer serves two warpgroups at one block per "
            "multiprocessor (warpgroups=2, blocks=1)";
   }
-  if (c.lookahead && !(c.pipelined && c.producer)) {
-    return "FLEXATTN_CUDA_WGMMA_TILE: the lookahead needs the pipelined loop and a producer "
-           "(pipelined=1, producer=1)";
-  }
-  c.take_turns = c.take_turns && c.turns_possible();
   if (c.pipelined && c.stage_tensor) {
     return "FLEXATTN_CUDA_WGMMA_TILE: a staged tensor (FLEXATTN_CUDA_STAGE_TENSORS) takes the "
            "loop without pipelining";

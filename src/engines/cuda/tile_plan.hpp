@@ -41,9 +41,6 @@ struct KernelChoice {
   // wgmma: a third warpgroup copies K and V and hands the stages over through mbarriers (the
   // `warps` count only the two that compute; threads() adds its 128).
   bool producer = false;
-  // wgmma, pipelined with a producer: S of tile j + 1 issued before tile j's element work, into
-  // a second score buffer (no turns then).
-  bool lookahead = false;
   int min_blocks = 0;      // mma: thread blocks per multiprocessor the registers must allow
   int shared_bytes = 0;
 
@@ -78,9 +75,8 @@ std::string stage_wgmma_tensor(KernelChoice& choice);
 
 // Tuning experiments on the wgmma forward's shape (the FLEXATTN_CUDA_WGMMA_TILE variable): `spec`
 // is a comma-separated subset of warpgroups=1|2, block_n=64|128, stages=2..4, pipelined=0|1,
-// blocks=1|2 (blocks per multiprocessor the registers and shared memory must allow),
-// producer=0|1 (a producer warpgroup; two computing warpgroups, one block) and lookahead=0|1
-// (the next tile's S issued before this tile's element work; pipelined, a producer), optionally
+// blocks=1|2 (blocks per multiprocessor the registers and shared memory must allow) and
+// producer=0|1 (a producer warpgroup; two computing warpgroups, one block), optionally
 // after "d64:" or "d128:" (only problems of that head dim are changed). Returns why
 // the shape is refused (choice unchanged), or empty. Other kernel kinds are left alone.
 std::string apply_wgmma_tile(KernelChoice& choice, std::string_view spec);

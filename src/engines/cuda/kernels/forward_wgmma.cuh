@@ -29,8 +29,7 @@ namespace flexattn_kernels {
 
 template <class ElementTag, int kHeadDimQk, int kHeadDimV, int kBlockN_, int kStages_,
           bool kPipelined_, int kSharedBytes_, bool kTakeTurns_ = false, int kWarpgroups_ = 2,
-          int kMinBlocks_ = 1, bool kStageTensor_ = false, bool kProducer_ = false,
-          bool kLookahead_ = false>
+          int kMinBlocks_ = 1, bool kStageTensor_ = false, bool kProducer_ = false>
 struct WgmmaConfig {
   using Tag = ElementTag;
   // Warpgroups per block (1 or 2), and blocks per multiprocessor the registers must allow: the
@@ -84,14 +83,9 @@ struct WgmmaConfig {
   static constexpr int kProducerThreads = kProducer ? 128 : 0;
   static constexpr int kBlockThreads = kThreads + kProducerThreads;  // the launch's threads
   static constexpr int kLoaderThreads = kProducer ? kProducerThreads : kThreads;
-  // With kLookahead (pipelined, with a producer) a warpgroup issues S of tile j + 1 before the
-  // element work of tile j, into a second score buffer, so it never waits for its own S between
-  // two tiles' element work: the tensor cores always hold the next S and the previous P V.
-  static constexpr bool kLookahead = kLookahead_;
-  // 128 x 40 + 256 x 232 = 384 x 168: the registers the launch gives the block; the second
-  // score buffer of kLookahead takes 128 x 24 + 256 x 240 (the most a producer can give).
-  static constexpr int kProducerRegisters = kLookahead ? 24 : 40;
-  static constexpr int kConsumerRegisters = kLookahead ? 240 : 232;
+  // 128 x 40 + 256 x 232 = 384 x 168: the registers the launch gives the block.
+  static constexpr int kProducerRegisters = 40;
+  static constexpr int kConsumerRegisters = 232;
   static constexpr int kBarrierBytes = kProducer ? 64 : 0;  // full[kStages], empty[kStages]
   static constexpr int kSharedBytes =
       kAlignment + kQBytes + kStages * (kKBytes + kVBytes + kStagedBytes) + kBarrierBytes;
@@ -109,8 +103,6 @@ struct WgmmaConfig {
   static_assert(kWarpgroups == 2 || !kTakeTurns, "turns are taken between two warpgroups");
   static_assert(kMinBlocks == 1 || kMinBlocks == 2, "one or two blocks per multiprocessor");
   static_assert(!kStageTensor || !kPipelined, "a staged tensor takes the loop without pipelining");
-  static_assert(!kLookahead || (kPipelined && kProducer && !kTakeTurns),
-                "the lookahead is the pipelined loop with a producer, without turns");
   static_assert(!kProducer || (kWarpgroups == 2 && kMinBlocks == 1 && kStages <= 4),
                 "a producer serves two computing warpgroups, one block per multiprocessor");
   static_assert(!kProducer || kProducerThreads * kProducerRegisters +
@@ -333,17 +325,18 @@ __device__ __forceinline__ void forward_wgmma(const ForwardParams& p) {
   float score[1][kScoreTiles][4];
   float(&score_flat)[kScoreTiles * 4] = reinterpret_cast<float(&)[kScoreTiles * 4]>(score);
 
+  // (The kernels' lambdas take typed parameters: NVRTC treats a generic lambda's call operator
+  // as a host function and refuses it, where nvcc compiles it; 2026-12-03.)
   // The operands of the wgmma group issued next (S, and O and P for P V), then the fence.
-  auto fence_products_into = [&](float(&scores_flat)[kScoreTiles * 4]) {
-    fence_operands(scores_flat);
+  auto fence_before_products = [&]() {
+    fence_operands(score_flat);
     fence_operands(output_flat);
 #pragma unroll
     for (int step = 0; step < Config::kStepsKv; ++step) fence_operands(p_fragment[step]);
     wgmma_fence();
   };
-  auto fence_before_products = [&]() { fence_products_into(score_flat); };
-  // Issues (and commits) S = Q K^T, (64, kBlockN) per warpgroup, into `scores_flat`.
-  auto issue_scores_into = [&](float(&scores_flat)[kScoreTiles * 4], int stage) {
+  // Issues (and commits) S = Q K^T, (64, kBlockN) per warpgroup.
+  auto issue_scores = [&](int stage) {
     const unsigned long long k_descriptor =
         matrix_descriptor(k_tiles + stage * Config::kKBytes, 16, kCoreGroupBytes);
 #pragma unroll
@@ -351,18 +344,14 @@ __device__ __forceinline__ void forward_wgmma(const ForwardParams& p) {
       const unsigned along = (step % 4) * kStepBytes;
       const unsigned panel = step / 4;
       wgmma_from_shared(
-          Tag{}, scores_flat,
+          Tag{}, score_flat,
           advance_descriptor(q_descriptor, panel * Config::QLayout::kPanelBytes + along),
           advance_descriptor(k_descriptor, panel * KLayout::kPanelBytes + along), step > 0);
     }
     wgmma_commit();
   };
-  auto issue_scores = [&](int stage) { issue_scores_into(score_flat, stage); };
-  // Logits and the softmax's probabilities of a finished S (in `scores`); O untouched (it may be
-  // in flight).
-  // (No generic lambdas in the kernels: NVRTC takes their call operators for host functions.)
-  auto probabilities_of = [&](float(&scores)[1][kScoreTiles][4], int entry_index,
-                              float(&correction)[1][2], int stage) {
+  // Logits and the softmax's probabilities of a finished S; O untouched (it may be in flight).
+  auto probabilities = [&](int entry_index, float(&correction)[1][2], int stage) {
     const int entry = p.tile_entries[entry_index];
     const int kv_start = entry_kv_tile(entry) * kBlockN;
     const int kv_first = kv_start + 2 * quad_lane;
@@ -371,29 +360,23 @@ __device__ __forceinline__ void forward_wgmma(const ForwardParams& p) {
                             kv_start};
     const StagedTile* staged_tile = Config::kStageTensor ? &staged : nullptr;
     if (entry_is_mixed(entry) || kv_start + kBlockN > span.kv_len) {
-      compute_logits<Modifier, true>(scores, p, invariants, at, query, kv_first, staged_tile);
+      compute_logits<Modifier, true>(score, p, invariants, at, query, kv_first, staged_tile);
     } else {
-      compute_logits<Modifier, false>(scores, p, invariants, at, query, kv_first, staged_tile);
+      compute_logits<Modifier, false>(score, p, invariants, at, query, kv_first, staged_tile);
     }
-    return softmax_probabilities(scores, row_max, row_sum, correction);
+    return softmax_probabilities(score, row_max, row_sum, correction);
   };
-  auto probabilities = [&](int entry_index, float(&correction)[1][2], int stage) {
-    return probabilities_of(score, entry_index, correction, stage);
-  };
-  // P of the tile (in `scores`) as A fragments: two adjacent 8-key slices of S form one.
-  auto pack_probabilities_of = [&](float(&scores)[1][kScoreTiles][4], int stage) {
+  // P of the tile as A fragments: two adjacent 8-key slices of S form one.
+  auto pack_probabilities = [&](int stage) {
 #pragma unroll
     for (int step = 0; step < Config::kStepsKv; ++step) {
-      p_fragment[step][0] = pack_pair(Tag{}, scores[0][2 * step][0], scores[0][2 * step][1]);
-      p_fragment[step][1] = pack_pair(Tag{}, scores[0][2 * step][2], scores[0][2 * step][3]);
-      p_fragment[step][2] =
-          pack_pair(Tag{}, scores[0][2 * step + 1][0], scores[0][2 * step + 1][1]);
-      p_fragment[step][3] =
-          pack_pair(Tag{}, scores[0][2 * step + 1][2], scores[0][2 * step + 1][3]);
+      p_fragment[step][0] = pack_pair(Tag{}, score[0][2 * step][0], score[0][2 * step][1]);
+      p_fragment[step][1] = pack_pair(Tag{}, score[0][2 * step][2], score[0][2 * step][3]);
+      p_fragment[step][2] = pack_pair(Tag{}, score[0][2 * step + 1][0], score[0][2 * step + 1][1]);
+      p_fragment[step][3] = pack_pair(Tag{}, score[0][2 * step + 1][2], score[0][2 * step + 1][3]);
     }
     previous_v_tile = v_tiles + stage * Config::kVBytes;
   };
-  auto pack_probabilities = [&](int stage) { pack_probabilities_of(score, stage); };
   // O += P V of the packed tile, waited for.
   auto multiply_values = [&]() {
     fence_before_products();
@@ -402,71 +385,7 @@ __device__ __forceinline__ void forward_wgmma(const ForwardParams& p) {
     fence_operands(output_flat);
   };
 
-  if constexpr (Config::kLookahead) {
-    // The products land in `score`, the element work runs on a copy of it (`current`), so S of
-    // tile j + 1 is in flight during tile j's element work. Per tile j > 0 (tile 0 the same
-    // without a P V before it), with S_j finished in `score`:
-    //   current = S_j
-    //   issue O += P_{j-1} V_{j-1}, then S_{j+1} into `score`
-    //   logits and softmax of tile j (in `current`) while both run
-    //   wait for P V (S_{j+1} may still run); rescale O; P_j = the probabilities
-    //   wait for S_{j+1}
-    // Every product is issued on every path (a wgmma issued on only some paths makes ptxas
-    // serialize every wgmma of the kernel, its warning C7515): the last tile issues S of its own
-    // K once more, and that result is not read. (A copy costs one instruction per score; two
-    // buffers taking turns would need the loop unrolled twice and its odd end peeled.)
-    float current[1][kScoreTiles][4];
-    const int count = entries.end - entries.begin;
-    auto take_scores = [&]() {
-#pragma unroll
-      for (int t = 0; t < kScoreTiles; ++t) {
-#pragma unroll
-        for (int e = 0; e < 4; ++e) current[0][t][e] = score[0][t][e];
-      }
-    };
-    // The tile whose S follows tile `iteration`'s (its own at the end), in its stage: waited for
-    // before the fence (a wait between the fence and the products needs another fence).
-    auto await_next = [&](int iteration) {
-      const int next = iteration + 1 < count ? iteration + 1 : iteration;
-      if (next != iteration) await_stage(next);
-      return next % kStages;
-    };
-    if (count > 0) {
-      await_stage(0);
-      fence_before_products();
-      issue_scores(0);
-      wgmma_wait<0>();
-      fence_operands(score_flat);
-      take_scores();
-      const int next_stage = await_next(0);
-      fence_before_products();
-      issue_scores(next_stage);
-      float correction[1][2];
-      probabilities_of(current, entries.begin, correction, 0);  // O is still 0
-      pack_probabilities_of(current, 0);
-      wgmma_wait<0>();
-      fence_operands(score_flat);
-    }
-    for (int iteration = 1; iteration < count; ++iteration) {
-      const int stage = iteration % kStages;
-      take_scores();
-      const int next_stage = await_next(iteration);
-      fence_before_products();
-      issue_probability_value<Config>(output_flat, p_fragment, previous_v_tile);  // tile - 1
-      issue_scores(next_stage);
-      float correction[1][2];
-      const bool max_changed =
-          probabilities_of(current, entries.begin + iteration, correction, stage);
-      wgmma_wait<1>();  // P V is done; S of the next tile may still run
-      fence_operands(output_flat);
-      release_stage(iteration - 1);  // its V was read by the P V just waited for
-      rescale_output(output, correction, max_changed);
-      pack_probabilities_of(current, stage);
-      wgmma_wait<0>();
-      fence_operands(score_flat);
-    }
-    if (count > 0) multiply_values();
-  } else if constexpr (Config::kPipelined) {
+  if constexpr (Config::kPipelined) {
     // Waits for tile `entry_index` and starts the copy of the next one; returns its stage.
     auto begin_tile = [&](int entry_index) {
       const int iteration = entry_index - entries.begin;
