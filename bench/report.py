@@ -9,7 +9,7 @@ import json
 OURS = [("cuda", "cuda"), ("cudnn", "cudnn")]  # (engine, column)
 PEERS = [("sdpa_flash", "SDPA flash"), ("sdpa_cudnn", "SDPA cuDNN"), ("flex", "Flex")]
 PASSES = [("fwd", "fwd"), ("fwdbwd", "fwd+bwd")]
-VARIANTS = ["none", "softcap", "alibi", "bias"]
+VARIANTS = ["none", "softcap", "softcap_wide", "alibi", "bias"]  # softcap_wide: ours only
 GRAD_VARIANTS = ["alibi_grad", "bias_grad"]  # forward+backward with the tensor's gradient
 
 

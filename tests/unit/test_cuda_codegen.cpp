@@ -605,6 +605,66 @@ TEST(CudaCodegen, ConstantMultiplicationsAroundTheScoreAreMerged) {
   }
 }
 
+// The small-tanh variants (kSmallTanh): offered exactly when every tanh argument is the score
+// times or divided by an invariant, with the bound condition evaluating that argument at the
+// tile's largest |dot|, and the backward's derivative in the same small form.
+TEST(CudaCodegen, SmallTanhVariantsComeWithTheirBound) {
+  SKIP_WITHOUT_CUDA_ENGINE();
+  struct Expectation {
+    std::string score_mod;
+    bool offered;
+    std::vector<std::string> condition;  // fragments of tanh_args_small's body
+  };
+  const std::vector<Expectation> expectations = {
+      {"30 * tanh(score / 30)", true, {"fabsf(bound * inv.s", "< kTanhSmallLimit"}},
+      {"c * tanh(score / c)", true, {"fabsf((bound * fabsf(p.scale)) / p.params[0])"}},
+      {"tanh(score * slopes[h]) * 2", true, {"(bound * fabsf(p.scale)) * inv.s"}},
+      {"30 * tanh(score / 30) + tanh(score * 0.5)", true, {" && "}},
+      {"tanh(score + 1)", false, {}},
+      {"tanh(score * (kv - q))", false, {}},
+      {"tanh(slopes[h]) * score", false, {}},  // a tanh, but not of the score: nothing to gain
+      {"score + slopes[h]", false, {}},
+  };
+  for (const Expectation& e : expectations) {
+    SCOPED_TRACE(e.score_mod);
+    GeneratedCase c{"small", DType::kBF16, 64, 64, e.score_mod, "",
+                    {{"slopes", TensorDecl{DType::kF32, {4}}}}, {{"c", 30.0}}, Layout::kBSHD, {}};
+    if (e.score_mod.find("slopes") == std::string::npos) c.tensors.clear();
+    if (e.score_mod.find("c *") == std::string::npos) c.params.clear();
+    const std::string source = generated_part(cuda_engine()->generated_source(make_problem(c)));
+    EXPECT_NE(source.find(fmt::format("kSmallTanh = {};", e.offered)), std::string::npos)
+        << source;
+    const std::string condition = function_body(source, "tanh_args_small");
+    const std::string small = function_body(source, "score_mod_log2_small");
+    EXPECT_EQ(condition.empty(), !e.offered) << condition;
+    EXPECT_EQ(small.empty(), !e.offered) << small;
+    if (!e.offered) continue;
+    for (const std::string& fragment : e.condition) {
+      EXPECT_NE(condition.find(fragment), std::string::npos) << "missing '" << fragment << "' in\n"
+                                                             << condition;
+    }
+    // The same function as score_mod_log2 with every tanh in its small form.
+    std::string expected = function_body(source, "score_mod_log2");
+    for (std::size_t at = expected.find("ir_tanh("); at != std::string::npos;
+         at = expected.find("ir_tanh(", at)) {
+      expected.replace(at, 8, "ir_tanh_small(");
+    }
+    expected.replace(expected.find("score_mod_log2("), 15, "score_mod_log2_small(");
+    EXPECT_EQ(small, expected);
+  }
+  // Forward and backward: the derivative has its small form too, on the same bound.
+  GeneratedCase softcap{"softcap", DType::kBF16, 128, 128, "30 * tanh(score / 30)", "q >= kv",
+                        {}, {}, Layout::kBSHD, {}};
+  const std::string source =
+      generated_part(cuda_engine()->generated_source(make_backward_problem(softcap)));
+  const std::string derivative = function_body(source, "score_grad_from_dot_small");
+  EXPECT_NE(derivative.find("ir_mul(dot, inv.s2_dot)"), std::string::npos) << derivative;
+  EXPECT_NE(derivative.find("ir_tanh_small("), std::string::npos) << derivative;
+  EXPECT_EQ(derivative.find("ir_tanh("), std::string::npos) << derivative;
+  EXPECT_EQ(function_body(source, "tanh_args_small").find(" && "), std::string::npos)
+      << "the derivative's condition is the logit's, stated once";
+}
+
 // NVRTC compiles `source` to a cubin (no GPU needed); a compile error is the test's failure.
 void expect_compiles(const std::string& source, const std::string& name, int capability,
                      const std::string& suffix = "") {

@@ -96,6 +96,23 @@ std::string linear_offset(const TensorDecl& decl, const std::vector<std::string>
   return offset.empty() ? "0" : offset;
 }
 
+// A function of the dot product with every tanh in its small form (GraphLowering::emit_from_dot).
+struct SmallTanh {
+  bool has_tanh = false;   // the function computes a tanh
+  bool possible = true;    // every tanh argument has a form whose bound is known
+  std::string body;        // with ir_tanh_small when both hold, else the function unchanged
+  std::string unchanged;   // the function's body with ir_tanh
+  // On `bound`, `inv` and `p`: each tanh argument below kTanhSmallLimit.
+  std::vector<std::string> terms;
+  std::string condition() const { return fmt::format("{}", fmt::join(terms, " && ")); }
+  // Whether this function's terms are among `other`'s.
+  bool covered_by(const SmallTanh& other) const {
+    return std::all_of(terms.begin(), terms.end(), [&](const std::string& term) {
+      return std::find(other.terms.begin(), other.terms.end(), term) != other.terms.end();
+    });
+  }
+};
+
 // Lowers one canonical graph. Nodes that depend only on (b, h, Q_LEN, KV_LEN), params and loads
 // at such indices are "invariant": computed once per thread block into Invariants; the rest are
 // computed per element.
@@ -181,7 +198,16 @@ class GraphLowering {
   // `x * (c1 * c2)`, times log2(e) with `log2_result` (the exp2-domain logit), or `x` when the
   // product is 1 (softcap's derivative). Each merge moves the result by about an ulp of fp32, far
   // inside the 16-bit storage these kernels serve. Returns the statements and the return.
-  std::string emit_from_dot(std::string& fields, std::string& assignments, bool log2_result) {
+  //
+  // With `small`, also the same function with every tanh as ir_tanh_small, and the condition on
+  // `bound` (a bound of |dot| over a tile) under which each tanh argument is below
+  // kTanhSmallLimit, where ir_tanh returns exactly ir_tanh_small: the kernels then run the cheaper
+  // function on the whole tile, with the same values. Offered when every tanh takes the score times
+  // or divided by an invariant (softcap's `tanh(score / c)`): such an argument is largest in
+  // magnitude at |dot| = bound, because rounding is monotone and symmetric, so the condition
+  // evaluates the argument's own operations at the bound.
+  std::string emit_from_dot(std::string& fields, std::string& assignments, bool log2_result,
+                            SmallTanh* small = nullptr) {
     const auto count = graph_.nodes().size();
     std::int32_t score_node = -1;
     std::vector<int> uses(count, 0);
@@ -244,25 +270,80 @@ class GraphLowering {
             assignments += fmt::format("    inv.{}{}", field, value);
           }
           overrides_[index] = fmt::format("ir_mul(dot, inv.{})", field);
+          override_fields_[index] = field;
         }
       } else {
         statements += "    const float score = dot * p.scale;\n";
       }
     }
     skipped_.insert(chain.begin(), chain.end());
-    fast_tanh_ = true;
-    emit_varying(statements);
-    const std::string value = reference(base);
     const auto single = static_cast<float>(factor);
-    const std::string result =
-        single == 1.0f ? value : fmt::format("ir_mul({}, {})", value, float_literal(factor));
+    auto body = [&](TanhForm form) {
+      tanh_form_ = form;
+      std::string text = statements;
+      emit_varying(text);
+      const std::string value = reference(base);
+      const std::string result =
+          single == 1.0f ? value : fmt::format("ir_mul({}, {})", value, float_literal(factor));
+      return text + fmt::format("    return {};\n", result);
+    };
+    const std::string fast = body(TanhForm::kFast);
+    if (small != nullptr) {
+      *small = SmallTanh{};
+      for (std::size_t i = 0; i < count; ++i) {
+        if (!reachable_[i] || skipped_.count(i) != 0 || graph_.nodes()[i].op != Op::kTanh) continue;
+        small->has_tanh = true;
+        const std::string term = small_tanh_term(static_cast<std::size_t>(graph_.nodes()[i].args[0]),
+                                                 score_node);
+        if (term.empty()) {
+          small->possible = false;
+        } else if (std::find(small->terms.begin(), small->terms.end(), term) ==
+                   small->terms.end()) {
+          small->terms.push_back(term);
+        }
+      }
+      small->unchanged = fast;
+      small->body = small->has_tanh && small->possible ? body(TanhForm::kSmall) : fast;
+    }
     skipped_.clear();
     overrides_.clear();
-    fast_tanh_ = false;
-    return statements + fmt::format("    return {};\n", result);
+    override_fields_.clear();
+    tanh_form_ = TanhForm::kLibrary;
+    return fast;
   }
 
  private:
+  // The condition that tanh argument `index` is below kTanhSmallLimit in magnitude for every
+  // |dot| <= bound, or empty when its form is not one whose magnitude grows with |dot|: a fold
+  // (`dot * inv.field`), or `score * c`, `c * score`, `score / c` with c invariant (the score is
+  // `dot * p.scale`).
+  std::string small_tanh_term(std::size_t index, std::int32_t score_node) const {
+    if (const auto fold = override_fields_.find(index); fold != override_fields_.end()) {
+      return fmt::format("fabsf(bound * inv.{}) < kTanhSmallLimit", fold->second);
+    }
+    const GraphNode& node = graph_.nodes()[index];
+    if (score_node < 0 || node.type != Type::kF32 || node.args.size() != 2) return {};
+    if (node.op != Op::kMul && node.op != Op::kDiv) return {};
+    for (std::size_t k = 0; k < 2; ++k) {
+      if (node.args[k] != score_node) continue;
+      if (node.op == Op::kDiv && k != 0) continue;
+      const std::size_t other = static_cast<std::size_t>(node.args[1 - k]);
+      if (varying_[other] || graph_.nodes()[other].type != Type::kF32) continue;
+      // The argument's own expression with the score at its largest magnitude.
+      const std::string factor = reference(other);
+      const std::string at_bound = "(bound * fabsf(p.scale))";
+      if (node.op == Op::kDiv) {
+        if (!reciprocal_of_literal(node).empty()) {
+          return fmt::format("fabsf({} * {}) < kTanhSmallLimit", at_bound,
+                             reciprocal_of_literal(node));
+        }
+        return fmt::format("fabsf({} / {}) < kTanhSmallLimit", at_bound, factor);
+      }
+      return fmt::format("fabsf({} * {}) < kTanhSmallLimit", at_bound, factor);
+    }
+    return {};
+  }
+
   // Nodes that get a named value (everything but leaves, literals and params).
   bool is_computed(std::size_t index) const {
     const Op op = graph_.nodes()[index].op;
@@ -446,7 +527,10 @@ class GraphLowering {
         // mma.sync kernel but fails the fp32-level LSE tolerance on short sequences. A per-warp
         // vote that skips the exponential branch when no lane needs it measured a third slower
         // on the wgmma kernel, H200 2026-12-03: the branches serialize the element code.)
-        return call(fast_tanh_ ? "ir_tanh" : "tanhf", node, Type::kF32);
+        return call(tanh_form_ == TanhForm::kFast    ? "ir_tanh"
+                    : tanh_form_ == TanhForm::kSmall ? "ir_tanh_small"
+                                                     : "tanhf",
+                    node, Type::kF32);
       case Op::kSigmoid:
         return call("ir_sigmoid", node, Type::kF32);
       case Op::kFloor:
@@ -466,7 +550,10 @@ class GraphLowering {
   // Expressions that replace a node's own (emit_log2_from_dot's merged multiplications).
   std::map<std::size_t, std::string> overrides_;
   std::set<std::size_t> skipped_;  // nodes emit_varying leaves out (merged into a factor)
-  bool fast_tanh_ = false;         // tanh as ir_tanh (emit_from_dot), else tanhf
+  std::map<std::size_t, std::string> override_fields_;  // the Invariants field of each fold
+  // tanh as CUDA's tanhf, as ir_tanh (emit_from_dot) or as ir_tanh_small (its small variant).
+  enum class TanhForm { kLibrary, kFast, kSmall };
+  TanhForm tanh_form_ = TanhForm::kLibrary;
   std::size_t staged_index_ = static_cast<std::size_t>(-1);  // stage_load's node
   std::string staged_;                                       // and its expression
   const Problem& problem_;
@@ -500,15 +587,17 @@ std::string indent(const std::string& lines) {
 // graphs add their invariant nodes to `fields` and `assignments` (Invariants and prepare()),
 // under prefixes of their own: d (the score derivative), g<n>i<k>_ (index k of load n), g<n>d_
 // (the derivative with respect to load n).
+// `small`: score_grad_from_dot with its tanh in the small form (see emit_from_dot).
 std::string backward_members(const Problem& problem, const ModifierBindings& bindings,
                              const BackwardCode& backward, std::string& fields,
-                             std::string& assignments) {
+                             std::string& assignments, SmallTanh& small) {
   const GraphLowering derivative(backward.score_derivative, "d", problem, bindings);
   derivative.emit_invariants(fields, assignments);
   std::string derivative_body;
   const std::string derivative_value = derivative.emit_varying(derivative_body);
   GraphLowering derivative_dot(backward.score_derivative, "d", problem, bindings);
-  const std::string derivative_dot_body = derivative_dot.emit_from_dot(fields, assignments, false);
+  const std::string derivative_dot_body =
+      derivative_dot.emit_from_dot(fields, assignments, false, &small);
 
   std::string scatter;  // tensor_grads' body
   std::string flush;    // flush_tensor_grads' body
@@ -711,12 +800,30 @@ std::string generate_modifier_source(const Problem& problem, const ModifierBindi
     if (staged < 0) throw_internal("cuda codegen: a staged tensor without a stageable load");
     staged_members = score_log2.stage_load(static_cast<std::size_t>(staged));
   }
-  const std::string score_log2_body = score_log2.emit_from_dot(fields, assignments, true);
+  SmallTanh score_small;
+  const std::string score_log2_body =
+      score_log2.emit_from_dot(fields, assignments, true, &score_small);
   std::string mask_body;
   const std::string mask_value = mask.emit_varying(mask_body);
-  const std::string backward_text =
-      backward != nullptr ? backward_members(problem, bindings, *backward, fields, assignments)
-                          : std::string();
+  SmallTanh derivative_small;
+  std::string backward_text =
+      backward != nullptr
+          ? backward_members(problem, bindings, *backward, fields, assignments, derivative_small)
+          : std::string();
+  // The small-tanh variants (kSmallTanh), decided by score_mod alone (the forward's source is
+  // the same with or without the backward): offered when it computes a tanh and every tanh
+  // argument has a known bound. The derivative's variant has its tanh in the small form when its
+  // arguments are covered by the same condition (softcap: the same argument), else it is the
+  // derivative unchanged, which is exact at any bound.
+  const bool small_tanh = score_small.has_tanh && score_small.possible;
+  if (small_tanh && backward != nullptr) {
+    const bool covered = derivative_small.possible && derivative_small.covered_by(score_small);
+    backward_text +=
+        "  __device__ static __forceinline__ float score_grad_from_dot_small("
+        "const Invariants& inv, const ForwardParams& p, const Coordinates& at, float dot, "
+        "int q, int kv) {\n" +
+        (covered ? derivative_small.body : derivative_small.unchanged) + "  }\n";
+  }
 
   std::string text = "// ---- generated by flexattn's cuda engine ----\n";
   text += "namespace flexattn_generated {\nusing namespace flexattn_kernels;\n\n";
@@ -741,6 +848,20 @@ std::string generate_modifier_source(const Problem& problem, const ModifierBindi
       "const ForwardParams& p, const Coordinates& at, float dot, int q, int kv, "
       "[[maybe_unused]] const StagedElement* staged) {\n" +
       score_log2_body + "  }\n";
+  text += fmt::format("  static constexpr bool kSmallTanh = {};\n", small_tanh);
+  if (small_tanh) {
+    text +=
+        "  // Whether every tanh argument is below kTanhSmallLimit for |dot| <= bound, where\n"
+        "  // ir_tanh_small equals ir_tanh: then the _small functions give the same values.\n"
+        "  __device__ static __forceinline__ bool tanh_args_small(const Invariants& inv, "
+        "const ForwardParams& p, float bound) {\n" +
+        fmt::format("    return {};\n  }}\n", score_small.condition());
+    text +=
+        "  __device__ static __forceinline__ float score_mod_log2_small(const Invariants& inv, "
+        "const ForwardParams& p, const Coordinates& at, float dot, int q, int kv, "
+        "[[maybe_unused]] const StagedElement* staged) {\n" +
+        score_small.body + "  }\n";
+  }
   text += staged_members;
   text += fmt::format("  // mask_mod: {}\n", problem.mask_mod().to_string());
   text +=

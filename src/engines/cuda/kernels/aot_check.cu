@@ -38,6 +38,7 @@ struct IdentityModifier {
                                          const flexattn_kernels::StagedElement*) {
     return dot * p.scale_log2;
   }
+  static constexpr bool kSmallTanh = false;
   static constexpr int kStagedTensor = -1;
   __device__ static bool mask_mod(const Invariants&, const ForwardParams&, const Coordinates&,
                                   int, int) {
@@ -86,6 +87,21 @@ struct CausalSoftcapModifier {
                                          const flexattn_kernels::StagedElement*) {
     return score_mod(invariants, p, at, dot * p.scale, q, kv) * flexattn_kernels::kLog2e;
   }
+  // The small-tanh variants (as the generated code has them for tanh(score / cap)).
+  static constexpr bool kSmallTanh = true;
+  __device__ static bool tanh_args_small(const Invariants& invariants, const ForwardParams& p,
+                                         float bound) {
+    return fabsf((bound * fabsf(p.scale)) / invariants.cap) < flexattn_kernels::kTanhSmallLimit;
+  }
+  __device__ static float score_mod_log2_small(const Invariants& invariants,
+                                               const ForwardParams& p, const Coordinates&,
+                                               float dot, int, int kv,
+                                               const flexattn_kernels::StagedElement*) {
+    return (invariants.cap * flexattn_kernels::ir_tanh_small(dot * p.scale / invariants.cap) +
+            invariants.head_bias +
+            flexattn_kernels::load_tensor_f32(static_cast<const float*>(p.tensors[1].data), kv)) *
+           flexattn_kernels::kLog2e;
+  }
   static constexpr int kStagedTensor = -1;
   __device__ static bool mask_mod(const Invariants&, const ForwardParams&, const Coordinates&,
                                   int q, int kv) {
@@ -104,6 +120,12 @@ struct CausalSoftcapModifier {
   __device__ static float score_grad_from_dot(const Invariants& invariants, const ForwardParams& p,
                                               const Coordinates& at, float dot, int q, int kv) {
     return score_grad(invariants, p, at, dot * p.scale, q, kv);
+  }
+  __device__ static float score_grad_from_dot_small(const Invariants& invariants,
+                                                    const ForwardParams& p, const Coordinates&,
+                                                    float dot, int, int) {
+    const float t = flexattn_kernels::ir_tanh_small(dot * p.scale / invariants.cap);
+    return 1.0f - t * t;
   }
   // Both biases enter with derivative 1: head_bias through the per-thread slot, position_bias
   // (indexed by kv) straight into its accumulator.

@@ -85,12 +85,15 @@ __device__ __forceinline__ float score_gradient(float dlogit,
 // The same from the raw dot product (score = dot * scale), as the tensor-core kernels' logits
 // (score_mod_log2): the generated score_grad_from_dot merges the same constant multiplications, so
 // what the derivative shares with the logit (softcap's tanh) is computed once.
-template <class Modifier>
+// kSmall: the small-tanh variant (a tile small_tanh_tile admitted).
+template <class Modifier, bool kSmall = false>
 __device__ __forceinline__ float score_gradient_from_dot(
     float dlogit, const typename Modifier::Invariants& invariants, const ForwardParams& p,
     const Coordinates& at, float dot, int q, int kv) {
   if constexpr (Modifier::kIdentityDerivative) {
     return dlogit;
+  } else if constexpr (kSmall) {
+    return dlogit * Modifier::score_grad_from_dot_small(invariants, p, at, dot, q, kv);
   } else {
     return dlogit * Modifier::score_grad_from_dot(invariants, p, at, dot, q, kv);
   }

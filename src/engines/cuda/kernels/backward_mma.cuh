@@ -162,14 +162,12 @@ __device__ __forceinline__ void store_staged(const unsigned char* tile, unsigned
 // The dK/dV kernels' element pipeline on one warp's (16 keys x 8 kTilesQ queries) accumulator
 // tiles: S^T becomes P^T and dP^T becomes dS^T (including d score_mod / d score). `check`: the
 // tile is mixed or crosses the end of the keys, so the mask and the bounds apply.
-template <class Modifier, int kTilesQ>
-__device__ __forceinline__ void dkdv_elements(float (&st)[kTilesQ][4], float (&dpt)[kTilesQ][4],
-                                              const ForwardParams& p,
-                                              const typename Modifier::Invariants& invariants,
-                                              const Coordinates& at, const SequenceSpan& span,
-                                              const int (&kv_row)[2], int q_start, bool check,
-                                              const float* lse_stage, const float* delta_stage,
-                                              int quad_lane) {
+template <class Modifier, bool kSmall, int kTilesQ>
+__device__ __forceinline__ void dkdv_elements_with(
+    float (&st)[kTilesQ][4], float (&dpt)[kTilesQ][4], const ForwardParams& p,
+    const typename Modifier::Invariants& invariants, const Coordinates& at,
+    const SequenceSpan& span, const int (&kv_row)[2], int q_start, bool check,
+    const float* lse_stage, const float* delta_stage, int quad_lane) {
 #pragma unroll
   for (int j = 0; j < kTilesQ; ++j) {
 #pragma unroll
@@ -183,17 +181,36 @@ __device__ __forceinline__ void dkdv_elements(float (&st)[kTilesQ][4], float (&d
       const float dot = st[j][e];
       // Straight-line element code (see unmasked_then_masked in backward_common.cuh).
       float logit2 =
-          element_logit<Modifier, false, true>(dot, p, invariants, at, q_inside, kv_inside);
+          element_logit<Modifier, false, true, kSmall>(dot, p, invariants, at, q_inside, kv_inside);
       if (check) logit2 = masked_logit<Modifier>(logit2, p, invariants, at, q_inside, kv);
       const float lse2 = q_valid ? lse_stage[column] * kLog2e : negative_infinity();
       const float probability = probability_log2(logit2, lse2);
       const float dlogit = probability * (dpt[j][e] - delta_stage[column]);
-      const float dscore = score_gradient_from_dot<Modifier>(dlogit, invariants, p, at, dot,
-                                                             q_inside, kv_inside);
+      const float dscore = score_gradient_from_dot<Modifier, kSmall>(dlogit, invariants, p, at,
+                                                                     dot, q_inside, kv_inside);
       st[j][e] = probability;
       dpt[j][e] = dlogit != 0.0f ? dscore : 0.0f;
     }
   }
+}
+// With the small-tanh functions on a tile that admits them (small_tanh_tile).
+template <class Modifier, int kTilesQ>
+__device__ __forceinline__ void dkdv_elements(float (&st)[kTilesQ][4], float (&dpt)[kTilesQ][4],
+                                              const ForwardParams& p,
+                                              const typename Modifier::Invariants& invariants,
+                                              const Coordinates& at, const SequenceSpan& span,
+                                              const int (&kv_row)[2], int q_start, bool check,
+                                              const float* lse_stage, const float* delta_stage,
+                                              int quad_lane) {
+  if constexpr (Modifier::kSmallTanh) {
+    if (small_tanh_tile<Modifier, kTilesQ * 4>(&st[0][0], invariants, p)) {
+      dkdv_elements_with<Modifier, true>(st, dpt, p, invariants, at, span, kv_row, q_start, check,
+                                         lse_stage, delta_stage, quad_lane);
+      return;
+    }
+  }
+  dkdv_elements_with<Modifier, false>(st, dpt, p, invariants, at, span, kv_row, q_start, check,
+                                      lse_stage, delta_stage, quad_lane);
 }
 
 template <class Config, class Modifier>
@@ -344,14 +361,14 @@ __device__ __forceinline__ void backward_dkdv_mma(const BackwardParams& bp) {
 // The dQ kernels' element pipeline on one warp's (16 queries x 8 kTilesKv keys) accumulator
 // tiles of S and dP, straight-line (see unmasked_then_masked in backward_common.cuh). `check`:
 // the tile is mixed or crosses the end of the keys. dq_logit: one element's log2-domain logit.
-template <class Modifier, int kTilesKv>
+template <class Modifier, bool kSmall, int kTilesKv>
 __device__ __forceinline__ float dq_logit(const float (&s)[kTilesKv][4], int j, int e,
                                           const ForwardParams& p,
                                           const typename Modifier::Invariants& invariants,
                                           const Coordinates& at, const int (&query)[2], int kv,
                                           int kv_inside, bool check) {
-  float logit2 =
-      element_logit<Modifier, false, true>(s[j][e], p, invariants, at, query[e / 2], kv_inside);
+  float logit2 = element_logit<Modifier, false, true, kSmall>(s[j][e], p, invariants, at,
+                                                              query[e / 2], kv_inside);
   if (check) logit2 = masked_logit<Modifier>(logit2, p, invariants, at, query[e / 2], kv);
   return logit2;
 }
@@ -392,8 +409,8 @@ __device__ __forceinline__ void renormalise_dq_rows(const float (&row_pdp)[2],
 
 // The delta pass (tensor gradients wanted; see exact_delta_rows in backward_common.cuh): sums
 // P dP and P per row.
-template <class Modifier, int kTilesKv>
-__device__ __forceinline__ void dq_delta_elements(
+template <class Modifier, bool kSmall, int kTilesKv>
+__device__ __forceinline__ void dq_delta_elements_with(
     const float (&s)[kTilesKv][4], const float (&dp)[kTilesKv][4], const ForwardParams& p,
     const typename Modifier::Invariants& invariants, const Coordinates& at,
     const SequenceSpan& span, const int (&query)[2], const float (&lse2)[2], int kv_start,
@@ -404,19 +421,36 @@ __device__ __forceinline__ void dq_delta_elements(
     for (int e = 0; e < 4; ++e) {
       const int kv = kv_start + j * 8 + 2 * quad_lane + e % 2;
       const float probability =
-          probability_log2(dq_logit<Modifier>(s, j, e, p, invariants, at, query, kv,
-                                              ir_min(kv, span.kv_len - 1), check),
+          probability_log2(dq_logit<Modifier, kSmall>(s, j, e, p, invariants, at, query, kv,
+                                                      ir_min(kv, span.kv_len - 1), check),
                            lse2[e / 2]);
       row_pdp[e / 2] += probability * dp[j][e];
       row_p[e / 2] += probability;
     }
   }
 }
+// With the small-tanh functions on a tile that admits them (small_tanh_tile).
+template <class Modifier, int kTilesKv>
+__device__ __forceinline__ void dq_delta_elements(
+    const float (&s)[kTilesKv][4], const float (&dp)[kTilesKv][4], const ForwardParams& p,
+    const typename Modifier::Invariants& invariants, const Coordinates& at,
+    const SequenceSpan& span, const int (&query)[2], const float (&lse2)[2], int kv_start,
+    bool check, int quad_lane, float (&row_pdp)[2], float (&row_p)[2]) {
+  if constexpr (Modifier::kSmallTanh) {
+    if (small_tanh_tile<Modifier, kTilesKv * 4>(&s[0][0], invariants, p)) {
+      dq_delta_elements_with<Modifier, true>(s, dp, p, invariants, at, span, query, lse2, kv_start,
+                                             check, quad_lane, row_pdp, row_p);
+      return;
+    }
+  }
+  dq_delta_elements_with<Modifier, false>(s, dp, p, invariants, at, span, query, lse2, kv_start,
+                                          check, quad_lane, row_pdp, row_p);
+}
 
 // The gradient pass: dp becomes dS; with kScatter, each element also adds its tensor gradients
 // (a constant in each call, so no branch on it inside the element loop).
-template <class Modifier, bool kScatter, int kTilesKv>
-__device__ __forceinline__ void dq_gradient_elements(
+template <class Modifier, bool kScatter, bool kSmall, int kTilesKv>
+__device__ __forceinline__ void dq_gradient_elements_with(
     const float (&s)[kTilesKv][4], float (&dp)[kTilesKv][4], const BackwardParams& bp,
     const typename Modifier::Invariants& invariants, const Coordinates& at,
     const SequenceSpan& span, const int (&query)[2], const float (&lse2)[2],
@@ -431,10 +465,11 @@ __device__ __forceinline__ void dq_gradient_elements(
       const int kv = kv_start + j * 8 + 2 * quad_lane + e % 2;
       const int kv_inside = ir_min(kv, span.kv_len - 1);
       const float probability = probability_log2(
-          dq_logit<Modifier>(s, j, e, p, invariants, at, query, kv, kv_inside, check), lse2[half]);
+          dq_logit<Modifier, kSmall>(s, j, e, p, invariants, at, query, kv, kv_inside, check),
+          lse2[half]);
       const float dlogit = probability * (dp[j][e] - delta[half]);
-      const float dscore = score_gradient_from_dot<Modifier>(dlogit, invariants, p, at, s[j][e],
-                                                             query[half], kv_inside);
+      const float dscore = score_gradient_from_dot<Modifier, kSmall>(
+          dlogit, invariants, p, at, s[j][e], query[half], kv_inside);
       if (Modifier::kHasTensorGrads && kScatter && dlogit != 0.0f) {
         Modifier::tensor_grads(invariants, bp, at, s[j][e] * p.scale, query[half], kv_inside,
                                dlogit, local);
@@ -442,6 +477,26 @@ __device__ __forceinline__ void dq_gradient_elements(
       dp[j][e] = dlogit != 0.0f ? dscore : 0.0f;
     }
   }
+}
+// With the small-tanh functions on a tile that admits them (small_tanh_tile).
+template <class Modifier, bool kScatter, int kTilesKv>
+__device__ __forceinline__ void dq_gradient_elements(
+    const float (&s)[kTilesKv][4], float (&dp)[kTilesKv][4], const BackwardParams& bp,
+    const typename Modifier::Invariants& invariants, const Coordinates& at,
+    const SequenceSpan& span, const int (&query)[2], const float (&lse2)[2],
+    const float (&delta)[2], int kv_start, bool check, int quad_lane,
+    long long (&local)[Modifier::kLocalGradSlots]) {
+  if constexpr (Modifier::kSmallTanh) {
+    if (small_tanh_tile<Modifier, kTilesKv * 4>(&s[0][0], invariants, bp.fwd)) {
+      dq_gradient_elements_with<Modifier, kScatter, true>(s, dp, bp, invariants, at, span, query,
+                                                          lse2, delta, kv_start, check, quad_lane,
+                                                          local);
+      return;
+    }
+  }
+  dq_gradient_elements_with<Modifier, kScatter, false>(s, dp, bp, invariants, at, span, query,
+                                                       lse2, delta, kv_start, check, quad_lane,
+                                                       local);
 }
 
 template <class Config, class Modifier>

@@ -70,6 +70,19 @@ __device__ __forceinline__ float ir_sigmoid(float x) { return 1.0f / (1.0f + exp
 // reweighted towards minimax, on the relative error of tanh over [0, 0.6]); evaluated in fp32 it
 // is within 0.77 ulp of tanh over every float of [2^-14, 0.6] (scripts/tanh-fit.py), and the
 // exponential branch is within the few ulp of ex2.approx/rcp.approx, as CUDA's tanhf.
+// ir_tanh_small: the polynomial branch alone, which ir_tanh returns exactly when
+// |x| < kTanhSmallLimit. The kernels run it on a whole tile when its scores' bound shows every
+// argument is below the limit (Modifier::tanh_args_small): the same value per element, without the
+// two MUFU instructions of the exponential branch.
+constexpr float kTanhSmallLimit = 0.6f;
+__device__ __forceinline__ float ir_tanh_small(float x) {
+  const float square = x * x;
+  float poly = fmaf(-0.0058951606042683125f, square, 0.020795974880456924f);
+  poly = fmaf(poly, square, -0.053783830255270004f);
+  poly = fmaf(poly, square, 0.13331924378871918f);
+  poly = fmaf(poly, square, -0.33333298563957214f);
+  return fmaf(x * square, poly, x);
+}
 __device__ __forceinline__ float ir_tanh(float x) {
   const float magnitude = fabsf(x);
   float exponential;
@@ -77,13 +90,8 @@ __device__ __forceinline__ float ir_tanh(float x) {
   float reciprocal;
   asm("rcp.approx.ftz.f32 %0, %1;" : "=f"(reciprocal) : "f"(exponential + 1.0f));
   const float large = copysignf(fmaf(-2.0f, reciprocal, 1.0f), x);
-  const float square = x * x;
-  float poly = fmaf(-0.0058951606042683125f, square, 0.020795974880456924f);
-  poly = fmaf(poly, square, -0.053783830255270004f);
-  poly = fmaf(poly, square, 0.13331924378871918f);
-  poly = fmaf(poly, square, -0.33333298563957214f);
-  const float small = fmaf(x * square, poly, x);
-  return magnitude >= 0.6f ? large : small;
+  const float small = ir_tanh_small(x);
+  return magnitude >= kTanhSmallLimit ? large : small;
 }
 __device__ __forceinline__ float ir_rsqrt(float x) { return 1.0f / sqrtf(x); }
 

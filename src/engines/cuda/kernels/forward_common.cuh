@@ -138,8 +138,9 @@ __device__ __forceinline__ float masked_logit(float logit, const ForwardParams& 
 // bounds (only when kCheck: mixed or boundary tiles). `q` is already clamped into the sequence;
 // with kCheck, `kv` may lie past it and is clamped before the modifier reads anything, so a
 // modifier only ever sees indices its load analysis covers. kLog2Domain: the logit times log2(e),
-// from the generated score_mod_log2 (which merges constant multiplications).
-template <class Modifier, bool kCheck, bool kLog2Domain>
+// from the generated score_mod_log2 (which merges constant multiplications). kSmall: its
+// small-tanh variant, for a tile that small_tanh_tile admitted.
+template <class Modifier, bool kCheck, bool kLog2Domain, bool kSmall = false>
 __device__ __forceinline__ float element_logit(float dot, const ForwardParams& p,
                                                const typename Modifier::Invariants& invariants,
                                                const Coordinates& at, int q, int kv,
@@ -148,6 +149,9 @@ __device__ __forceinline__ float element_logit(float dot, const ForwardParams& p
   float logit;
   if constexpr (Modifier::kIdentityScore) {
     logit = dot * (kLog2Domain ? p.scale_log2 : p.scale);
+  } else if constexpr (kSmall) {
+    static_assert(kLog2Domain && Modifier::kSmallTanh, "the small variant is of score_mod_log2");
+    logit = Modifier::score_mod_log2_small(invariants, p, at, dot, q, kv_inside, staged);
   } else if constexpr (kLog2Domain) {
     logit = Modifier::score_mod_log2(invariants, p, at, dot, q, kv_inside, staged);
   } else {
@@ -155,6 +159,21 @@ __device__ __forceinline__ float element_logit(float dot, const ForwardParams& p
   }
   if constexpr (kCheck) logit = masked_logit<Modifier>(logit, p, invariants, at, q, kv);
   return logit;
+}
+
+// Whether the warp's tile of dot products (this thread's kCount: `dots`) may take the small-tanh
+// functions (Modifier::kSmallTanh): the bound of |dot| over the warp keeps every tanh argument
+// below kTanhSmallLimit. One vote per tile, so the branch on it is uniform across the warp; NaN
+// dots do not raise the bound (both tanh forms give NaN for them), infinite ones refuse.
+template <class Modifier, int kCount>
+__device__ __forceinline__ bool small_tanh_tile(const float* dots,
+                                                const typename Modifier::Invariants& invariants,
+                                                const ForwardParams& p) {
+  float bound[4] = {0.0f, 0.0f, 0.0f, 0.0f};  // four chains instead of one long one
+#pragma unroll
+  for (int i = 0; i < kCount; ++i) bound[i % 4] = fmaxf(bound[i % 4], fabsf(dots[i]));
+  const float largest = fmaxf(fmaxf(bound[0], bound[1]), fmaxf(bound[2], bound[3]));
+  return __all_sync(0xffffffffu, Modifier::tanh_args_small(invariants, p, largest));
 }
 
 // Finishes a row: (normaliser, log-sum-exp) from the running max and sum. A row that kept no key

@@ -58,13 +58,15 @@ struct alignas(16) SharedChunk {
   unsigned words[4];
 };
 
-// Scale, modify, mask: the S accumulators become log2-domain logits.
-template <class Modifier, bool kCheck, int kTiles, int kScoreTiles>
-__device__ __forceinline__ void compute_logits(float (&score)[kTiles][kScoreTiles][4],
-                                               const ForwardParams& p,
-                                               const typename Modifier::Invariants& invariants,
-                                               const Coordinates& at, const int (&query)[kTiles][2],
-                                               int kv_first, const StagedTile* staged = nullptr) {
+// Scale, modify, mask: the S accumulators become log2-domain logits (kSmall: with the
+// modifier's small-tanh functions; see compute_logits).
+template <class Modifier, bool kCheck, bool kSmall, int kTiles, int kScoreTiles>
+__device__ __forceinline__ void compute_logits_with(float (&score)[kTiles][kScoreTiles][4],
+                                                    const ForwardParams& p,
+                                                    const typename Modifier::Invariants& invariants,
+                                                    const Coordinates& at,
+                                                    const int (&query)[kTiles][2], int kv_first,
+                                                    const StagedTile* staged) {
 #pragma unroll
   for (int i = 0; i < kTiles; ++i) {
 #pragma unroll
@@ -84,15 +86,34 @@ __device__ __forceinline__ void compute_logits(float (&score)[kTiles][kScoreTile
         if (staged != nullptr) {
           const StagedElement element{
               static_cast<unsigned short>(e % 2 == 0 ? pair[e / 2] & 0xffffu : pair[e / 2] >> 16)};
-          score[i][j][e] = element_logit<Modifier, kCheck, true>(score[i][j][e], p, invariants, at,
-                                                                 query[i][e / 2], kv, &element);
+          score[i][j][e] = element_logit<Modifier, kCheck, true, kSmall>(
+              score[i][j][e], p, invariants, at, query[i][e / 2], kv, &element);
         } else {
-          score[i][j][e] = element_logit<Modifier, kCheck, true>(score[i][j][e], p, invariants, at,
-                                                                 query[i][e / 2], kv);
+          score[i][j][e] = element_logit<Modifier, kCheck, true, kSmall>(
+              score[i][j][e], p, invariants, at, query[i][e / 2], kv);
         }
       }
     }
   }
+}
+
+// The same, on a tile whose scores keep every tanh argument of the modifier small
+// (small_tanh_tile) with the small-tanh functions: softcap's scores then cost one MUFU
+// instruction (the softmax's exp2) instead of three.
+template <class Modifier, bool kCheck, int kTiles, int kScoreTiles>
+__device__ __forceinline__ void compute_logits(float (&score)[kTiles][kScoreTiles][4],
+                                               const ForwardParams& p,
+                                               const typename Modifier::Invariants& invariants,
+                                               const Coordinates& at, const int (&query)[kTiles][2],
+                                               int kv_first, const StagedTile* staged = nullptr) {
+  if constexpr (Modifier::kSmallTanh) {
+    if (small_tanh_tile<Modifier, kTiles * kScoreTiles * 4>(&score[0][0][0], invariants, p)) {
+      compute_logits_with<Modifier, kCheck, true>(score, p, invariants, at, query, kv_first,
+                                                  staged);
+      return;
+    }
+  }
+  compute_logits_with<Modifier, kCheck, false>(score, p, invariants, at, query, kv_first, staged);
 }
 
 // Online softmax of one kv tile in exp2 form, first half: the new row max, P = exp2(S - max) in
