@@ -386,6 +386,7 @@ std::vector<std::pair<std::string, Config>> configs(bool quick, bool forward, bo
 
 int main(int argc, char** argv) {
   bool quick = false;
+  bool sweep_only = false;  // --sweep: the sequence sweep alone (for the plot)
   std::string json_path, pass = "both", engine_name = "cuda";
   std::set<std::string> only;
   for (int i = 1; i < argc; ++i) {
@@ -398,6 +399,8 @@ int main(int argc, char** argv) {
       pass = argv[++i];
     } else if (arg == "--engine" && i + 1 < argc) {
       engine_name = argv[++i];
+    } else if (arg == "--sweep") {
+      sweep_only = true;
     } else if (arg == "--only" && i + 1 < argc) {
       std::stringstream list(argv[++i]);
       for (std::string key; std::getline(list, key, ',');) {
@@ -405,13 +408,18 @@ int main(int argc, char** argv) {
       }
     } else {
       fmt::print(stderr,
-                 "usage: bench_cuda_forward [--quick] [--pass fwd|fwdbwd|both] "
+                 "usage: bench_cuda_forward [--quick | --sweep] [--pass fwd|fwdbwd|both] "
                  "[--engine cuda|cudnn] [--json out.json] [--only d128/causal/softcap,...]\n");
       return 2;
     }
   }
   if (pass != "fwd" && pass != "fwdbwd" && pass != "both") {
     fmt::print(stderr, "bench_cuda_forward: --pass must be fwd, fwdbwd or both\n");
+    return 2;
+  }
+  if (sweep_only && (quick || !only.empty() || pass == "fwdbwd")) {
+    fmt::print(stderr, "bench_cuda_forward: --sweep times the forward sweep alone (no --quick, "
+                       "--only or --pass fwdbwd)\n");
     return 2;
   }
   try {
@@ -447,6 +455,7 @@ int main(int argc, char** argv) {
     int errors = 0;
     for (const auto& [group, config] : configs(quick, pass != "fwdbwd", pass != "fwd")) {
       if (!only.empty() && (group != "main" || only.count(problem_key(config)) == 0)) continue;
+      if (sweep_only && group != "sweep") continue;
       Result r;
       try {
         r = run(engine_name, config, inputs);

@@ -9,7 +9,8 @@
 # before FlexAttention's in one process got FlexAttention at 5-25 TFLOP/s (an uncompiled
 # fallback) for the rest of that process. A missing torch feature is a skip line, not a crash.
 # Writes JSON to $OUT/peers_forward.json.
-#   python3 peers_forward.py [--quick] [--pass fwd|fwdbwd|both]
+#   python3 peers_forward.py [--quick | --sweep] [--pass fwd|fwdbwd|both]
+# (--sweep: the forward sequence sweep alone, as bench_cuda_forward --sweep.)
 import argparse
 import json
 import os
@@ -35,9 +36,11 @@ def flops(b, h, s, d, causal, pass_):
     return forward * (1.0 + BACKWARD_FLOPS_RATIO if pass_ == "fwdbwd" else 1.0)
 
 
-def configs(quick, passes):
+def configs(quick, passes, sweep_only=False):
     """(group, B, H, S, D, causal, pass, variants) as bench_cuda_forward times them."""
     result = []
+    if sweep_only:
+        return [c for c in configs(False, ["fwd"]) if c[0] == "sweep"]
     for d in (128, 64):
         for causal in (False, True):
             if "fwd" in passes:
@@ -85,7 +88,7 @@ class Timer:
         return sorted(times)[len(times) // 2]
 
 
-def run_part(part, quick, passes, json_path):
+def run_part(part, quick, passes, json_path, sweep_only=False):
     rows = []
     info = {}
     try:
@@ -140,7 +143,7 @@ def run_part(part, quick, passes, json_path):
                     backends.append((getattr(SDPBackend, attribute), name))
                 else:
                     skip(f"{name} (no SDPBackend.{attribute} in torch {torch.__version__})")
-        for group, b, h, s, d, causal, pass_, variants in configs(quick, passes):
+        for group, b, h, s, d, causal, pass_, variants in configs(quick, passes, sweep_only):
             if "none" not in variants:
                 continue
             grad = pass_ == "fwdbwd"
@@ -166,7 +169,7 @@ def run_part(part, quick, passes, json_path):
                                    ("suppress_errors", False)]:
                 if hasattr(torch._dynamo.config, setting):  # names differ between releases
                     setattr(torch._dynamo.config, setting, value)
-        for group, b, h, s, d, causal, pass_, variants in configs(quick, passes):
+        for group, b, h, s, d, causal, pass_, variants in configs(quick, passes, sweep_only):
             if flex_attention is None:
                 break
             grad = pass_ == "fwdbwd"
@@ -205,13 +208,14 @@ def run_part(part, quick, passes, json_path):
 def main():
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--sweep", action="store_true", help="the forward sequence sweep alone")
     parser.add_argument("--pass", dest="passes", choices=["fwd", "fwdbwd", "both"], default="both")
     parser.add_argument("--part", choices=["sdpa", "flex"], help=argparse.SUPPRESS)
     parser.add_argument("--json", help=argparse.SUPPRESS)
     args = parser.parse_args()
     passes = ["fwd", "fwdbwd"] if args.passes == "both" else [args.passes]
     if args.part is not None:
-        run_part(args.part, args.quick, passes, args.json)
+        run_part(args.part, args.quick, passes, args.json, args.sweep)
         return
     rows, info = [], {}
     for part in ("sdpa", "flex"):
@@ -219,7 +223,8 @@ def main():
         if os.path.exists(path):
             os.remove(path)
         command = [sys.executable, os.path.abspath(__file__), "--part", part, "--json", path,
-                   "--pass", args.passes] + (["--quick"] if args.quick else [])
+                   "--pass", args.passes] + (["--quick"] if args.quick else []) \
+            + (["--sweep"] if args.sweep else [])
         status = subprocess.call(command)
         if status != 0:
             skip(f"{part} peers", f"the child process exited with status {status}")

@@ -111,6 +111,26 @@ def skipped(ours_files, peers):
     return notes
 
 
+def sweep_table(ours, peers):
+    """The sequence sweep's rows (forward, head dim 128) as a markdown table, or no lines."""
+    lengths = sorted({r["S"] for r in ours + peers if r.get("group") == "sweep"})
+    if not lengths:
+        return []
+    columns = [("cuda_none", ours), ("cuda_softcap", ours), ("sdpa_flash", peers),
+               ("flex_none", peers), ("flex_softcap", peers)]
+    lines = ["| S | B | mask | " + " | ".join(name for name, _ in columns)
+             + " | cuda_none / sdpa_flash | cuda_softcap / flex_softcap |",
+             "|---" * (len(columns) + 5) + "|"]
+    for causal in (False, True):
+        for s in lengths:
+            values = [tflops(find(rows, "sweep", name, s, 128, causal, "fwd"))
+                      for name, rows in columns]
+            lines.append(f"| {s} | {32768 // s} | {'causal' if causal else 'none'} | "
+                         + " | ".join(fmt(v) for v in values)
+                         + f" | {ratio(values[0], values[2])} | {ratio(values[1], values[4])} |")
+    return lines
+
+
 def plot(ours, peers, path):
     sweep_lengths = sorted({r["S"] for r in ours + peers if r.get("group") == "sweep"})
     if not sweep_lengths:
@@ -161,6 +181,9 @@ def main():
     ours = [row for data in ours_files for row in data.get("rows", [])]
     peers = load(args.peers).get("rows", [])
     lines = table(ours, peers)
+    sweep = sweep_table(ours, peers)
+    if sweep:
+        lines += ["", "Sequence sweep (forward, D 128, batch x seq = 32768, TFLOP/s):", ""] + sweep
     notes = skipped(ours_files, peers)
     if notes:
         lines += ["", "Not measured:"] + notes

@@ -99,15 +99,20 @@ __device__ __forceinline__ void compute_logits_with(float (&score)[kTiles][kScor
 
 // The same, on a tile whose scores keep every tanh argument of the modifier small
 // (small_tanh_tile) with the small-tanh functions: softcap's scores then cost one MUFU
-// instruction (the softmax's exp2) instead of three.
+// instruction (the softmax's exp2) instead of three. Only where it pays for its code (each copy
+// of the element code adds to the NVRTC compile): `try_small` (a constant at each call: the
+// main loop, not the first tile on its own) and tiles that need no mask (kCheck false; mixed and
+// boundary tiles are few).
 template <class Modifier, bool kCheck, int kTiles, int kScoreTiles>
 __device__ __forceinline__ void compute_logits(float (&score)[kTiles][kScoreTiles][4],
                                                const ForwardParams& p,
                                                const typename Modifier::Invariants& invariants,
                                                const Coordinates& at, const int (&query)[kTiles][2],
-                                               int kv_first, const StagedTile* staged = nullptr) {
-  if constexpr (Modifier::kSmallTanh) {
-    if (small_tanh_tile<Modifier, kTiles * kScoreTiles * 4>(&score[0][0][0], invariants, p)) {
+                                               int kv_first, const StagedTile* staged = nullptr,
+                                               bool try_small = true) {
+  if constexpr (Modifier::kSmallTanh && !kCheck) {
+    if (try_small &&
+        small_tanh_tile<Modifier, kTiles * kScoreTiles * 4>(&score[0][0][0], invariants, p)) {
       compute_logits_with<Modifier, kCheck, true>(score, p, invariants, at, query, kv_first,
                                                   staged);
       return;

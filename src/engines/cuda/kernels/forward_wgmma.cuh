@@ -170,10 +170,20 @@ __device__ __forceinline__ void forward_wgmma(const ForwardParams& p) {
   const int group = lane / 4;      // accumulator row within an 8-row half
   const int quad_lane = lane % 4;  // accumulator column pair
   const int warpgroup = warp / 4;
-  // Blocks with the most kv tiles (the last rows under causal masks) start first.
-  const int q_block = gridDim.x - 1 - blockIdx.x;
-  const int head = blockIdx.y;
-  const int batch = blockIdx.z;
+  // Blocks with the most kv tiles (the last rows under causal masks) start first. The grid is
+  // (q blocks, heads, batch); with a staged tensor, blocks are numbered in launch order with the
+  // batch fastest, so the blocks of one (q block, head) in every batch run together and a tensor
+  // without a batch index ([h, q, kv] bias) is read from memory once and from L2 for the others.
+  int q_block = gridDim.x - 1 - blockIdx.x;
+  int head = blockIdx.y;
+  int batch = blockIdx.z;
+  if constexpr (Config::kStageTensor) {
+    const unsigned launched = blockIdx.x + gridDim.x * (blockIdx.y + gridDim.y * blockIdx.z);
+    batch = static_cast<int>(launched % gridDim.z);
+    const unsigned rest = launched / gridDim.z;
+    q_block = static_cast<int>(gridDim.x - 1 - rest % gridDim.x);
+    head = static_cast<int>(rest / gridDim.x);
+  }
   const SequenceSpan span = sequence_span(p, batch);
   const int q_start = q_block * kBlockM;
   if (q_start >= span.q_len) return;
@@ -351,7 +361,8 @@ __device__ __forceinline__ void forward_wgmma(const ForwardParams& p) {
     wgmma_commit();
   };
   // Logits and the softmax's probabilities of a finished S; O untouched (it may be in flight).
-  auto probabilities = [&](int entry_index, float(&correction)[1][2], int stage) {
+  // `try_small`: whether the tile may take the modifier's small-tanh functions (compute_logits).
+  auto probabilities = [&](int entry_index, float(&correction)[1][2], int stage, bool try_small) {
     const int entry = p.tile_entries[entry_index];
     const int kv_start = entry_kv_tile(entry) * kBlockN;
     const int kv_first = kv_start + 2 * quad_lane;
@@ -362,7 +373,8 @@ __device__ __forceinline__ void forward_wgmma(const ForwardParams& p) {
     if (entry_is_mixed(entry) || kv_start + kBlockN > span.kv_len) {
       compute_logits<Modifier, true>(score, p, invariants, at, query, kv_first, staged_tile);
     } else {
-      compute_logits<Modifier, false>(score, p, invariants, at, query, kv_first, staged_tile);
+      compute_logits<Modifier, false>(score, p, invariants, at, query, kv_first, staged_tile,
+                                      try_small);
     }
     return softmax_probabilities(score, row_max, row_sum, correction);
   };
@@ -436,7 +448,7 @@ __device__ __forceinline__ void forward_wgmma(const ForwardParams& p) {
       wgmma_wait<0>();
       fence_operands(score_flat);
       float correction[1][2];
-      probabilities(entries.begin, correction, stage);  // O is still 0: nothing to rescale
+      probabilities(entries.begin, correction, stage, false);  // O is 0: nothing to rescale
       pack_probabilities(stage);
     }
     for (int entry_index = entries.begin + 1; entry_index < entries.end; ++entry_index) {
@@ -449,7 +461,7 @@ __device__ __forceinline__ void forward_wgmma(const ForwardParams& p) {
       wgmma_wait<1>();  // S is done; P V may still run
       fence_operands(score_flat);
       float correction[1][2];
-      const bool max_changed = probabilities(entry_index, correction, stage);
+      const bool max_changed = probabilities(entry_index, correction, stage, true);
       wgmma_wait<0>();
       fence_operands(output_flat);
       release_stage(entry_index - 1 - entries.begin);  // its V was read by the P V just waited for
@@ -479,7 +491,7 @@ __device__ __forceinline__ void forward_wgmma(const ForwardParams& p) {
       wgmma_wait<0>();
       fence_operands(score_flat);
       float correction[1][2];
-      const bool max_changed = probabilities(entry_index, correction, stage);
+      const bool max_changed = probabilities(entry_index, correction, stage, true);
       rescale_output(output, correction, max_changed);
       pack_probabilities(stage);
       multiply_values();
