@@ -378,7 +378,7 @@ TEST(CudaArguments, MisalignedDataIsRefused) {
 // default), which copies 16-byte chunks. A bias that starts 2 bytes past such a boundary (a view
 // into a larger buffer) still works: the plan runs its forward without staging, with the same
 // result as the aligned call, both within a few bf16 roundings of the reference. Three batches
-// share the bias: the staged kernel numbers its blocks batch-fastest, which this checks too.
+// share the bias.
 TEST(CudaArguments, MisalignedStagedTensorRunsWithoutStaging) {
   SKIP_WITHOUT_DEVICE();
   const auto engine = device_engine();
