@@ -357,4 +357,16 @@ double allowed_error(double plain_error, double rounding_floor) {
              worst_index, a.load(worst_index), b.load(worst_index), allowed);
 }
 
+std::vector<conformance::Case> mixed_tanh_tile_cases(bool backward) {
+  std::vector<conformance::Case> result;
+  for (std::int64_t head_dim : {64, 128}) {
+    conformance::Case c = conformance::custom_case(
+        conformance::Shape{1, 4, 2, 1024, 1024, head_dim, head_dim}, Layout::kBHSD, DType::kBF16,
+        "6 * tanh(score / 6)", "causal", backward);
+    c.name = fmt::format("mixed_tanh_tiles_bf16_bhsd_d{}{}", head_dim, backward ? "_bwd" : "");
+    result.push_back(c);
+  }
+  return result;
+}
+
 }  // namespace flexattn::test

@@ -11,6 +11,7 @@
 #include <string_view>
 #include <vector>
 
+#include "flexattn/conformance.hpp"
 #include "flexattn/flexattn.hpp"
 
 namespace flexattn::test {
@@ -108,5 +109,10 @@ double allowed_error(double plain_error, double rounding_floor);
 // message names the worst element.
 ::testing::AssertionResult within_tolerance(const HostTensor& result, const HostTensor& reference,
                                             double allowed);
+
+// Softcap 6, causal, on normal inputs (scores ~ N(0, 1)), bf16, head dims 64 and 128: about half
+// of the warps' tiles hold a score beyond 0.6 * 6 and take the exponential tanh, the others its
+// small form (the cuda kernels' small_tanh_tile), in the same launch. Forward or backward cases.
+std::vector<conformance::Case> mixed_tanh_tile_cases(bool backward);
 
 }  // namespace flexattn::test

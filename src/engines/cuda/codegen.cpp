@@ -333,9 +333,9 @@ class GraphLowering {
       const std::string factor = reference(other);
       const std::string at_bound = "(bound * fabsf(p.scale))";
       if (node.op == Op::kDiv) {
-        if (!reciprocal_of_literal(node).empty()) {
-          return fmt::format("fabsf({} * {}) < kTanhSmallLimit", at_bound,
-                             reciprocal_of_literal(node));
+        // As expression() lowers it: times the reciprocal of a literal, else a division.
+        if (const std::string reciprocal = reciprocal_of_literal(node); !reciprocal.empty()) {
+          return fmt::format("fabsf({} * {}) < kTanhSmallLimit", at_bound, reciprocal);
         }
         return fmt::format("fabsf({} / {}) < kTanhSmallLimit", at_bound, factor);
       }
