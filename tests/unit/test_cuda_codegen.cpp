@@ -574,9 +574,17 @@ TEST(CudaCodegen, ConstantMultiplicationsAroundTheScoreAreMerged) {
       {"30 * tanh(score / 30)",
        {"ir_mul(dot, inv.s", "ir_tanh(", "(0x1.5a3f2ep+5f)"},
        {"const float score", "kLog2e", "(0x1.ep+4f)"}},
-      // The score is added to: it is computed, and the logit times log2(e) at the end.
-      {"score + slopes[h] * (kv - q)", {"const float score = dot * p.scale;", "(0x1.715476p+0f)"},
-       {}},
+      // A sum takes log2(e) term by term: dot * (scale * log2(e)) + float(kv - q) * (slope *
+      // log2(e)), the products once per block; no separate score, no final multiplication.
+      {"score + slopes[h] * (kv - q)",
+       {"return ir_add(ir_mul(dot, inv.s", "_times)", "ir_small_int_to_float("},
+       {"const float score", "static_cast<float>"}},
+      // A dense bias: dot * (scale * log2(e)) + bias * log2(e), one multiply and one FMA.
+      {"score + slopes[kv % 4]", {"ir_add(ir_mul(dot, inv.s", ", (0x1.715476p+0f)))"},
+       {"const float score"}},
+      // A sum with a score used elsewhere keeps `score` for that use.
+      {"score + where(score > 0, 1.0, score)",
+       {"const float score = dot * p.scale;", "ir_add(ir_mul(dot, inv.s"}, {}},
       // The root multiplies the score itself: dot * (scale * 2), then times log2(e).
       {"score * 2", {"ir_mul(dot, inv.s", "(0x1.715476p+0f)"}, {"const float score"}},
       // A chain of constant factors at the root: one multiplication.
@@ -602,6 +610,48 @@ TEST(CudaCodegen, ConstantMultiplicationsAroundTheScoreAreMerged) {
       EXPECT_EQ(body.find(fragment), std::string::npos) << "unexpected '" << fragment << "' in\n"
                                                         << body;
     }
+  }
+}
+
+// An i32 converted to f32 skips I2F (ir_small_int_to_float) exactly when the interval analysis
+// bounds it inside [-2^22, 2^22) over the problem: ALiBi's kv - q at ordinary lengths, not at
+// lengths of 2^22 and more, nor an integer read from a tensor (unless reduced modulo a literal).
+TEST(CudaCodegen, SmallIntegersConvertWithoutI2F) {
+  SKIP_WITHOUT_CUDA_ENGINE();
+  struct Expectation {
+    std::string score_mod;
+    std::int64_t seq_len;
+    bool small;
+  };
+  const std::vector<Expectation> expectations = {
+      {"score + slopes[h] * (kv - q)", 4096, true},
+      {"score + slopes[h] * (kv - q)", 4194304, true},  // kv - q within (-2^22, 2^22)
+      {"score + slopes[h] * (kv + q)", 2097152, true},  // up to 2^22 - 2
+      {"score + slopes[h] * (kv + q)", 2097153, false},
+      {"score + slopes[h] * (kv - q)", 4194305, false},
+      {"score + float(ids[kv])", 4096, false},  // data: any i32
+      {"score + float(ids[kv] % 7)", 4096, true},  // the divisor's sign: within [0, 6]
+  };
+  for (const Expectation& e : expectations) {
+    SCOPED_TRACE(fmt::format("{} at length {}", e.score_mod, e.seq_len));
+    ProblemDesc desc;
+    desc.batch = 1;
+    desc.heads_q = 4;
+    desc.heads_kv = 4;
+    desc.seq_len_q = e.seq_len;
+    desc.seq_len_kv = e.seq_len;
+    desc.head_dim_qk = 64;
+    desc.head_dim_v = 64;
+    desc.dtype = DType::kBF16;
+    desc.device = Device::kCuda;
+    desc.tensors = {{"slopes", TensorDecl{DType::kF32, {4}}},
+                    {"ids", TensorDecl{DType::kI32, {e.seq_len}}}};
+    desc.score_mod = ir::parse(e.score_mod, desc.scope());
+    const std::string body = function_body(
+        generated_part(cuda_engine()->generated_source(Problem(std::move(desc)))),
+        "score_mod_log2");
+    EXPECT_EQ(body.find("ir_small_int_to_float(") != std::string::npos, e.small) << body;
+    EXPECT_EQ(body.find("static_cast<float>") != std::string::npos, !e.small) << body;
   }
 }
 

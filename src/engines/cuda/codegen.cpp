@@ -96,6 +96,9 @@ std::string linear_offset(const TensorDecl& decl, const std::vector<std::string>
   return offset.empty() ? "0" : offset;
 }
 
+// The i32 values ir_small_int_to_float (device_math.cuh) converts exactly: [-2^22, 2^22).
+constexpr double kSmallIntLimit = 4194304.0;
+
 // A function of the dot product with every tanh in its small form (GraphLowering::emit_from_dot).
 struct SmallTanh {
   bool has_tanh = false;   // the function computes a tanh
@@ -120,7 +123,11 @@ class GraphLowering {
  public:
   GraphLowering(const Graph& graph, std::string prefix, const Problem& problem,
                 const ModifierBindings& bindings)
-      : graph_(graph), prefix_(std::move(prefix)), problem_(problem), bindings_(bindings) {
+      : graph_(graph),
+        prefix_(std::move(prefix)),
+        problem_(problem),
+        bindings_(bindings),
+        intervals_(node_intervals(graph, problem.leaf_ranges())) {
     const std::size_t count = graph.nodes().size();
     reachable_.assign(count, false);
     varying_.assign(count, false);
@@ -239,6 +246,12 @@ class GraphLowering {
       }
       if (!stepped) break;
     }
+    // A sum at the base takes the factor term by term (distribute_factor); its nodes are skipped,
+    // and its uses of the score need no `score`.
+    std::string distributed;
+    if (static_cast<float>(factor) != 1.0f && (base == root || uses[base] == 1)) {
+      distributed = distribute_factor(base, factor, score_node, uses, fields, assignments);
+    }
     std::string statements;
     if (score_node >= 0) {
       // The constant factor of each use of the score; all uses must have one to drop `score`.
@@ -246,6 +259,7 @@ class GraphLowering {
       bool all_folded = score_node != static_cast<std::int32_t>(base);
       for (std::size_t i = 0; i < count; ++i) {
         if (!reachable_[i] || std::find(chain.begin(), chain.end(), i) != chain.end()) continue;
+        if (skipped_.count(i) != 0) continue;  // distributed
         const GraphNode& node = graph_.nodes()[i];
         for (std::size_t k = 0; k < node.args.size(); ++k) {
           if (node.args[k] != score_node) continue;
@@ -259,16 +273,9 @@ class GraphLowering {
       }
       if (all_folded) {
         for (const auto& [index, text] : folds) {
-          // One field per product: the derivative reuses score_mod_log2's (and adds no field).
-          const std::string value = fmt::format(" = p.scale * {};\n", text);
-          std::string field = fmt::format("{}{}_dot", prefix_, index);
-          if (const std::size_t at = assignments.find(value); at != std::string::npos) {
-            const std::size_t name = assignments.rfind("inv.", at) + 4;
-            field = assignments.substr(name, at - name);
-          } else {
-            fields += fmt::format("    float {};\n", field);
-            assignments += fmt::format("    inv.{}{}", field, value);
-          }
+          const std::string field =
+              invariant_field(fmt::format("{}{}_dot", prefix_, index),
+                              fmt::format("p.scale * {}", text), fields, assignments);
           overrides_[index] = fmt::format("ir_mul(dot, inv.{})", field);
           override_fields_[index] = field;
         }
@@ -284,7 +291,9 @@ class GraphLowering {
       emit_varying(text);
       const std::string value = reference(base);
       const std::string result =
-          single == 1.0f ? value : fmt::format("ir_mul({}, {})", value, float_literal(factor));
+          !distributed.empty() ? distributed
+          : single == 1.0f     ? value
+                               : fmt::format("ir_mul({}, {})", value, float_literal(factor));
       return text + fmt::format("    return {};\n", result);
     };
     const std::string fast = body(TanhForm::kFast);
@@ -313,6 +322,102 @@ class GraphLowering {
   }
 
  private:
+  // The name of an Invariants field holding `expression` (computed in prepare()), added as
+  // `name` unless a field already holds the same expression: the derivative reuses
+  // score_mod_log2's products and adds no field.
+  static std::string invariant_field(const std::string& name, const std::string& expression,
+                                     std::string& fields, std::string& assignments) {
+    const std::string value = fmt::format(" = {};\n", expression);
+    if (const std::size_t at = assignments.find(value); at != std::string::npos) {
+      const std::size_t start = assignments.rfind("inv.", at) + 4;
+      return assignments.substr(start, at - start);
+    }
+    fields += fmt::format("    float {};\n", name);
+    assignments += fmt::format("    inv.{}{}", name, value);
+    return name;
+  }
+
+  // The root's constant factor (log2(e) times the root's own constants) taken into each term of
+  // a sum at `base`: (score + b) * c becomes dot * (scale * c) + b * c, and ALiBi's
+  // (score + float(kv - q) * slope) * c becomes dot * (scale * c) + float(kv - q) * (slope * c)
+  // with slope * c computed once per block: a multiply and an FMA per score instead of a
+  // multiply, a multiply, an add and the final multiply. Like the other merges, each term moves
+  // by about an ulp. Returns the sum's expression, or empty when `base` is not a sum; the sum's
+  // nodes that the expression replaces are added to skipped_.
+  std::string distribute_factor(std::size_t base, double factor, std::int32_t score_node,
+                                const std::vector<int>& uses, std::string& fields,
+                                std::string& assignments) {
+    const GraphNode& node = graph_.nodes()[base];
+    if (node.type != Type::kF32 || (node.op != Op::kAdd && node.op != Op::kSub)) return {};
+    if (base == staged_index_) return {};
+    return term_times(base, factor, score_node, uses, fields, assignments, true);
+  }
+
+  // Node `index` times `factor` (distribute_factor). `whole`: the node is the sum itself, whose
+  // only use is the function's result.
+  std::string term_times(std::size_t index, double factor, std::int32_t score_node,
+                         const std::vector<int>& uses, std::string& fields,
+                         std::string& assignments, bool whole = false) {
+    const GraphNode& node = graph_.nodes()[index];
+    const std::string factor_text = float_literal(factor);
+    if (static_cast<std::int32_t>(index) == score_node) {
+      const std::string field =
+          invariant_field(fmt::format("{}{}_dot", prefix_, index),
+                          fmt::format("p.scale * {}", factor_text), fields, assignments);
+      return fmt::format("ir_mul(dot, inv.{})", field);
+    }
+    const bool own = (whole || uses[index] == 1) && node.type == Type::kF32 && varying_[index] &&
+                     index != staged_index_;
+    if (own && (node.op == Op::kAdd || node.op == Op::kSub)) {
+      skipped_.insert(index);
+      return fmt::format(
+          "{}({}, {})", node.op == Op::kAdd ? "ir_add" : "ir_sub",
+          term_times(static_cast<std::size_t>(node.args[0]), factor, score_node, uses, fields,
+                     assignments),
+          term_times(static_cast<std::size_t>(node.args[1]), factor, score_node, uses, fields,
+                     assignments));
+    }
+    if (own && node.op == Op::kNeg) {
+      skipped_.insert(index);
+      return fmt::format("ir_neg({})", term_times(static_cast<std::size_t>(node.args[0]), factor,
+                                                  score_node, uses, fields, assignments));
+    }
+    if (own && (node.op == Op::kMul || node.op == Op::kDiv)) {
+      // x * y or x / y with y invariant: x * (y * factor) or x * (factor / y).
+      for (std::size_t k = node.op == Op::kMul ? 0 : 1; k < 2; ++k) {
+        const auto y = static_cast<std::size_t>(node.args[k]);
+        const auto x = static_cast<std::size_t>(node.args[1 - k]);
+        const GraphNode& y_node = graph_.nodes()[y];
+        if (varying_[y] || y_node.type != Type::kF32) continue;
+        std::string times;  // y * factor (or factor / y) as a literal or an Invariants field
+        if (y_node.op == Op::kLiteral) {
+          const double c = node.op == Op::kMul ? y_node.literal * factor : factor / y_node.literal;
+          if (!std::isnormal(static_cast<float>(c))) continue;
+          times = float_literal(c);
+        } else {
+          times = "inv." + invariant_field(
+                               fmt::format("{}{}_times", prefix_, index),
+                               node.op == Op::kMul
+                                   ? fmt::format("ir_mul({}, {})", reference(y), factor_text)
+                                   : fmt::format("ir_div({}, {})", factor_text, reference(y)),
+                               fields, assignments);
+        }
+        skipped_.insert(index);
+        if (static_cast<std::int32_t>(x) == score_node) {
+          const std::string field =
+              invariant_field(fmt::format("{}{}_dot", prefix_, index),
+                              fmt::format("p.scale * {}", times), fields, assignments);
+          return fmt::format("ir_mul(dot, inv.{})", field);
+        }
+        return fmt::format("ir_mul({}, {})", operand(node, 1 - k, Type::kF32), times);
+      }
+    }
+    if (node.type == Type::kF32 && node.op == Op::kLiteral) {
+      return float_literal(node.literal * factor);
+    }
+    return fmt::format("ir_mul({}, {})", converted(index, Type::kF32), factor_text);
+  }
+
   // The condition that tanh argument `index` is below kTanhSmallLimit in magnitude for every
   // |dot| <= bound, or empty when its form is not one whose magnitude grows with |dot|: a fold
   // (`dot * inv.field`), or `score * c`, `c * score`, `score / c` with c invariant (the score is
@@ -383,9 +488,20 @@ class GraphLowering {
 
   // Operand `k` of `node`, converted to `type` when its own type differs.
   std::string operand(const GraphNode& node, std::size_t k, Type type) const {
-    const auto index = static_cast<std::size_t>(node.args[k]);
+    return converted(static_cast<std::size_t>(node.args[k]), type);
+  }
+
+  // Node `index`'s value as `type`.
+  std::string converted(std::size_t index, Type type) const {
     const std::string text = reference(index);
-    if (graph_.nodes()[index].type == type) return text;
+    const Type from = graph_.nodes()[index].type;
+    if (from == type) return text;
+    // An i32 whose range over the problem is small converts without I2F (ir_small_int_to_float).
+    if (from == Type::kI32 && type == Type::kF32 &&
+        intervals_[index].lo >= -kSmallIntLimit &&
+        intervals_[index].hi < kSmallIntLimit) {
+      return fmt::format("ir_small_int_to_float({})", text);
+    }
     return fmt::format("static_cast<{}>({})", c_type(type), text);
   }
 
@@ -558,6 +674,7 @@ class GraphLowering {
   std::string staged_;                                       // and its expression
   const Problem& problem_;
   const ModifierBindings& bindings_;
+  std::vector<Interval> intervals_;  // each node's range over the problem (interval analysis)
   std::vector<bool> reachable_;
   std::vector<bool> varying_;
 };
