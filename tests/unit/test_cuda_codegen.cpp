@@ -530,15 +530,15 @@ TEST(CudaForwardChoice, WgmmaOnlyOnSm90ForSixteenBitHeadDims64And128) {
                         "128, 3, true, {}, false, 2, 1, false, true>",
                         d128.shared_bytes));
   EXPECT_TRUE(d128.pipelined);
-  // Head dim 64: the loop that waits for each product, two stages of 64 keys, two blocks per
+  // Head dim 64: the loop that waits for each product, two stages of 128 keys, two blocks per
   // multiprocessor (the largest shared-memory carveout).
   const cuda::KernelChoice d64 = choose(DType::kF16, 64, 64, 90);
   EXPECT_EQ(d64.kind, cuda::KernelKind::kWgmma);
   EXPECT_FALSE(d64.pipelined);
   EXPECT_EQ(d64.stages, 2);
-  EXPECT_EQ(d64.block_n, 64);
+  EXPECT_EQ(d64.block_n, 128);
   EXPECT_EQ(d64.min_blocks, 2);
-  EXPECT_EQ(d64.shared_bytes, 1024 + 128 * 64 * 2 + 2 * 64 * (64 + 64) * 2);
+  EXPECT_EQ(d64.shared_bytes, 1024 + 128 * 64 * 2 + 2 * 128 * (64 + 64) * 2);
   EXPECT_NE(d64.config_type().find(", false, 2, 2>"), std::string::npos) << d64.config_type();
   EXPECT_EQ(choose(DType::kBF16, 128, 64, 90).kind, cuda::KernelKind::kWgmma);
   // Elsewhere the portable kernels: another architecture or none known, head dims wgmma does not
@@ -946,7 +946,7 @@ TEST(CudaForwardCompile, StagedTensorCompilesForSm90a) {
     EXPECT_FALSE(choice.take_turns);
     EXPECT_EQ(choice.stages, 2);
     const int h = static_cast<int>(head_dim);
-    const int n = head_dim == 64 ? 64 : 128;  // keys per tile
+    const int n = 128;  // keys per tile
     EXPECT_EQ(choice.block_n, n);
     EXPECT_EQ(choice.min_blocks, 1);  // also at head dim 64 (two blocks by default)
     EXPECT_EQ(choice.shared_bytes, 1024 + 128 * h * 2 + 2 * (n * 2 * h * 2 + 128 * n * 2));
@@ -962,6 +962,16 @@ TEST(CudaForwardCompile, StagedTensorCompilesForSm90a) {
       EXPECT_NE(generated.find(fragment), std::string::npos) << fragment << "\n" << generated;
     }
     expect_compiles(source, "staged.cu", kCapability, choice.architecture_suffix());
+    if (head_dim == 64) {
+      // Three stages with the staged tile fit beside Q at head dim 64: the pipelined loop with a
+      // producer warpgroup takes it too.
+      ASSERT_EQ(cuda::apply_wgmma_tile(choice, "d64:pipelined=1,stages=3,blocks=1,producer=1"), "");
+      EXPECT_TRUE(choice.pipelined && choice.producer && choice.stage_tensor);
+      EXPECT_EQ(choice.shared_bytes, 1024 + 128 * h * 2 + 3 * (n * 2 * h * 2 + 128 * n * 2) + 64);
+      expect_compiles(cuda::generate_translation_unit(
+                          problem, cuda::bind_modifier(problem).bindings, choice, nullptr),
+                      "staged_pipelined.cu", kCapability, choice.architecture_suffix());
+    }
   }
   // Without the experiment the generated code has no staged read.
   const Problem plain =

@@ -39,9 +39,11 @@ constexpr int kSimtClassBlockQ = 64;
 // element work while tile j - 1's P V runs: +5 - 7% with softcap and ALiBi, measured), which
 // needs three stages of K and V (tile j's K, tile j - 1's V, tile j + 1's copy: 225 KB with Q, of
 // the 227 KB a block may have); at head dim 64 the pipelined loop measured 8% slower without a
-// modifier (287 vs 311 TFLOP/s), so it waits for each product, with two stages, on 64-key tiles
-// with two blocks per multiprocessor (registers capped at 128 a thread): 292 -> 352 TFLOP/s
-// without a modifier, softcap 155 -> 174, causal 262 -> 301 (H200, 2026-12-02, docs/gpu-runs).
+// modifier (287 vs 311 TFLOP/s), so it waits for each product, with two stages and two blocks
+// per multiprocessor (registers capped at 128 a thread): on 64-key tiles 292 -> 352 TFLOP/s
+// without a modifier, softcap 155 -> 174, causal 262 -> 301 (H200, 2026-12-02, docs/gpu-runs);
+// on 128-key tiles since (the S accumulators in 64 of the 128 registers) 353 -> 389, causal
+// 301 -> 333, ALiBi 289 -> 338, causal softcap 186 -> 206, softcap 223 -> 221 (H200, 2026-12-03).
 // At head dim 128 a producer warpgroup copies the stages (WgmmaConfig::kProducer): no modifier
 // 470 -> 496, softcap 294 -> 299, causal softcap 260 -> 273 (H200, 2026-12-03); not with a staged
 // tensor (359 -> 333) nor at head dim 64 (one block instead of two: 351 -> 241).
@@ -50,8 +52,7 @@ constexpr int kWgmmaBlockM = 128;
 constexpr int kWgmmaBlockN = 128;
 constexpr int kWgmmaWarps = 8;
 constexpr int kWgmmaPipelinedHeadDim = 128;
-constexpr int kWgmmaSmallBlockN = 64;  // head dim 64: 64-key tiles,
-constexpr int kWgmmaSmallMinBlocks = 2;  // two blocks per multiprocessor
+constexpr int kWgmmaSmallMinBlocks = 2;  // head dim 64: two blocks per multiprocessor
 constexpr int kWgmmaAlignment = 1024;  // the dynamic shared memory rounded up to the swizzle
 constexpr int kWgmmaProducerThreads = 128;  // the producer warpgroup (WgmmaConfig::kProducer)
 constexpr int kWgmmaBarrierBytes = 64;      // its stages' mbarriers
@@ -152,7 +153,7 @@ KernelChoice wgmma_choice(const Problem& problem) {
   c.warps = kWgmmaWarps;
   c.block_m = kWgmmaBlockM;
   c.pipelined = std::max(c.head_dim_qk, c.head_dim_v) == kWgmmaPipelinedHeadDim;
-  c.block_n = c.pipelined ? kWgmmaBlockN : kWgmmaSmallBlockN;
+  c.block_n = kWgmmaBlockN;
   c.stages = c.pipelined ? 3 : 2;
   c.min_blocks = c.pipelined ? 1 : kWgmmaSmallMinBlocks;
   c.producer = c.pipelined;
@@ -436,10 +437,6 @@ std::string apply_wgmma_tile(KernelChoice& choice, std::string_view spec) {
   if (c.producer && (warpgroups != 2 || c.min_blocks != 1)) {
     return "FLEXATTN_CUDA_WGMMA_TILE: a producer serves two warpgroups at one block per "
            "multiprocessor (warpgroups=2, blocks=1)";
-  }
-  if (c.pipelined && c.stage_tensor) {
-    return "FLEXATTN_CUDA_WGMMA_TILE: a staged tensor (FLEXATTN_CUDA_STAGE_TENSORS) takes the "
-           "loop without pipelining";
   }
   c.shared_bytes = wgmma_shared_bytes(c);
   if (!wgmma_shared_fits(c)) {

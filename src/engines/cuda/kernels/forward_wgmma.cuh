@@ -102,7 +102,6 @@ struct WgmmaConfig {
   static_assert(kWarpgroups == 1 || kWarpgroups == 2, "one or two warpgroups per block");
   static_assert(kWarpgroups == 2 || !kTakeTurns, "turns are taken between two warpgroups");
   static_assert(kMinBlocks == 1 || kMinBlocks == 2, "one or two blocks per multiprocessor");
-  static_assert(!kStageTensor || !kPipelined, "a staged tensor takes the loop without pipelining");
   static_assert(!kProducer || (kWarpgroups == 2 && kMinBlocks == 1 && kStages <= 4),
                 "a producer serves two computing warpgroups, one block per multiprocessor");
   static_assert(!kProducer || kProducerThreads * kProducerRegisters +
