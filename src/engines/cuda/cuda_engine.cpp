@@ -352,6 +352,10 @@ class CudaPlan final : public Plan {
     forward_.params.tile_offsets = device_ints(forward_.tile_offsets);
     forward_.params.tile_entries = device_ints(forward_.tile_entries);
     forward_.params.class_block_q = tiles.class_block_q;
+    if (const char* order = std::getenv("FLEXATTN_CUDA_BATCH_FASTEST");
+        order != nullptr && std::string_view(order) == "1") {
+      forward_.params.batch_fastest = 1;  // an experiment (params.cuh); wgmma kernels only
+    }
     forward_.grid_x = static_cast<unsigned>(ceil_div(problem.seq_len_q(), lowering.choice.block_m));
     if (lowering.unstaged_choice) {
       unstaged_ = std::make_unique<UnstagedForward>();
