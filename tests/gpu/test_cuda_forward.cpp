@@ -370,8 +370,11 @@ TEST(CudaArguments, MisalignedDataIsRefused) {
 // default), which copies 16-byte chunks. A bias that starts 2 bytes past such a boundary (a view
 // into a larger buffer) still works: the plan runs its forward without staging, with the same
 // result as the aligned call, both within a few bf16 roundings of the reference. Three batches
-// share the bias.
-TEST(CudaArguments, MisalignedStagedTensorRunsWithoutStaging) {
+// share the bias (the staged kernel numbers its blocks batch-fastest). Head dims 128 and 64 (whose
+// staged shape, 64-key tiles, differs from its default: the fallback takes the staged shape).
+class CudaStagedArguments : public ::testing::TestWithParam<std::int64_t> {};
+INSTANTIATE_TEST_SUITE_P(HeadDims, CudaStagedArguments, ::testing::Values(64, 128));
+TEST_P(CudaStagedArguments, MisalignedStagedTensorRunsWithoutStaging) {
   SKIP_WITHOUT_DEVICE();
   const auto engine = device_engine();
   ProblemDesc desc;
@@ -380,7 +383,7 @@ TEST(CudaArguments, MisalignedStagedTensorRunsWithoutStaging) {
   desc.heads_kv = 2;
   desc.seq_len_q = 256;
   desc.seq_len_kv = 256;
-  desc.head_dim_qk = 128;
+  desc.head_dim_qk = GetParam();
   desc.dtype = DType::kBF16;
   desc.layout = Layout::kBHSD;
   desc.tensors["bias"] = TensorDecl{DType::kBF16, {2, 256, 256}};

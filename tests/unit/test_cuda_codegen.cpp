@@ -946,12 +946,31 @@ TEST(CudaForwardCompile, StagedTensorCompilesForSm90a) {
     EXPECT_FALSE(choice.take_turns);
     EXPECT_EQ(choice.stages, 2);
     const int h = static_cast<int>(head_dim);
-    const int n = 128;  // keys per tile
+    const int n = head_dim == 64 ? 64 : 128;  // keys per tile
+    const int blocks = head_dim == 64 ? 2 : 1;  // per multiprocessor
     EXPECT_EQ(choice.block_n, n);
-    EXPECT_EQ(choice.min_blocks, 1);  // also at head dim 64 (two blocks by default)
+    EXPECT_EQ(choice.min_blocks, blocks);
     EXPECT_EQ(choice.shared_bytes, 1024 + 128 * h * 2 + 2 * (n * 2 * h * 2 + 128 * n * 2));
-    EXPECT_NE(choice.config_type().find(", false, 2, 1, true>"), std::string::npos)
+    EXPECT_NE(choice.config_type().find(fmt::format(", false, 2, {}, true>", blocks)),
+              std::string::npos)
         << choice.config_type();
+    // The unstaged fallback: the same shape without the tile.
+    const cuda::KernelChoice unstaged = cuda::without_staged_tensor(choice);
+    EXPECT_FALSE(unstaged.stage_tensor);
+    EXPECT_EQ(unstaged.block_n, n);
+    EXPECT_EQ(unstaged.shared_bytes, 1024 + 128 * h * 2 + 2 * n * 2 * h * 2);
+    if (head_dim == 64) {
+      // The shape measured on the H200 as the experiment d64:block_n=64,blocks=2 over the staged
+      // 128-key default (2026-12-03): the same kernel.
+      cuda::KernelChoice measured = cuda::choose_kernel(problem, kCapability).choice;
+      measured.take_turns = measured.pipelined;
+      cuda::KernelChoice staged128 = measured;
+      staged128.block_n = 128;
+      staged128.min_blocks = 1;
+      staged128.stage_tensor = true;
+      ASSERT_EQ(cuda::apply_wgmma_tile(staged128, "d64:block_n=64,blocks=2"), "");
+      EXPECT_EQ(staged128.config_type(), choice.config_type());
+    }
     EXPECT_NE(choice.describe().find("staged in shared memory"), std::string::npos);
     const std::string source = cuda::generate_translation_unit(
         problem, cuda::bind_modifier(problem).bindings, choice, nullptr);

@@ -104,7 +104,10 @@ Support lower_problem(const Problem& problem, Lowering& lowering, int capability
   if (stage_tensors() && !stageable_tensor(problem).empty()) {
     KernelChoice staged = selection.choice;
     if (stage_wgmma_tensor(staged).empty() && staged.stage_tensor) {
-      unstaged = selection.choice;
+      // The unstaged fallback walks the same tile list: the default shape where the tiles agree
+      // (head dim 128), else the staged shape without its tile (head dim 64's 64-key tiles).
+      unstaged = selection.choice.block_n == staged.block_n ? selection.choice
+                                                            : without_staged_tensor(staged);
       selection.choice = staged;
     }
   }
@@ -352,9 +355,14 @@ class CudaPlan final : public Plan {
     forward_.params.tile_offsets = device_ints(forward_.tile_offsets);
     forward_.params.tile_entries = device_ints(forward_.tile_entries);
     forward_.params.class_block_q = tiles.class_block_q;
+    // A staged tensor's kernel numbers its blocks batch-fastest (params.cuh), so a bias without
+    // a batch index is read from memory once per head: bias at head dim 64 277.5 -> 280.7 TFLOP/s,
+    // causal 236.4 -> 245.1; head dim 128 373.0 -> 374.0 (H200, 2026-12-03).
+    // FLEXATTN_CUDA_BATCH_FASTEST=0|1 overrides it (comparisons).
+    forward_.params.batch_fastest = lowering.choice.stage_tensor ? 1 : 0;
     if (const char* order = std::getenv("FLEXATTN_CUDA_BATCH_FASTEST");
-        order != nullptr && std::string_view(order) == "1") {
-      forward_.params.batch_fastest = 1;  // an experiment (params.cuh); wgmma kernels only
+        order != nullptr && (std::string_view(order) == "0" || std::string_view(order) == "1")) {
+      forward_.params.batch_fastest = std::string_view(order) == "1" ? 1 : 0;
     }
     forward_.grid_x = static_cast<unsigned>(ceil_div(problem.seq_len_q(), lowering.choice.block_m));
     if (lowering.unstaged_choice) {

@@ -365,8 +365,16 @@ std::string stage_wgmma_tensor(KernelChoice& choice) {
   c.take_turns = false;
   c.producer = false;  // measured slower with the staged tile (359 -> 333 TFLOP/s, bias, D 128)
   c.stages = 2;
-  // The staged tile's reads need registers the two-blocks cap (128 a thread) does not leave.
-  c.min_blocks = 1;
+  if (std::max(c.head_dim_qk, c.head_dim_v) == 64) {
+    // Head dim 64: 64-key tiles (82 KB) at two blocks per multiprocessor, as the staged tile's
+    // reads fit 128 registers there: bias 230 -> 278 TFLOP/s against 128-key tiles at one block
+    // (the pipelined loop with a producer and three stages: 258; H200, 2026-12-03).
+    c.block_n = 64;
+    c.min_blocks = 2;
+  } else {
+    // At head dim 128 the staged tile's reads need registers the two-blocks cap does not leave.
+    c.min_blocks = 1;
+  }
   c.shared_bytes = wgmma_shared_bytes(c);
   if (!wgmma_shared_fits(c)) {
     return fmt::format("FLEXATTN_CUDA_STAGE_TENSORS: {} bytes of shared memory do not fit",
@@ -374,6 +382,13 @@ std::string stage_wgmma_tensor(KernelChoice& choice) {
   }
   choice = c;
   return {};
+}
+
+KernelChoice without_staged_tensor(const KernelChoice& staged) {
+  KernelChoice c = staged;
+  c.stage_tensor = false;
+  if (c.kind == KernelKind::kWgmma) c.shared_bytes = wgmma_shared_bytes(c);
+  return c;
 }
 
 std::string apply_wgmma_tile(KernelChoice& choice, std::string_view spec) {

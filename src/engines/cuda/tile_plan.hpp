@@ -67,11 +67,15 @@ struct KernelSelection {
 KernelSelection choose_kernel(const Problem& problem, int capability, bool allow_wgmma = true);
 
 // The wgmma forward with the modifier's stageable tensor (codegen.hpp: stageable_tensor) staged
-// in shared memory beside K and V, a tile per stage: the loop without pipelining, two stages, one
-// block per multiprocessor (the engine's default where it fits; FLEXATTN_CUDA_STAGE_TENSORS=0
-// switches it off). Returns why it cannot (choice unchanged), or empty. Other kernel kinds are
-// left alone.
+// in shared memory beside K and V, a tile per stage: the loop without pipelining, two stages;
+// head dim 128: 128-key tiles, one block per multiprocessor; head dim 64: 64-key tiles, two
+// blocks (the engine's default where it fits; FLEXATTN_CUDA_STAGE_TENSORS=0 switches it off).
+// Returns why it cannot (choice unchanged), or empty. Other kernel kinds are left alone.
 std::string stage_wgmma_tensor(KernelChoice& choice);
+
+// The same kernel shape without the staged tensor: the forward the engine runs for a call whose
+// staged tensor is not 16-byte aligned (it must walk the same tile list on the same grid).
+KernelChoice without_staged_tensor(const KernelChoice& staged);
 
 // Tuning experiments on the wgmma forward's shape (the FLEXATTN_CUDA_WGMMA_TILE variable): `spec`
 // is a comma-separated subset of warpgroups=1|2, block_n=64|128, stages=2..4, pipelined=0|1,

@@ -42,8 +42,9 @@ struct ForwardParams {
   const int* tile_offsets;
   const int* tile_entries;
   int class_block_q;  // query rows per classified block (a multiple of the kernel's block)
-  // 1: the wgmma forward numbers its blocks with the batch fastest (an experiment,
-  // FLEXATTN_CUDA_BATCH_FASTEST=1; forward_wgmma.cuh); 0: (q block, head, batch) as launched.
+  // 1: the wgmma forward numbers its blocks with the batch fastest (forward_wgmma.cuh; the
+  // engine's default with a staged tensor, FLEXATTN_CUDA_BATCH_FASTEST=0|1 overrides it);
+  // 0: (q block, head, batch) as launched.
   int batch_fastest;
   TensorArg tensors[kMaxTensors];
   float params[kMaxParams];
