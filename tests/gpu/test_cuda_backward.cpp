@@ -253,6 +253,24 @@ TEST_P(CudaBackwardGoldenMmaSync, GradientsMatchFlexAttention) {
 INSTANTIATE_TEST_SUITE_P(Cases, CudaBackwardGoldenMmaSync, ::testing::ValuesIn(golden_params()),
                          golden_name);
 
+// The fused dQ (FLEXATTN_CUDA_FUSED_DQ=1: the dK/dV kernel accumulates dQ in kv-tile order, the
+// dQ kernel converts it), where it applies (wgmma, head dim 128, no tensor gradients); other
+// cases run the two-kernel path under the switch and must pass as well.
+class CudaBackwardGoldenFusedDq : public ::testing::TestWithParam<GoldenParam> {
+ protected:
+  void SetUp() override { setenv("FLEXATTN_CUDA_FUSED_DQ", "1", 1); }
+  void TearDown() override { unsetenv("FLEXATTN_CUDA_FUSED_DQ"); }
+};
+
+TEST_P(CudaBackwardGoldenFusedDq, GradientsMatchFlexAttention) {
+  FLEXATTN_SKIP_WITHOUT_GOLDEN();
+  SKIP_WITHOUT_DEVICE();
+  check_golden_gradients(GetParam());
+}
+
+INSTANTIATE_TEST_SUITE_P(Cases, CudaBackwardGoldenFusedDq, ::testing::ValuesIn(golden_params()),
+                         golden_name);
+
 // ---- conformance matrix -------------------------------------------------------------------------
 
 std::vector<conformance::Case> backward_cases() {
@@ -306,6 +324,34 @@ std::string case_name(const ::testing::TestParamInfo<conformance::Case>& info) {
 }
 
 INSTANTIATE_TEST_SUITE_P(Matrix, CudaBackwardConformance, ::testing::ValuesIn(backward_cases()),
+                         case_name);
+
+// The head-dim-128 16-bit cases again under the fused dQ (see CudaBackwardGoldenFusedDq).
+std::vector<conformance::Case> fused_dq_cases() {
+  std::vector<conformance::Case> result;
+  for (const conformance::Case& c : backward_cases()) {
+    if (c.shape.head_dim_qk == 128 && c.dtype != DType::kF32) result.push_back(c);
+  }
+  return result;
+}
+
+class CudaBackwardFusedDq : public ::testing::TestWithParam<conformance::Case> {
+ protected:
+  void SetUp() override { setenv("FLEXATTN_CUDA_FUSED_DQ", "1", 1); }
+  void TearDown() override { unsetenv("FLEXATTN_CUDA_FUSED_DQ"); }
+};
+
+TEST_P(CudaBackwardFusedDq, GradientsMatchReference) {
+  SKIP_WITHOUT_DEVICE();
+  const conformance::Case& c = GetParam();
+  const conformance::Outcome outcome = conformance::run_case(*device_engine(), c);
+  if (outcome.status == conformance::Status::kSkipped) GTEST_SKIP() << outcome.reason;
+  ASSERT_EQ(outcome.status, conformance::Status::kPass)
+      << c.name << ": " << conformance::to_string(outcome.status) << ": " << outcome.reason
+      << " (max error " << outcome.max_error() << ", allowed " << outcome.allowed() << ")";
+}
+
+INSTANTIATE_TEST_SUITE_P(Matrix, CudaBackwardFusedDq, ::testing::ValuesIn(fused_dq_cases()),
                          case_name);
 
 // ---- plans --------------------------------------------------------------------------------------
@@ -438,6 +484,43 @@ std::string determinism_name(const ::testing::TestParamInfo<DeterminismParam>& p
 
 INSTANTIATE_TEST_SUITE_P(Modifiers, CudaBackwardDeterminism,
                          ::testing::ValuesIn(determinism_params()), determinism_name);
+
+// The fused dQ's sums are ordered by kv tile: repeated runs give the same bytes, on a problem
+// where many kv tiles add to each q block (GQA 8:2, causal, partial tiles, two batches), and
+// the plan says it took the fused path.
+TEST(CudaBackwardFusedDqPlan, RepeatedRunsAreBitIdentical) {
+  SKIP_WITHOUT_DEVICE();
+  setenv("FLEXATTN_CUDA_FUSED_DQ", "1", 1);
+  ProblemDesc desc;
+  desc.batch = 2;
+  desc.heads_q = 8;
+  desc.heads_kv = 2;
+  desc.seq_len_q = 1031;
+  desc.seq_len_kv = 1031;
+  desc.head_dim_qk = 128;
+  desc.dtype = DType::kBF16;
+  desc.layout = Layout::kBSHD;
+  desc.device = Device::kCuda;
+  desc.direction = Direction::kForwardBackward;
+  desc.score_mod = ir::parse("30 * tanh(score / 30)", desc.scope());
+  desc.mask_mod = ir::parse("q >= kv", desc.scope());
+  const Problem problem(desc);
+  const std::string description = device_engine()->plan(problem)->info().description;
+  DeviceRun run(device_engine(), problem, random_inputs(problem, 5), {});
+  unsetenv("FLEXATTN_CUDA_FUSED_DQ");
+  if (description.find("wgmma") == std::string::npos) GTEST_SKIP() << "no wgmma: " << description;
+  EXPECT_NE(description.find("dQ accumulated by the dK/dV kernel"), std::string::npos)
+      << description;
+  run.forward();
+  const Outputs first = run.backward();
+  ASSERT_TRUE(all_finite(first.dq) && all_finite(first.dk) && all_finite(first.dv));
+  for (int again = 1; again < kBackwardRuns; ++again) {
+    const Outputs other = run.backward();
+    EXPECT_TRUE(same_bytes(first.dq, other.dq)) << "dq, run " << again + 1;
+    EXPECT_TRUE(same_bytes(first.dk, other.dk)) << "dk, run " << again + 1;
+    EXPECT_TRUE(same_bytes(first.dv, other.dv)) << "dv, run " << again + 1;
+  }
+}
 
 // ---- rows and keys nothing sees ---------------------------------------------------------------
 

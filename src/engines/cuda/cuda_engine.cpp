@@ -68,6 +68,13 @@ Support lower_backward(const Problem& problem, Lowering& lowering, int capabilit
   } catch (const Error& error) {
     return Support::no(fmt::format("cannot differentiate the score modifier: {}", error.what()));
   }
+  // FLEXATTN_CUDA_FUSED_DQ=1: the dK/dV kernel accumulates dQ (use_fused_dq), where it applies;
+  // an experiment until measured (docs/design/wgmma-plan.md).
+  if (const char* fused = std::getenv("FLEXATTN_CUDA_FUSED_DQ");
+      fused != nullptr && std::string_view(fused) == "1") {
+    BackwardChoice& choice = lowering.backward->choice;
+    static_cast<void>(use_fused_dq(choice, !lowering.backward->load_derivatives.empty()));
+  }
   // The finalize kernel converts one tensor gradient per launch, in a one-dimensional grid.
   for (const std::string& name : lowering.bindings.tensors) {
     std::int64_t elements = 1;
@@ -305,8 +312,11 @@ struct BackwardState {
   DeviceBuffer tile_entries;
   DeviceBuffer kv_tile_offsets;
   DeviceBuffer kv_tile_entries;
+  DeviceBuffer kv_tile_turns;  // the fused dQ's order (choice.fused_dq)
   BackwardParams params{};
   std::size_t delta_floats = 0;  // one per (b, h, query), like the LSE
+  std::size_t dq_accum_floats = 0;  // fused dQ: tokens x heads x head_dim_qk
+  std::size_t dq_counters = 0;      // fused dQ: batch x heads x q blocks
 };
 
 class CudaPlan final : public Plan {
@@ -401,6 +411,17 @@ class CudaPlan final : public Plan {
       p.kv_tile_offsets = device_ints(b.kv_tile_offsets);
       p.kv_tile_entries = device_ints(b.kv_tile_entries);
       b.delta_floats = static_cast<std::size_t>(lse.numel());
+      if (b.choice.fused_dq) {
+        const TileList& kv_list = dkdv_tiles != nullptr ? *dkdv_tiles : *backward_tiles;
+        b.kv_tile_turns = upload_ints(driver_, kv_tile_turns(transposed, kv_list.query_blocks));
+        p.kv_tile_turns = device_ints(b.kv_tile_turns);
+        p.heads_q = static_cast<int>(problem.heads_q());
+        p.dq_blocks = static_cast<int>(kv_list.query_blocks);
+        b.dq_accum_floats = static_cast<std::size_t>(problem.total_tokens_q() * problem.heads_q() *
+                                                     problem.head_dim_qk());
+        b.dq_counters = static_cast<std::size_t>(problem.batch() * problem.heads_q() *
+                                                 kv_list.query_blocks);
+      }
     }
   }
 
@@ -465,6 +486,11 @@ class CudaPlan final : public Plan {
     std::vector<Gradient> gradients;
     std::size_t bytes = align_scratch(b.delta_floats * sizeof(float));
     const std::size_t accumulators_begin = bytes;
+    // Fused dQ: its fp32 sums and the order counters, zeroed with the gradient accumulators.
+    const std::size_t dq_accum_offset = bytes;
+    bytes += align_scratch(b.dq_accum_floats * sizeof(float));
+    const std::size_t dq_counters_offset = bytes;
+    bytes += align_scratch(b.dq_counters * sizeof(int));
     for (std::size_t slot = 0; slot < bindings_.tensors.size(); ++slot) {
       const auto found = args.tensor_grads.find(bindings_.tensors[slot]);
       if (found == args.tensor_grads.end()) continue;
@@ -476,7 +502,11 @@ class CudaPlan final : public Plan {
     const auto stream = static_cast<CUstream>(args.stream);
     StreamScratch scratch(*driver_, bytes, stream);
     p.delta = reinterpret_cast<float*>(scratch.address());
-    if (!gradients.empty()) {
+    if (b.choice.fused_dq) {
+      p.dq_accum = reinterpret_cast<float*>(scratch.address() + dq_accum_offset);
+      p.dq_counters = reinterpret_cast<int*>(scratch.address() + dq_counters_offset);
+    }
+    if (bytes > accumulators_begin) {
       driver_->check(driver_->api().memset_d8_async(scratch.address() + accumulators_begin, 0,
                                                     bytes - accumulators_begin, stream),
                      "cuMemsetD8Async");

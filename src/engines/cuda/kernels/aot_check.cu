@@ -281,3 +281,21 @@ FLEXATTN_AOT_BACKWARD_WGMMA(aot_backward_wgmma_bf16_d128, IdentityModifier, BFlo
 FLEXATTN_AOT_BACKWARD_WGMMA(aot_backward_wgmma_bf16_d128_softcap, CausalSoftcapModifier,
                             BFloat16Tag, 128, 128)
 FLEXATTN_AOT_BACKWARD_WGMMA(aot_backward_wgmma_f16_d64, CausalSoftcapModifier, HalfTag, 64, 64)
+
+// The fused dQ (kFusedDq): 16 KB more for dS^T (128 keys x 64 queries), head dim 128.
+#define FLEXATTN_AOT_BACKWARD_FUSED(name, modifier, tag)                                         \
+  using name##_config = flexattn_kernels::BackwardWgmmaConfig<                                 \
+      tag, 128, 128, 1024 + 128 * 256 * 2 + 2 * 64 * 256 * 2 + 2 * 512 + 128 * 64 * 2,        \
+      1024 + 128 * 256 * 2 + 2 * 64 * 256 * 2, true>;                                          \
+  extern "C" __global__ void __launch_bounds__(name##_config::kThreads, 1)                     \
+      name##_dkdv(const BackwardParams params) {                                               \
+    flexattn_kernels::backward_dkdv_wgmma<name##_config, modifier>(params);                    \
+  }                                                                                            \
+  extern "C" __global__ void __launch_bounds__(name##_config::kThreads, 1)                     \
+      name##_dq(const BackwardParams params) {                                                 \
+    flexattn_kernels::backward_dq_wgmma<name##_config, modifier>(params);                      \
+  }
+
+// (The generated softcap unit compiles in test_cuda_codegen; CausalSoftcapModifier here has
+// tensor gradients, which take the dQ kernel.)
+FLEXATTN_AOT_BACKWARD_FUSED(aot_backward_fused_bf16_d128, IdentityModifier, BFloat16Tag)

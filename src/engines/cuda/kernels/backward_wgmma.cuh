@@ -27,9 +27,13 @@
 
 namespace flexattn_kernels {
 
-template <class ElementTag, int kHeadDimQk_, int kHeadDimV_, int kSharedBytes_, int kSharedDq_>
+template <class ElementTag, int kHeadDimQk_, int kHeadDimV_, int kSharedBytes_, int kSharedDq_,
+          bool kFusedDq_ = false>
 struct BackwardWgmmaConfig {
   using Tag = ElementTag;
+  // The dK/dV kernel also accumulates dQ (dS K per kv tile, added to global memory in kv-tile
+  // order) and the dQ kernel only converts it (docs/design/wgmma-plan.md, "dQ fused").
+  static constexpr bool kFusedDq = kFusedDq_;
   static constexpr int kHeadDimQk = kHeadDimQk_;
   static constexpr int kHeadDimV = kHeadDimV_;
   static constexpr int kWarpgroups = 2;
@@ -59,8 +63,14 @@ struct BackwardWgmmaConfig {
       2 * kBlockQ * static_cast<int>(sizeof(float));  // lse, delta
   static constexpr int kAlignment = 1024;             // the panels' swizzle (forward_wgmma.cuh)
   static constexpr int kStreamBytes = kStages * (kQBytes + kDoBytes);
+  // kFusedDq: dS^T of the q block (128 keys x 64 queries, rows of keys: one 128-byte panel row
+  // each), the MN-major A operand of dQ = dS K.
+  using DsLayout = SwizzledPanels<kBlockKv, kBlockQ / kChunkElements>;
+  static constexpr int kDsBytes = kFusedDq ? kBlockKv * kBlockQ * 2 : 0;
+  static constexpr int kDqColumns = kHeadDimQk / kWarpgroups;  // dQ columns per warpgroup
+  static constexpr int kDqTiles = kDqColumns / 8;
   static constexpr int kSharedBytes =
-      kAlignment + kKBytes + kVBytes + kStreamBytes + kStages * kRowStageBytes;
+      kAlignment + kKBytes + kVBytes + kStreamBytes + kStages * kRowStageBytes + kDsBytes;
 
   static_assert((kHeadDimQk == 64 || kHeadDimQk == 128) && (kHeadDimV == 64 || kHeadDimV == 128),
                 "the wgmma backward takes head dims 64 and 128");
@@ -69,6 +79,9 @@ struct BackwardWgmmaConfig {
   static_assert(kStreamBytes >= kBlockKv * (kChunksQk + kChunksV) * kChunkBytes,
                 "dK and dV fit the streaming stages");
   static_assert(kSharedBytes == kSharedBytes_, "the host's shared-memory size (tile_plan.cpp)");
+  static_assert(!kFusedDq || kHeadDimQk == 128,
+                "the fused dQ splits 128 columns into one 64-column panel of K per warpgroup");
+  static_assert(kBlockQ == 64, "dS^T rows are one 64-query panel row");
 
   // The dQ kernel: two warpgroups of 64 query rows (128), kv tiles of 64 keys in kStages stages.
   static constexpr int kDqBlockQ = kWarpgroupRows * kWarpgroups;
@@ -124,6 +137,13 @@ __device__ __forceinline__ void backward_dkdv_wgmma(const BackwardParams& bp) {
   const unsigned row_tiles = do_tiles + Config::kStages * Config::kDoBytes;
   unsigned char* stream_area = shared + Config::kKBytes + Config::kVBytes;
   const float* row_floats = reinterpret_cast<const float*>(stream_area + Config::kStreamBytes);
+  // kFusedDq: the dS^T tile after the row stages (1024-byte aligned: everything before it is
+  // whole kilobytes). Its addresses and dq_accum's are computed where they are used, so they
+  // take no registers during the element pipeline.
+  constexpr int kDsOffset = Config::kKBytes + Config::kVBytes + Config::kStreamBytes +
+                            Config::kStages * Config::kRowStageBytes;
+  static_assert(!Config::kFusedDq || !Modifier::kHasTensorGrads,
+                "tensor gradients take the dQ kernel (its exact-delta pass and scatter)");
 
   load_rows_async<Config::kBlockKv, typename Config::KLayout, Config::kChunksQk, kThreads>(
       k_tile, view_row<const unsigned short>(p.k, batch, span.kv_offset + kv_start, head_kv),
@@ -254,6 +274,20 @@ __device__ __forceinline__ void backward_dkdv_wgmma(const BackwardParams& bp) {
       fence_operands(pa[step]);
       fence_operands(sa[step]);
     }
+    // kFusedDq: dQ[:, 64 g .. 64 g + 63] of this q block over the 128 keys, for warpgroup g.
+    float dq_part[Config::kDqTiles][4];
+    float(&dq_flat)[Config::kDqTiles * 4] =
+        reinterpret_cast<float(&)[Config::kDqTiles * 4]>(dq_part);
+    if constexpr (Config::kFusedDq) {
+      // This warp's 16 keys of dS^T (the values sa holds) into the shared tile; the block's
+      // barrier at the top of the next iteration keeps it until both warpgroups' dQ products
+      // are done with it.
+      stage_rows<Tag, Config::kBlockQ / kChunkElements>(
+          aligned_shared_memory<Config::kAlignment>().pointer + kDsOffset, dpt, warp * 16, group,
+          quad_lane, 1.0f);
+      fence_async_shared();
+      __syncthreads();  // both warpgroups' keys stored
+    }
     fence_operands(dk_flat);
     fence_operands(dv_flat);
     wgmma_fence();
@@ -275,6 +309,54 @@ __device__ __forceinline__ void backward_dkdv_wgmma(const BackwardParams& bp) {
     wgmma_wait<0>();
     fence_operands(dk_flat);
     fence_operands(dv_flat);
+    if constexpr (Config::kFusedDq) {
+      // dQ = dS K in its own group, once the P^T and dS^T fragments are free (one group with
+      // dV and dK kept them live beside dQ's 32 accumulators: 80 bytes of spills at softcap).
+      // A = dS^T (keys x queries, MN-major), B = panel g of K (keys x 64 dims, MN-major);
+      // k = the 128 keys in steps of 16 rows.
+      const unsigned long long ds_values =
+          matrix_descriptor(aligned_shared_memory<Config::kAlignment>().address + kDsOffset,
+                            Config::DsLayout::kPanelBytes, kCoreGroupBytes);
+      const unsigned long long k_values = matrix_descriptor(
+          k_tile + warpgroup * Config::KLayout::kPanelBytes, Config::KLayout::kPanelBytes,
+          kCoreGroupBytes);
+      fence_operands(dq_flat);
+      wgmma_fence();
+#pragma unroll
+      for (int step = 0; step < Config::kBlockKv / 16; ++step) {
+        wgmma_ss_tt_n64(Tag{}, dq_flat, advance_descriptor(ds_values, step * 16 * kPanelRowBytes),
+                        advance_descriptor(k_values, step * 16 * kPanelRowBytes), step > 0);
+      }
+      wgmma_commit();
+      wgmma_wait<0>();
+      fence_operands(dq_flat);
+      // Added in kv-tile order: this tile's turn among those visiting the q block (host table),
+      // so the fp32 sums are the same in every run.
+      int* counter = bp.dq_counters +
+                     (static_cast<long long>(batch) * bp.heads_q + head) * bp.dq_blocks + (entry >> 1);
+      if (thread == 0) wait_for_turn(counter, bp.kv_tile_turns[begin + iteration % per_head]);
+      __syncthreads();
+      const int warp_row = (warp % 4) * 16 + group;
+      // This sequence's first token in dq_accum.
+      const long long dq_token0 =
+          (p.cu_seqlens_q != nullptr ? 0LL : static_cast<long long>(batch) * p.seq_len_q) +
+          span.q_offset;
+#pragma unroll
+      for (int half = 0; half < 2; ++half) {
+        const int row = q_start + warp_row + half * 8;
+        if (row < span.q_len) {
+          float* destination =
+              bp.dq_accum + ((dq_token0 + row) * bp.heads_q + head) * Config::kHeadDimQk +
+              warpgroup * Config::kDqColumns + 2 * quad_lane;
+#pragma unroll
+          for (int j = 0; j < Config::kDqTiles; ++j) {
+            reduce_add_pair(destination + 8 * j, dq_part[j][2 * half], dq_part[j][2 * half + 1]);
+          }
+        }
+      }
+      __syncthreads();  // every thread's additions precede the release
+      if (thread == 0) pass_turn(counter, bp.kv_tile_turns[begin + iteration % per_head] + 1);
+    }
   }
   wait_copies<0>();
   __syncthreads();  // every warp is done with the stages: they now stage dK and dV
@@ -293,8 +375,48 @@ __device__ __forceinline__ void backward_dkdv_wgmma(const BackwardParams& bp) {
       bp.dv.token_stride, rows_valid, thread);
 }
 
+// With kFusedDq, the dQ kernel's grid converts what the dK/dV kernel accumulated: dq_accum
+// times the scale, as the storage type, into dq's layout (16-byte stores).
+template <class Config>
+__device__ __forceinline__ void finalize_fused_dq(const BackwardParams& bp) {
+  using Tag = typename Config::Tag;
+  constexpr int kBlockQ = Config::kDqBlockQ;
+  constexpr int kChunks = Config::kHeadDimQk / kChunkElements;
+  const ForwardParams& p = bp.fwd;
+  const int q_block = gridDim.x - 1 - blockIdx.x;
+  const int head = blockIdx.y;
+  const int batch = blockIdx.z;
+  const SequenceSpan span = sequence_span(p, batch);
+  const int q_start = q_block * kBlockQ;
+  if (q_start >= span.q_len) return;
+  const int rows_valid = ir_min(kBlockQ, span.q_len - q_start);
+  const long long token0 =
+      (p.cu_seqlens_q != nullptr ? 0LL : static_cast<long long>(batch) * p.seq_len_q) +
+      span.q_offset + q_start;
+  for (int index = threadIdx.x; index < rows_valid * kChunks; index += Config::kThreads) {
+    const int row = index / kChunks;
+    const int chunk = index % kChunks;
+    const float* source = bp.dq_accum + ((token0 + row) * bp.heads_q + head) * Config::kHeadDimQk +
+                          chunk * kChunkElements;
+    const float4 low = reinterpret_cast<const float4*>(source)[0];
+    const float4 high = reinterpret_cast<const float4*>(source)[1];
+    SharedChunk packed;
+    packed.words[0] = pack_pair(Tag{}, low.x * p.scale, low.y * p.scale);
+    packed.words[1] = pack_pair(Tag{}, low.z * p.scale, low.w * p.scale);
+    packed.words[2] = pack_pair(Tag{}, high.x * p.scale, high.y * p.scale);
+    packed.words[3] = pack_pair(Tag{}, high.z * p.scale, high.w * p.scale);
+    *reinterpret_cast<SharedChunk*>(
+        view_row<unsigned short>(bp.dq, batch, span.q_offset + q_start + row, head) +
+        chunk * kChunkElements) = packed;
+  }
+}
+
 template <class Config, class Modifier>
 __device__ __forceinline__ void backward_dq_wgmma(const BackwardParams& bp) {
+  if constexpr (Config::kFusedDq) {
+    finalize_fused_dq<Config>(bp);
+    return;
+  }
   using Tag = typename Config::Tag;
   constexpr int kThreads = Config::kThreads;
   constexpr int kBlockQ = Config::kDqBlockQ;

@@ -210,6 +210,33 @@ FLEXATTN_WGMMA_RS(BFloat16Tag, "bf16", 128, 64, FLEXATTN_WGMMA_D64, FLEXATTN_WGM
 FLEXATTN_WGMMA_RS(HalfTag, "f16", 128, 64, FLEXATTN_WGMMA_D64, FLEXATTN_WGMMA_ACC64,
                   "%64, %65, %66, %67", "%68", "%69")
 
+// d (64 x N) = A B (+ d when accumulate != 0), both operands MN-major in shared memory (the
+// transpose flags set): A stored K x M (M contiguous, e.g. dS^T rows of keys for dQ = dS K), B
+// stored K x N (N contiguous, e.g. K rows of keys). wgmma_ss_tt_n<N>; descriptors as for an
+// MN-major B (matrix_descriptor's comment), a k-step of 16 rows 2048 bytes further.
+#if FLEXATTN_WGMMA_AVAILABLE
+#define FLEXATTN_WGMMA_SS_TT(TAG, TYPE, N, ACC, PLACEHOLDERS, OPERANDS, A, B, SCALE)               \
+  __device__ __forceinline__ void wgmma_ss_tt_n##N(TAG, float(&d)[ACC], unsigned long long a,      \
+                                                   unsigned long long b, int accumulate) {         \
+    asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, " SCALE                                         \
+                 ", 0;\n"                                                                          \
+                 "wgmma.mma_async.sync.aligned.m64n" #N "k16.f32." TYPE "." TYPE " {" PLACEHOLDERS \
+                 "}, " A ", " B ", p, 1, 1, 1, 1;\n}\n"                                            \
+                 : OPERANDS                                                                        \
+                 : "l"(a), "l"(b), "r"(accumulate));                                               \
+  }
+#else
+#define FLEXATTN_WGMMA_SS_TT(TAG, TYPE, N, ACC, PLACEHOLDERS, OPERANDS, A, B, SCALE)       \
+  __device__ __forceinline__ void wgmma_ss_tt_n##N(TAG, float(&)[ACC], unsigned long long, \
+                                                   unsigned long long, int) {              \
+    __trap();                                                                              \
+  }
+#endif
+FLEXATTN_WGMMA_SS_TT(BFloat16Tag, "bf16", 64, 32, FLEXATTN_WGMMA_D32, FLEXATTN_WGMMA_ACC32, "%32",
+                     "%33", "%34")
+FLEXATTN_WGMMA_SS_TT(HalfTag, "f16", 64, 32, FLEXATTN_WGMMA_D32, FLEXATTN_WGMMA_ACC32, "%32",
+                     "%33", "%34")
+#undef FLEXATTN_WGMMA_SS_TT
 #undef FLEXATTN_WGMMA_SS
 #undef FLEXATTN_WGMMA_RS
 #undef FLEXATTN_WGMMA_ACC64
@@ -239,6 +266,36 @@ __device__ __forceinline__ void wgmma_from_registers(Tag tag, float (&d)[kCount]
   } else {
     wgmma_rs_n128(tag, d, a, b, accumulate);
   }
+}
+
+
+// ---- ordered global accumulation (the fused dQ, backward_wgmma.cuh) -------------------------
+
+// Spins until the gpu-scope counter holds `turn` (acquire: what the holder of the previous turn
+// wrote before its release is visible after it).
+__device__ __forceinline__ void wait_for_turn(const int* counter, int turn) {
+  for (;;) {
+    int value;
+    asm volatile("ld.acquire.gpu.global.b32 %0, [%1];\n" : "=r"(value) : "l"(counter) : "memory");
+    if (value == turn) return;
+    __nanosleep(32);
+  }
+}
+// Hands the counter to the next turn (release, after a fence covering the block's writes that
+// the caller's barrier ordered before it).
+__device__ __forceinline__ void pass_turn(int* counter, int next) {
+  __threadfence();
+  asm volatile("st.release.gpu.global.b32 [%0], %1;\n" ::"l"(counter), "r"(next) : "memory");
+}
+// address[0] += a, address[1] += b in one vector reduction (8-byte aligned global memory).
+__device__ __forceinline__ void reduce_add_pair(float* address, float a, float b) {
+#if FLEXATTN_WGMMA_AVAILABLE
+  asm volatile("red.global.add.v2.f32 [%0], {%1, %2};\n" ::"l"(address), "f"(a), "f"(b)
+               : "memory");
+#else
+  atomicAdd(address, a);
+  atomicAdd(address + 1, b);
+#endif
 }
 
 }  // namespace flexattn_kernels
