@@ -268,8 +268,20 @@ TEST_P(CudaBackwardGoldenFusedDq, GradientsMatchFlexAttention) {
   check_golden_gradients(GetParam());
 }
 
-INSTANTIATE_TEST_SUITE_P(Cases, CudaBackwardGoldenFusedDq, ::testing::ValuesIn(golden_params()),
-                         golden_name);
+// 16-bit storage only (fp32 takes the fp32 kernels), in the layouts whose token offsets differ
+// (bhsd's strides are covered by the conformance cases below).
+std::vector<GoldenParam> fused_dq_golden_params() {
+  std::vector<GoldenParam> params;
+  for (const GoldenParam& param : golden_params()) {
+    if (std::get<2>(param) != DType::kF32 && std::get<1>(param) != Layout::kBHSD) {
+      params.push_back(param);
+    }
+  }
+  return params;
+}
+
+INSTANTIATE_TEST_SUITE_P(Cases, CudaBackwardGoldenFusedDq,
+                         ::testing::ValuesIn(fused_dq_golden_params()), golden_name);
 
 // ---- conformance matrix -------------------------------------------------------------------------
 
