@@ -17,6 +17,7 @@
 #include <cstring>
 #include <map>
 #include <memory>
+#include <optional>
 #include <ostream>
 #include <string>
 #include <tuple>
@@ -239,9 +240,7 @@ INSTANTIATE_TEST_SUITE_P(Cases, CudaBackwardGolden, ::testing::ValuesIn(golden_p
 // The mma.sync kernels where sm_90 would get the wgmma ones (FLEXATTN_CUDA_WGMMA=0: forward and
 // dK/dV), so both stay verified on the H200.
 class CudaBackwardGoldenMmaSync : public ::testing::TestWithParam<GoldenParam> {
- protected:
-  void SetUp() override { setenv("FLEXATTN_CUDA_WGMMA", "0", 1); }
-  void TearDown() override { unsetenv("FLEXATTN_CUDA_WGMMA"); }
+  const ScopedEnvironment mma_sync_{"FLEXATTN_CUDA_WGMMA", "0"};
 };
 
 TEST_P(CudaBackwardGoldenMmaSync, GradientsMatchFlexAttention) {
@@ -257,9 +256,7 @@ INSTANTIATE_TEST_SUITE_P(Cases, CudaBackwardGoldenMmaSync, ::testing::ValuesIn(g
 // dQ kernel converts it), where it applies (wgmma, head dim 128, no tensor gradients); other
 // cases run the two-kernel path under the switch and must pass as well.
 class CudaBackwardGoldenFusedDq : public ::testing::TestWithParam<GoldenParam> {
- protected:
-  void SetUp() override { setenv("FLEXATTN_CUDA_FUSED_DQ", "1", 1); }
-  void TearDown() override { unsetenv("FLEXATTN_CUDA_FUSED_DQ"); }
+  const ScopedEnvironment fused_{"FLEXATTN_CUDA_FUSED_DQ", "1"};
 };
 
 TEST_P(CudaBackwardGoldenFusedDq, GradientsMatchFlexAttention) {
@@ -318,14 +315,18 @@ std::vector<conformance::Case> backward_cases() {
 
 class CudaBackwardConformance : public ::testing::TestWithParam<conformance::Case> {};
 
-TEST_P(CudaBackwardConformance, GradientsMatchReference) {
-  SKIP_WITHOUT_DEVICE();
-  const conformance::Case& c = GetParam();
+// Runs one conformance case on the device engine against cpu_ref.
+void check_conformance_case(const conformance::Case& c) {
   const conformance::Outcome outcome = conformance::run_case(*device_engine(), c);
   if (outcome.status == conformance::Status::kSkipped) GTEST_SKIP() << outcome.reason;
   ASSERT_EQ(outcome.status, conformance::Status::kPass)
       << c.name << ": " << conformance::to_string(outcome.status) << ": " << outcome.reason
       << " (max error " << outcome.max_error() << ", allowed " << outcome.allowed() << ")";
+}
+
+TEST_P(CudaBackwardConformance, GradientsMatchReference) {
+  SKIP_WITHOUT_DEVICE();
+  check_conformance_case(GetParam());
 }
 
 std::string case_name(const ::testing::TestParamInfo<conformance::Case>& info) {
@@ -348,19 +349,12 @@ std::vector<conformance::Case> fused_dq_cases() {
 }
 
 class CudaBackwardFusedDq : public ::testing::TestWithParam<conformance::Case> {
- protected:
-  void SetUp() override { setenv("FLEXATTN_CUDA_FUSED_DQ", "1", 1); }
-  void TearDown() override { unsetenv("FLEXATTN_CUDA_FUSED_DQ"); }
+  const ScopedEnvironment fused_{"FLEXATTN_CUDA_FUSED_DQ", "1"};
 };
 
 TEST_P(CudaBackwardFusedDq, GradientsMatchReference) {
   SKIP_WITHOUT_DEVICE();
-  const conformance::Case& c = GetParam();
-  const conformance::Outcome outcome = conformance::run_case(*device_engine(), c);
-  if (outcome.status == conformance::Status::kSkipped) GTEST_SKIP() << outcome.reason;
-  ASSERT_EQ(outcome.status, conformance::Status::kPass)
-      << c.name << ": " << conformance::to_string(outcome.status) << ": " << outcome.reason
-      << " (max error " << outcome.max_error() << ", allowed " << outcome.allowed() << ")";
+  check_conformance_case(GetParam());
 }
 
 INSTANTIATE_TEST_SUITE_P(Matrix, CudaBackwardFusedDq, ::testing::ValuesIn(fused_dq_cases()),
@@ -410,6 +404,10 @@ struct DeterminismParam {
   std::string label;
   std::string score_mod;
   DType dtype;
+  std::int64_t head_dim = 64;
+  // FLEXATTN_CUDA_FUSED_DQ=1: dQ summed across kv tiles in global memory, in kv-tile order; the
+  // plan must say it took that path (wgmma devices).
+  bool fused_dq = false;
 };
 
 // Names the parameter in test listings (instead of its bytes).
@@ -433,6 +431,8 @@ bool all_finite(const HostTensor& tensor) {
 TEST_P(CudaBackwardDeterminism, RepeatedRunsAreBitIdentical) {
   SKIP_WITHOUT_DEVICE();
   const DeterminismParam& param = GetParam();
+  std::optional<ScopedEnvironment> fused;
+  if (param.fused_dq) fused.emplace("FLEXATTN_CUDA_FUSED_DQ", "1");
   // GQA 8:2, causal, lengths that leave partial tiles, several q blocks per kv tile.
   ProblemDesc desc;
   desc.batch = 2;
@@ -440,7 +440,7 @@ TEST_P(CudaBackwardDeterminism, RepeatedRunsAreBitIdentical) {
   desc.heads_kv = 2;
   desc.seq_len_q = 515;
   desc.seq_len_kv = 515;
-  desc.head_dim_qk = 64;
+  desc.head_dim_qk = param.head_dim;
   desc.dtype = param.dtype;
   desc.layout = Layout::kBSHD;
   desc.device = Device::kCuda;
@@ -451,6 +451,12 @@ TEST_P(CudaBackwardDeterminism, RepeatedRunsAreBitIdentical) {
   desc.mask_mod = ir::parse("q >= kv", desc.scope());
   const Problem problem(desc);
   ASSERT_TRUE(supported(problem));
+  if (param.fused_dq) {
+    const std::string description = device_engine()->plan(problem)->info().description;
+    if (description.find("wgmma") == std::string::npos) GTEST_SKIP() << "no wgmma: " << description;
+    EXPECT_NE(description.find("dQ accumulated by the dK/dV kernel"), std::string::npos)
+        << description;
+  }
 
   Inputs inputs = random_inputs(problem, 7);
   // ALiBi's slopes 2^(-8 (h + 1) / heads): logits stay in a realistic range.
@@ -487,6 +493,8 @@ std::vector<DeterminismParam> determinism_params() {
     params.push_back({"bias_" + suffix, "score + bias[h, q, kv]", dtype});
     params.push_back({"alibi_" + suffix, "score + slopes[h] * (kv - q)", dtype});
   }
+  // The fused dQ's ordered sums: five kv tiles of 128 keys add to each 64-row q block.
+  params.push_back({"softcap_bf16_d128_fused_dq", "30 * tanh(score / 30)", DType::kBF16, 128, true});
   return params;
 }
 
@@ -496,43 +504,6 @@ std::string determinism_name(const ::testing::TestParamInfo<DeterminismParam>& p
 
 INSTANTIATE_TEST_SUITE_P(Modifiers, CudaBackwardDeterminism,
                          ::testing::ValuesIn(determinism_params()), determinism_name);
-
-// The fused dQ's sums are ordered by kv tile: repeated runs give the same bytes, on a problem
-// where many kv tiles add to each q block (GQA 8:2, causal, partial tiles, two batches), and
-// the plan says it took the fused path.
-TEST(CudaBackwardFusedDqPlan, RepeatedRunsAreBitIdentical) {
-  SKIP_WITHOUT_DEVICE();
-  setenv("FLEXATTN_CUDA_FUSED_DQ", "1", 1);
-  ProblemDesc desc;
-  desc.batch = 2;
-  desc.heads_q = 8;
-  desc.heads_kv = 2;
-  desc.seq_len_q = 1031;
-  desc.seq_len_kv = 1031;
-  desc.head_dim_qk = 128;
-  desc.dtype = DType::kBF16;
-  desc.layout = Layout::kBSHD;
-  desc.device = Device::kCuda;
-  desc.direction = Direction::kForwardBackward;
-  desc.score_mod = ir::parse("30 * tanh(score / 30)", desc.scope());
-  desc.mask_mod = ir::parse("q >= kv", desc.scope());
-  const Problem problem(desc);
-  const std::string description = device_engine()->plan(problem)->info().description;
-  DeviceRun run(device_engine(), problem, random_inputs(problem, 5), {});
-  unsetenv("FLEXATTN_CUDA_FUSED_DQ");
-  if (description.find("wgmma") == std::string::npos) GTEST_SKIP() << "no wgmma: " << description;
-  EXPECT_NE(description.find("dQ accumulated by the dK/dV kernel"), std::string::npos)
-      << description;
-  run.forward();
-  const Outputs first = run.backward();
-  ASSERT_TRUE(all_finite(first.dq) && all_finite(first.dk) && all_finite(first.dv));
-  for (int again = 1; again < kBackwardRuns; ++again) {
-    const Outputs other = run.backward();
-    EXPECT_TRUE(same_bytes(first.dq, other.dq)) << "dq, run " << again + 1;
-    EXPECT_TRUE(same_bytes(first.dk, other.dk)) << "dk, run " << again + 1;
-    EXPECT_TRUE(same_bytes(first.dv, other.dv)) << "dv, run " << again + 1;
-  }
-}
 
 // ---- rows and keys nothing sees ---------------------------------------------------------------
 

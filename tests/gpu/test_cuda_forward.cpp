@@ -213,9 +213,7 @@ INSTANTIATE_TEST_SUITE_P(Cases, CudaGolden, ::testing::ValuesIn(golden_params())
 // The mma.sync kernel where sm_90 would get the wgmma one (FLEXATTN_CUDA_WGMMA=0), so both stay
 // verified on the H200; other devices run the mma.sync kernel in CudaGolden already.
 class CudaGoldenMmaSync : public ::testing::TestWithParam<GoldenParam> {
- protected:
-  void SetUp() override { setenv("FLEXATTN_CUDA_WGMMA", "0", 1); }
-  void TearDown() override { unsetenv("FLEXATTN_CUDA_WGMMA"); }
+  const ScopedEnvironment mma_sync_{"FLEXATTN_CUDA_WGMMA", "0"};
 };
 
 TEST_P(CudaGoldenMmaSync, ForwardMatchesFlexAttention) {

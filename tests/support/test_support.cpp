@@ -4,6 +4,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdlib>
 #include <filesystem>
 #include <fstream>
 #include <nlohmann/json.hpp>
@@ -367,6 +368,23 @@ std::vector<conformance::Case> mixed_tanh_tile_cases(bool backward) {
     result.push_back(c);
   }
   return result;
+}
+
+ScopedEnvironment::ScopedEnvironment(const char* name, const char* value) : name_(name) {
+  if (const char* old = std::getenv(name)) previous_ = old;
+  if (value == nullptr) {
+    unsetenv(name);
+  } else {
+    setenv(name, value, 1);
+  }
+}
+
+ScopedEnvironment::~ScopedEnvironment() {
+  if (previous_) {
+    setenv(name_, previous_->c_str(), 1);
+  } else {
+    unsetenv(name_);
+  }
 }
 
 }  // namespace flexattn::test

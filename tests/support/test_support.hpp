@@ -7,6 +7,7 @@
 #include <cstdint>
 #include <map>
 #include <memory>
+#include <optional>
 #include <string>
 #include <string_view>
 #include <vector>
@@ -114,5 +115,21 @@ double allowed_error(double plain_error, double rounding_floor);
 // of the warps' tiles hold a score beyond 0.6 * 6 and take the exponential tanh, the others its
 // small form (the cuda kernels' small_tanh_tile), in the same launch. Forward or backward cases.
 std::vector<conformance::Case> mixed_tanh_tile_cases(bool backward);
+
+// ---- environment ----------------------------------------------------------------------------
+
+// Sets an environment variable (or unsets it, for a null value) for its scope and restores the
+// previous value: the engines read their switches (FLEXATTN_*) when they plan.
+class ScopedEnvironment {
+ public:
+  ScopedEnvironment(const char* name, const char* value);
+  ~ScopedEnvironment();
+  ScopedEnvironment(const ScopedEnvironment&) = delete;
+  ScopedEnvironment& operator=(const ScopedEnvironment&) = delete;
+
+ private:
+  const char* name_;
+  std::optional<std::string> previous_;
+};
 
 }  // namespace flexattn::test

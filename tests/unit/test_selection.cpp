@@ -18,6 +18,7 @@ namespace flexattn {
 namespace {
 
 using namespace flexattn::ir;
+using test::ScopedEnvironment;
 
 // Two float64 computations of the same function that differ only in summation order.
 constexpr double kFloat64Tolerance = 1e-12;
@@ -25,32 +26,6 @@ constexpr double kFloat64Tolerance = 1e-12;
 constexpr double kSmallCap = 0.8;
 constexpr double kValueStddev = 0.1;
 constexpr std::uint64_t kSeed = 7;
-
-// Sets an environment variable for the scope of a test and restores the previous value.
-class ScopedEnvironment {
- public:
-  ScopedEnvironment(const char* name, const char* value) : name_(name) {
-    if (const char* old = std::getenv(name)) previous_ = old;
-    if (value == nullptr) {
-      unsetenv(name);
-    } else {
-      setenv(name, value, 1);
-    }
-  }
-  ~ScopedEnvironment() {
-    if (previous_) {
-      setenv(name_, previous_->c_str(), 1);
-    } else {
-      unsetenv(name_);
-    }
-  }
-  ScopedEnvironment(const ScopedEnvironment&) = delete;
-  ScopedEnvironment& operator=(const ScopedEnvironment&) = delete;
-
- private:
-  const char* name_;
-  std::optional<std::string> previous_;
-};
 
 ProblemDesc small_desc(DType dtype = DType::kF64) {
   ProblemDesc desc;
