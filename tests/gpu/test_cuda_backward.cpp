@@ -494,7 +494,8 @@ std::vector<DeterminismParam> determinism_params() {
     params.push_back({"alibi_" + suffix, "score + slopes[h] * (kv - q)", dtype});
   }
   // The fused dQ's ordered sums: five kv tiles of 128 keys add to each 64-row q block.
-  params.push_back({"softcap_bf16_d128_fused_dq", "30 * tanh(score / 30)", DType::kBF16, 128, true});
+  params.push_back(
+      {"softcap_bf16_d128_fused_dq", "30 * tanh(score / 30)", DType::kBF16, 128, true});
   return params;
 }
 

@@ -273,9 +273,7 @@ class GraphLowering {
       }
       if (all_folded) {
         for (const auto& [index, text] : folds) {
-          const std::string field =
-              invariant_field(fmt::format("{}{}_dot", prefix_, index),
-                              fmt::format("p.scale * {}", text), fields, assignments);
+          const std::string field = dot_field(index, text, fields, assignments);
           overrides_[index] = fmt::format("ir_mul(dot, inv.{})", field);
           override_fields_[index] = field;
         }
@@ -337,6 +335,14 @@ class GraphLowering {
     return name;
   }
 
+  // The Invariants field `p.scale * factor` that a score used as `score * factor` by node `index`
+  // becomes (`dot * inv.field`), shared with any equal product (invariant_field).
+  std::string dot_field(std::size_t index, const std::string& factor, std::string& fields,
+                        std::string& assignments) const {
+    return invariant_field(fmt::format("{}{}_dot", prefix_, index),
+                           fmt::format("p.scale * {}", factor), fields, assignments);
+  }
+
   // The root's constant factor (log2(e) times the root's own constants) taken into each term of
   // a sum at `base`: (score + b) * c becomes dot * (scale * c) + b * c, and ALiBi's
   // (score + float(kv - q) * slope) * c becomes dot * (scale * c) + float(kv - q) * (slope * c)
@@ -361,10 +367,8 @@ class GraphLowering {
     const GraphNode& node = graph_.nodes()[index];
     const std::string factor_text = float_literal(factor);
     if (static_cast<std::int32_t>(index) == score_node) {
-      const std::string field =
-          invariant_field(fmt::format("{}{}_dot", prefix_, index),
-                          fmt::format("p.scale * {}", factor_text), fields, assignments);
-      return fmt::format("ir_mul(dot, inv.{})", field);
+      return fmt::format("ir_mul(dot, inv.{})",
+                         dot_field(index, factor_text, fields, assignments));
     }
     const bool own = (whole || uses[index] == 1) && node.type == Type::kF32 && varying_[index] &&
                      index != staged_index_;
@@ -404,10 +408,7 @@ class GraphLowering {
         }
         skipped_.insert(index);
         if (static_cast<std::int32_t>(x) == score_node) {
-          const std::string field =
-              invariant_field(fmt::format("{}{}_dot", prefix_, index),
-                              fmt::format("p.scale * {}", times), fields, assignments);
-          return fmt::format("ir_mul(dot, inv.{})", field);
+          return fmt::format("ir_mul(dot, inv.{})", dot_field(index, times, fields, assignments));
         }
         return fmt::format("ir_mul({}, {})", operand(node, 1 - k, Type::kF32), times);
       }

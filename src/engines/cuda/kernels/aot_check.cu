@@ -262,12 +262,15 @@ FLEXATTN_AOT_BACKWARD_MMA(aot_backward_f16_d80_v72, CausalSoftcapModifier, HalfT
 FLEXATTN_AOT_BACKWARD_MMA(aot_backward_bf16_d64, IdentityModifier, BFloat16Tag, 64, 64, 64, 64)
 
 // wgmma dK/dV and dQ (backward_wgmma.cuh, sm_90a): dK/dV shared bytes = 1024 + K and V of 128
-// keys + 2 stages of Q and dO (64 rows) + 2 stages of lse and delta; dQ = 1024 + Q and dO of 128
-// rows + 2 stages of K and V (64 keys) (tile_plan.cpp).
-#define FLEXATTN_AOT_BACKWARD_WGMMA(name, modifier, tag, qk, v)                                 \
+// keys + 2 stages of Q and dO (64 rows) + 2 stages of lse and delta (+ dS^T, 128 keys x 64
+// queries, with the fused dQ); dQ = 1024 + Q and dO of 128 rows + 2 stages of K and V (64 keys)
+// (tile_plan.cpp).
+#define FLEXATTN_AOT_BACKWARD_WGMMA(name, modifier, tag, qk, v, fused)                          \
   using name##_config = flexattn_kernels::BackwardWgmmaConfig<                                \
-      tag, qk, v, 1024 + 128 * ((qk) + (v)) * 2 + 2 * 64 * ((qk) + (v)) * 2 + 2 * 512,        \
-      1024 + 128 * ((qk) + (v)) * 2 + 2 * 64 * ((qk) + (v)) * 2>;                             \
+      tag, qk, v,                                                                             \
+      1024 + 128 * ((qk) + (v)) * 2 + 2 * 64 * ((qk) + (v)) * 2 + 2 * 512 +                   \
+          ((fused) ? 128 * 64 * 2 : 0),                                                       \
+      1024 + 128 * ((qk) + (v)) * 2 + 2 * 64 * ((qk) + (v)) * 2, fused>;                      \
   extern "C" __global__ void __launch_bounds__(name##_config::kThreads, 1)                    \
       name##_dkdv(const BackwardParams params) {                                              \
     flexattn_kernels::backward_dkdv_wgmma<name##_config, modifier>(params);                   \
@@ -277,25 +280,13 @@ FLEXATTN_AOT_BACKWARD_MMA(aot_backward_bf16_d64, IdentityModifier, BFloat16Tag, 
     flexattn_kernels::backward_dq_wgmma<name##_config, modifier>(params);                     \
   }
 
-FLEXATTN_AOT_BACKWARD_WGMMA(aot_backward_wgmma_bf16_d128, IdentityModifier, BFloat16Tag, 128, 128)
+FLEXATTN_AOT_BACKWARD_WGMMA(aot_backward_wgmma_bf16_d128, IdentityModifier, BFloat16Tag, 128, 128,
+                            false)
 FLEXATTN_AOT_BACKWARD_WGMMA(aot_backward_wgmma_bf16_d128_softcap, CausalSoftcapModifier,
-                            BFloat16Tag, 128, 128)
-FLEXATTN_AOT_BACKWARD_WGMMA(aot_backward_wgmma_f16_d64, CausalSoftcapModifier, HalfTag, 64, 64)
-
-// The fused dQ (kFusedDq): 16 KB more for dS^T (128 keys x 64 queries), head dim 128.
-#define FLEXATTN_AOT_BACKWARD_FUSED(name, modifier, tag)                                         \
-  using name##_config = flexattn_kernels::BackwardWgmmaConfig<                                 \
-      tag, 128, 128, 1024 + 128 * 256 * 2 + 2 * 64 * 256 * 2 + 2 * 512 + 128 * 64 * 2,        \
-      1024 + 128 * 256 * 2 + 2 * 64 * 256 * 2, true>;                                          \
-  extern "C" __global__ void __launch_bounds__(name##_config::kThreads, 1)                     \
-      name##_dkdv(const BackwardParams params) {                                               \
-    flexattn_kernels::backward_dkdv_wgmma<name##_config, modifier>(params);                    \
-  }                                                                                            \
-  extern "C" __global__ void __launch_bounds__(name##_config::kThreads, 1)                     \
-      name##_dq(const BackwardParams params) {                                                 \
-    flexattn_kernels::backward_dq_wgmma<name##_config, modifier>(params);                      \
-  }
-
-// (The generated softcap unit compiles in test_cuda_codegen; CausalSoftcapModifier here has
-// tensor gradients, which take the dQ kernel.)
-FLEXATTN_AOT_BACKWARD_FUSED(aot_backward_fused_bf16_d128, IdentityModifier, BFloat16Tag)
+                            BFloat16Tag, 128, 128, false)
+FLEXATTN_AOT_BACKWARD_WGMMA(aot_backward_wgmma_f16_d64, CausalSoftcapModifier, HalfTag, 64, 64,
+                            false)
+// The fused dQ at head dim 128 (the generated softcap unit compiles in test_cuda_codegen;
+// CausalSoftcapModifier here has tensor gradients, which take the dQ kernel).
+FLEXATTN_AOT_BACKWARD_WGMMA(aot_backward_fused_bf16_d128, IdentityModifier, BFloat16Tag, 128, 128,
+                            true)

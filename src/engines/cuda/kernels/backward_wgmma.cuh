@@ -333,8 +333,10 @@ __device__ __forceinline__ void backward_dkdv_wgmma(const BackwardParams& bp) {
       // Added in kv-tile order: this tile's turn among those visiting the q block (host table),
       // so the fp32 sums are the same in every run.
       int* counter = bp.dq_counters +
-                     (static_cast<long long>(batch) * bp.heads_q + head) * bp.dq_blocks + (entry >> 1);
-      if (thread == 0) wait_for_turn(counter, bp.kv_tile_turns[begin + iteration % per_head]);
+                     (static_cast<long long>(batch) * bp.heads_q + head) * bp.dq_blocks +
+                     (entry >> 1);
+      const int turn = bp.kv_tile_turns[begin + iteration % per_head];
+      if (thread == 0) wait_for_turn(counter, turn);
       __syncthreads();
       const int warp_row = (warp % 4) * 16 + group;
       // This sequence's first token in dq_accum.
@@ -355,7 +357,7 @@ __device__ __forceinline__ void backward_dkdv_wgmma(const BackwardParams& bp) {
         }
       }
       __syncthreads();  // every thread's additions precede the release
-      if (thread == 0) pass_turn(counter, bp.kv_tile_turns[begin + iteration % per_head] + 1);
+      if (thread == 0) pass_turn(counter, turn + 1);
     }
   }
   wait_copies<0>();

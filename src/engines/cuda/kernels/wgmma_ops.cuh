@@ -155,18 +155,20 @@ __device__ __forceinline__ void claim_registers() {
   FLEXATTN_WGMMA_ACC32, FLEXATTN_WGMMA_ACC8(32), FLEXATTN_WGMMA_ACC8(40), FLEXATTN_WGMMA_ACC8(48), \
       FLEXATTN_WGMMA_ACC8(56)
 
-// d (64 x N) = A B (+ d when accumulate != 0), A and B K-major in shared memory (descriptors):
-// wgmma_ss_n<N>. A from registers (m16n8k16 A layout), B MN-major in shared memory:
-// wgmma_rs_n<N>. ACC is the accumulator count (N / 2); A, B and SCALE name the operands that
-// follow the accumulators.
+// d (64 x N) = A B (+ d when accumulate != 0), A and B in shared memory (descriptors): both
+// K-major, wgmma_ss_n<N>; both MN-major (the transpose flags set: A stored K x M, e.g. dS^T rows
+// of keys for dQ = dS K, and B stored K x N, e.g. K's rows of keys), wgmma_ss_tt_n<N>, with
+// descriptors as for an MN-major B. A from registers (m16n8k16 A layout), B MN-major in shared
+// memory: wgmma_rs_n<N>. ACC is the accumulator count (N / 2); A, B and SCALE name the operands
+// that follow the accumulators.
 #if FLEXATTN_WGMMA_AVAILABLE
-#define FLEXATTN_WGMMA_SS(TAG, TYPE, N, ACC, PLACEHOLDERS, OPERANDS, A, B, SCALE)                  \
-  __device__ __forceinline__ void wgmma_ss_n##N(TAG, float(&d)[ACC], unsigned long long a,         \
-                                                unsigned long long b, int accumulate) {            \
+#define FLEXATTN_WGMMA_SS(NAME, TRANSPOSE, TAG, TYPE, N, ACC, PLACEHOLDERS, OPERANDS, A, B, SCALE) \
+  __device__ __forceinline__ void NAME##_n##N(TAG, float(&d)[ACC], unsigned long long a,           \
+                                              unsigned long long b, int accumulate) {              \
     asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, " SCALE                                         \
                  ", 0;\n"                                                                          \
                  "wgmma.mma_async.sync.aligned.m64n" #N "k16.f32." TYPE "." TYPE " {" PLACEHOLDERS \
-                 "}, " A ", " B ", p, 1, 1, 0, 0;\n}\n"                                            \
+                 "}, " A ", " B ", p, 1, 1, " TRANSPOSE ";\n}\n"                                   \
                  : OPERANDS                                                                        \
                  : "l"(a), "l"(b), "r"(accumulate));                                               \
   }
@@ -181,10 +183,10 @@ __device__ __forceinline__ void claim_registers() {
                  : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "r"(accumulate));           \
   }
 #else
-#define FLEXATTN_WGMMA_SS(TAG, TYPE, N, ACC, PLACEHOLDERS, OPERANDS, A, B, SCALE)       \
-  __device__ __forceinline__ void wgmma_ss_n##N(TAG, float(&)[ACC], unsigned long long, \
-                                                unsigned long long, int) {              \
-    __trap();                                                                           \
+#define FLEXATTN_WGMMA_SS(NAME, TRANSPOSE, TAG, TYPE, N, ACC, PLACEHOLDERS, OPERANDS, A, B, SCALE) \
+  __device__ __forceinline__ void NAME##_n##N(TAG, float(&)[ACC], unsigned long long,              \
+                                              unsigned long long, int) {                           \
+    __trap();                                                                                      \
   }
 #define FLEXATTN_WGMMA_RS(TAG, TYPE, N, ACC, PLACEHOLDERS, OPERANDS, A, B, SCALE)         \
   __device__ __forceinline__ void wgmma_rs_n##N(TAG, float(&)[ACC], const unsigned(&)[4], \
@@ -193,14 +195,18 @@ __device__ __forceinline__ void claim_registers() {
   }
 #endif
 
-FLEXATTN_WGMMA_SS(BFloat16Tag, "bf16", 64, 32, FLEXATTN_WGMMA_D32, FLEXATTN_WGMMA_ACC32, "%32",
-                  "%33", "%34")
-FLEXATTN_WGMMA_SS(HalfTag, "f16", 64, 32, FLEXATTN_WGMMA_D32, FLEXATTN_WGMMA_ACC32, "%32", "%33",
-                  "%34")
-FLEXATTN_WGMMA_SS(BFloat16Tag, "bf16", 128, 64, FLEXATTN_WGMMA_D64, FLEXATTN_WGMMA_ACC64, "%64",
-                  "%65", "%66")
-FLEXATTN_WGMMA_SS(HalfTag, "f16", 128, 64, FLEXATTN_WGMMA_D64, FLEXATTN_WGMMA_ACC64, "%64", "%65",
-                  "%66")
+FLEXATTN_WGMMA_SS(wgmma_ss, "0, 0", BFloat16Tag, "bf16", 64, 32, FLEXATTN_WGMMA_D32,
+                  FLEXATTN_WGMMA_ACC32, "%32", "%33", "%34")
+FLEXATTN_WGMMA_SS(wgmma_ss, "0, 0", HalfTag, "f16", 64, 32, FLEXATTN_WGMMA_D32,
+                  FLEXATTN_WGMMA_ACC32, "%32", "%33", "%34")
+FLEXATTN_WGMMA_SS(wgmma_ss, "0, 0", BFloat16Tag, "bf16", 128, 64, FLEXATTN_WGMMA_D64,
+                  FLEXATTN_WGMMA_ACC64, "%64", "%65", "%66")
+FLEXATTN_WGMMA_SS(wgmma_ss, "0, 0", HalfTag, "f16", 128, 64, FLEXATTN_WGMMA_D64,
+                  FLEXATTN_WGMMA_ACC64, "%64", "%65", "%66")
+FLEXATTN_WGMMA_SS(wgmma_ss_tt, "1, 1", BFloat16Tag, "bf16", 64, 32, FLEXATTN_WGMMA_D32,
+                  FLEXATTN_WGMMA_ACC32, "%32", "%33", "%34")
+FLEXATTN_WGMMA_SS(wgmma_ss_tt, "1, 1", HalfTag, "f16", 64, 32, FLEXATTN_WGMMA_D32,
+                  FLEXATTN_WGMMA_ACC32, "%32", "%33", "%34")
 FLEXATTN_WGMMA_RS(BFloat16Tag, "bf16", 64, 32, FLEXATTN_WGMMA_D32, FLEXATTN_WGMMA_ACC32,
                   "%32, %33, %34, %35", "%36", "%37")
 FLEXATTN_WGMMA_RS(HalfTag, "f16", 64, 32, FLEXATTN_WGMMA_D32, FLEXATTN_WGMMA_ACC32,
@@ -210,33 +216,6 @@ FLEXATTN_WGMMA_RS(BFloat16Tag, "bf16", 128, 64, FLEXATTN_WGMMA_D64, FLEXATTN_WGM
 FLEXATTN_WGMMA_RS(HalfTag, "f16", 128, 64, FLEXATTN_WGMMA_D64, FLEXATTN_WGMMA_ACC64,
                   "%64, %65, %66, %67", "%68", "%69")
 
-// d (64 x N) = A B (+ d when accumulate != 0), both operands MN-major in shared memory (the
-// transpose flags set): A stored K x M (M contiguous, e.g. dS^T rows of keys for dQ = dS K), B
-// stored K x N (N contiguous, e.g. K rows of keys). wgmma_ss_tt_n<N>; descriptors as for an
-// MN-major B (matrix_descriptor's comment), a k-step of 16 rows 2048 bytes further.
-#if FLEXATTN_WGMMA_AVAILABLE
-#define FLEXATTN_WGMMA_SS_TT(TAG, TYPE, N, ACC, PLACEHOLDERS, OPERANDS, A, B, SCALE)               \
-  __device__ __forceinline__ void wgmma_ss_tt_n##N(TAG, float(&d)[ACC], unsigned long long a,      \
-                                                   unsigned long long b, int accumulate) {         \
-    asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, " SCALE                                         \
-                 ", 0;\n"                                                                          \
-                 "wgmma.mma_async.sync.aligned.m64n" #N "k16.f32." TYPE "." TYPE " {" PLACEHOLDERS \
-                 "}, " A ", " B ", p, 1, 1, 1, 1;\n}\n"                                            \
-                 : OPERANDS                                                                        \
-                 : "l"(a), "l"(b), "r"(accumulate));                                               \
-  }
-#else
-#define FLEXATTN_WGMMA_SS_TT(TAG, TYPE, N, ACC, PLACEHOLDERS, OPERANDS, A, B, SCALE)       \
-  __device__ __forceinline__ void wgmma_ss_tt_n##N(TAG, float(&)[ACC], unsigned long long, \
-                                                   unsigned long long, int) {              \
-    __trap();                                                                              \
-  }
-#endif
-FLEXATTN_WGMMA_SS_TT(BFloat16Tag, "bf16", 64, 32, FLEXATTN_WGMMA_D32, FLEXATTN_WGMMA_ACC32, "%32",
-                     "%33", "%34")
-FLEXATTN_WGMMA_SS_TT(HalfTag, "f16", 64, 32, FLEXATTN_WGMMA_D32, FLEXATTN_WGMMA_ACC32, "%32",
-                     "%33", "%34")
-#undef FLEXATTN_WGMMA_SS_TT
 #undef FLEXATTN_WGMMA_SS
 #undef FLEXATTN_WGMMA_RS
 #undef FLEXATTN_WGMMA_ACC64
@@ -268,7 +247,6 @@ __device__ __forceinline__ void wgmma_from_registers(Tag tag, float (&d)[kCount]
   }
 }
 
-
 // ---- ordered global accumulation (the fused dQ, backward_wgmma.cuh) -------------------------
 
 // Spins until the gpu-scope counter holds `turn` (acquire: what the holder of the previous turn
@@ -290,8 +268,7 @@ __device__ __forceinline__ void pass_turn(int* counter, int next) {
 // address[0] += a, address[1] += b in one vector reduction (8-byte aligned global memory).
 __device__ __forceinline__ void reduce_add_pair(float* address, float a, float b) {
 #if FLEXATTN_WGMMA_AVAILABLE
-  asm volatile("red.global.add.v2.f32 [%0], {%1, %2};\n" ::"l"(address), "f"(a), "f"(b)
-               : "memory");
+  asm volatile("red.global.add.v2.f32 [%0], {%1, %2};\n" ::"l"(address), "f"(a), "f"(b) : "memory");
 #else
   atomicAdd(address, a);
   atomicAdd(address + 1, b);
