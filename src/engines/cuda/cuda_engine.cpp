@@ -69,11 +69,15 @@ Support lower_backward(const Problem& problem, Lowering& lowering, int capabilit
     return Support::no(fmt::format("cannot differentiate the score modifier: {}", error.what()));
   }
   // FLEXATTN_CUDA_FUSED_DQ=1: the dK/dV kernel accumulates dQ (use_fused_dq), where it applies;
-  // an experiment until measured (docs/design/wgmma-plan.md).
-  if (const char* fused = std::getenv("FLEXATTN_CUDA_FUSED_DQ");
-      fused != nullptr && std::string_view(fused) == "1") {
+  // =unordered: the same without the kv-tile order (not deterministic). An experiment until
+  // measured (docs/design/wgmma-plan.md).
+  if (const char* fused = std::getenv("FLEXATTN_CUDA_FUSED_DQ"); fused != nullptr) {
+    const std::string_view mode(fused);
     BackwardChoice& choice = lowering.backward->choice;
-    static_cast<void>(use_fused_dq(choice, !lowering.backward->load_derivatives.empty()));
+    if ((mode == "1" || mode == "unordered") &&
+        use_fused_dq(choice, !lowering.backward->load_derivatives.empty()).empty()) {
+      choice.unordered_dq = mode == "unordered";
+    }
   }
   // The finalize kernel converts one tensor gradient per launch, in a one-dimensional grid.
   for (const std::string& name : lowering.bindings.tensors) {
@@ -413,8 +417,11 @@ class CudaPlan final : public Plan {
       b.delta_floats = static_cast<std::size_t>(lse.numel());
       if (b.choice.fused_dq) {
         const TileList& kv_list = dkdv_tiles != nullptr ? *dkdv_tiles : *backward_tiles;
-        b.kv_tile_turns = upload_ints(driver_, kv_tile_turns(transposed, kv_list.query_blocks));
-        p.kv_tile_turns = device_ints(b.kv_tile_turns);
+        if (!b.choice.unordered_dq) {
+          b.kv_tile_turns =
+              upload_ints(driver_, kv_tile_turns(transposed, kv_list.query_blocks));
+          p.kv_tile_turns = device_ints(b.kv_tile_turns);
+        }
         p.heads_q = static_cast<int>(problem.heads_q());
         p.dq_blocks = static_cast<int>(kv_list.query_blocks);
         b.dq_accum_floats = static_cast<std::size_t>(problem.total_tokens_q() * problem.heads_q() *

@@ -551,7 +551,9 @@ std::string BackwardChoice::describe() const {
         "{} and {}, {} KB shared (dK/dV) and {} KB (dQ){}",
         to_string(dtype), block_q, dkdv_block_kv, dq_block_q, block_kv, dkdv_threads, head_dim_qk,
         head_dim_v, shared_wgmma_dkdv / 1024, shared_wgmma_dq / 1024,
-        fused_dq ? ", dQ accumulated by the dK/dV kernel in kv-tile order" : "");
+        !fused_dq      ? ""
+        : unordered_dq ? ", dQ accumulated by the dK/dV kernel in any order (not deterministic)"
+                       : ", dQ accumulated by the dK/dV kernel in kv-tile order");
   }
   if (kind == KernelKind::kMma) {
     return fmt::format(

@@ -140,6 +140,8 @@ struct BackwardChoice {
   int shared_wgmma_dq = 0;
   // wgmma only: the dK/dV kernel also accumulates dQ (use_fused_dq); the dQ kernel converts it.
   bool fused_dq = false;
+  // With fused_dq: the additions go in any order (no turn table; not deterministic).
+  bool unordered_dq = false;
 
   // The dynamic shared memory each kernel is launched with (wgmma or not).
   int dkdv_shared_bytes() const { return wgmma ? shared_wgmma_dkdv : shared_dkdv; }

@@ -335,9 +335,13 @@ __device__ __forceinline__ void backward_dkdv_wgmma(const BackwardParams& bp) {
       int* counter = bp.dq_counters +
                      (static_cast<long long>(batch) * bp.heads_q + head) * bp.dq_blocks +
                      (entry >> 1);
-      const int turn = bp.kv_tile_turns[begin + iteration % per_head];
-      if (thread == 0) wait_for_turn(counter, turn);
-      __syncthreads();
+      // Without a turn table (FLEXATTN_CUDA_FUSED_DQ=unordered) the additions go in any order.
+      const bool ordered = bp.kv_tile_turns != nullptr;
+      const int turn = ordered ? bp.kv_tile_turns[begin + iteration % per_head] : 0;
+      if (ordered) {
+        if (thread == 0) wait_for_turn(counter, turn);
+        __syncthreads();
+      }
       const int warp_row = (warp % 4) * 16 + group;
       // This sequence's first token in dq_accum.
       const long long dq_token0 =
@@ -356,8 +360,10 @@ __device__ __forceinline__ void backward_dkdv_wgmma(const BackwardParams& bp) {
           }
         }
       }
-      __syncthreads();  // every thread's additions precede the release
-      if (thread == 0) pass_turn(counter, turn + 1);
+      if (ordered) {
+        __syncthreads();  // every thread's additions precede the release
+        if (thread == 0) pass_turn(counter, turn + 1);
+      }
     }
   }
   wait_copies<0>();
