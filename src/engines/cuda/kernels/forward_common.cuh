@@ -55,11 +55,11 @@ struct StagedElement {
 // stays after the barrier that makes the tile visible.
 __device__ __forceinline__ unsigned staged_pair(const StagedTile& tile, int row, int column) {
   const int chunk = column / 8;
-  const unsigned line = tile.address + static_cast<unsigned>((chunk / 8) * tile.panel_bytes) +
-                        static_cast<unsigned>(row * 128);
+  const unsigned panel = tile.address + static_cast<unsigned>((chunk / 8) * tile.panel_bytes);
   const unsigned within = static_cast<unsigned>(((chunk % 8) ^ (row % 8)) * 16 + (column % 8) * 2);
+  const unsigned offset = static_cast<unsigned>(row * 128) | within;
   unsigned bits;
-  asm volatile("ld.shared.u32 %0, [%1];" : "=r"(bits) : "r"(line | within));
+  asm volatile("ld.shared.u32 %0, [%1];" : "=r"(bits) : "r"(panel + offset));
   return bits;
 }
 __device__ __forceinline__ float staged_bf16(const StagedElement& element) {
