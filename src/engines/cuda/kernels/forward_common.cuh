@@ -35,33 +35,18 @@ struct Coordinates {
 };
 
 // A modifier tensor tile staged in shared memory by the wgmma forward (FLEXATTN_CUDA_STAGE_TENSORS:
-// a 16-bit tensor indexed [..., q, kv], e.g. a dense bias): rows q0.. of the block, columns kv0..
-// of the kv tile, in 64-value panels of panel_bytes with the 128-byte swizzle (SwizzledPanels).
+// a 16-bit tensor indexed [..., q, kv], e.g. a dense bias): the block's rows and the kv tile's
+// columns, in 64-value panels of panel_bytes with the 128-byte swizzle (SwizzledPanels).
 struct StagedTile {
   unsigned address;  // shared-memory address, 1024-byte aligned
   int panel_bytes;
-  int q0;
-  int kv0;
+  int warp_row;  // the first of this warp's 16 accumulator rows in the tile
 };
 // One element of it, already read: the generated score_mod_log2 takes its value when given one,
 // else it reads the tensor in global memory.
 struct StagedElement {
   unsigned short bits;
 };
-// Columns `column` and `column + 1` (even) of row `row`, as one 32-bit read. The address is
-// (tile + panel + row * 128) | (swizzled chunk * 16 + column % 8 * 2): the low 7 bits are a small
-// per-thread set of values the compiler keeps across tiles, and the OR keeps it from folding them
-// with the rest into one precomputed address per element (which spilled). asm volatile: the read
-// stays after the barrier that makes the tile visible.
-__device__ __forceinline__ unsigned staged_pair(const StagedTile& tile, int row, int column) {
-  const int chunk = column / 8;
-  const unsigned panel = tile.address + static_cast<unsigned>((chunk / 8) * tile.panel_bytes);
-  const unsigned within = static_cast<unsigned>(((chunk % 8) ^ (row % 8)) * 16 + (column % 8) * 2);
-  const unsigned offset = static_cast<unsigned>(row * 128) | within;
-  unsigned bits;
-  asm volatile("ld.shared.u32 %0, [%1];" : "=r"(bits) : "r"(panel + offset));
-  return bits;
-}
 __device__ __forceinline__ float staged_bf16(const StagedElement& element) {
   return bf16_bits_to_float(element.bits);
 }

@@ -58,6 +58,20 @@ struct alignas(16) SharedChunk {
   unsigned words[4];
 };
 
+// Two 8-column chunks (`chunk`, `chunk + 1`) of the staged tile in this warp's 16 rows from
+// `row0`, in the accumulator layout, with one ldmatrix.x4: pair[half + 2 c] holds this thread's
+// two columns of chunk `chunk + c` in its row group + 8 half. Lane l gives the address of row
+// l % 8 of matrix l / 8 (rows 128 bytes apart in a panel, 16-byte chunks at chunk ^ (row % 8)).
+__device__ __forceinline__ void staged_pairs(const StagedTile& tile, int row0, int chunk,
+                                             unsigned (&pair)[4]) {
+  const int lane = static_cast<int>(threadIdx.x % 32);
+  const int matrix = lane / 8;
+  const int row = row0 + (matrix % 2) * 8 + lane % 8;
+  const int c = chunk + matrix / 2;
+  load_matrix_x4(pair, tile.address + static_cast<unsigned>((c / 8) * tile.panel_bytes +
+                                                              row * 128 + ((c % 8) ^ (row % 8)) * 16));
+}
+
 // Scale, modify, mask: the S accumulators become log2-domain logits (kSmall: with the
 // modifier's small-tanh functions; see compute_logits).
 template <class Modifier, bool kCheck, bool kSmall, int kTiles, int kScoreTiles>
@@ -67,25 +81,37 @@ __device__ __forceinline__ void compute_logits_with(float (&score)[kTiles][kScor
                                                     const Coordinates& at,
                                                     const int (&query)[kTiles][2], int kv_first,
                                                     const StagedTile* staged) {
+  // The staged tile's values of this thread's columns (8 j + 2 (lane % 4) and the next, from the
+  // tile's first key: kv_first is that key plus 2 (lane % 4)), two 16-bit values per row half.
+  // The unclamped rows and columns: past the queries and keys the tile holds zeros, and those
+  // scores are masked or not stored.
+  static_assert(kScoreTiles % 2 == 0, "staged reads take 16 columns at a time");
+  unsigned pair[kTiles][kScoreTiles][2];
+  if (staged != nullptr) {  // known at compile time once inlined
+#pragma unroll
+    for (int i = 0; i < kTiles; ++i) {
+#pragma unroll
+      for (int j = 0; j < kScoreTiles; j += 2) {
+        unsigned four[4];
+        staged_pairs(*staged, staged->warp_row + 16 * i, j, four);
+        pair[i][j][0] = four[0];
+        pair[i][j][1] = four[1];
+        pair[i][j + 1][0] = four[2];
+        pair[i][j + 1][1] = four[3];
+      }
+    }
+  }
 #pragma unroll
   for (int i = 0; i < kTiles; ++i) {
 #pragma unroll
     for (int j = 0; j < kScoreTiles; ++j) {
-      unsigned pair[2] = {0, 0};  // the staged tile's values of this thread's two columns
-      if (staged != nullptr) {    // known at compile time once inlined
-        // The unclamped columns: past the keys the tile holds zeros, and the scores are masked.
-#pragma unroll
-        for (int half = 0; half < 2; ++half) {
-          pair[half] =
-              staged_pair(*staged, query[i][half] - staged->q0, (kv_first - staged->kv0) + j * 8);
-        }
-      }
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
         const int kv = kv_first + j * 8 + e % 2;
         if (staged != nullptr) {
+          const unsigned bits = pair[i][j][e / 2];
           const StagedElement element{
-              static_cast<unsigned short>(e % 2 == 0 ? pair[e / 2] & 0xffffu : pair[e / 2] >> 16)};
+              static_cast<unsigned short>(e % 2 == 0 ? bits & 0xffffu : bits >> 16)};
           score[i][j][e] = element_logit<Modifier, kCheck, true, kSmall>(
               score[i][j][e], p, invariants, at, query[i][e / 2], kv, &element);
         } else {

@@ -368,8 +368,8 @@ __device__ __forceinline__ void forward_wgmma(const ForwardParams& p) {
     const int kv_start = entry_kv_tile(entry) * kBlockN;
     const int kv_first = kv_start + 2 * quad_lane;
     const StagedTile staged{staged_tiles + stage * Config::kStagedBytes,
-                            static_cast<int>(Config::StagedLayout::kPanelBytes), q_start,
-                            kv_start};
+                            static_cast<int>(Config::StagedLayout::kPanelBytes),
+                            warp * Config::kRowsPerWarp};
     const StagedTile* staged_tile = Config::kStageTensor ? &staged : nullptr;
     if (entry_is_mixed(entry) || kv_start + kBlockN > span.kv_len) {
       compute_logits<Modifier, true>(score, p, invariants, at, query, kv_first, staged_tile);
