@@ -147,9 +147,17 @@ __device__ __forceinline__ void compute_logits(float (&score)[kTiles][kScoreTile
   compute_logits_with<Modifier, kCheck, false>(score, p, invariants, at, query, kv_first, staged);
 }
 
-// Online softmax of one kv tile in exp2 form, first half: the new row max, P = exp2(S - max) in
-// place of the logits, the row sums, and in `correction` the factor that rescales what was
-// accumulated under the old max. Returns whether a row of this thread changed its max.
+// How far (log2 units) a tile's max may pass the row's reference max before the reference moves:
+// below it, the probabilities exp2(S - reference) stay under 2^kMaxSlack (exact in fp32, and as
+// precise in bf16/fp16, whose relative spacing does not depend on the magnitude), and neither O
+// nor the row sum is rescaled. A running max grows on most early tiles of a row (each new record,
+// by a little), which made most tiles rescale O; with the slack, few do.
+constexpr float kMaxSlack = 8.0f;
+
+// Online softmax of one kv tile in exp2 form, first half: the row's reference max (the max of
+// its logits so far, or up to kMaxSlack below it), P = exp2(S - reference) in place of the
+// logits, the row sums, and in `correction` the factor that rescales what was accumulated under
+// the old reference. Returns whether a row of this thread changed its reference.
 template <int kTiles, int kScoreTiles>
 __device__ __forceinline__ bool softmax_probabilities(float (&score)[kTiles][kScoreTiles][4],
                                                       float (&row_max)[kTiles][2],
@@ -165,7 +173,9 @@ __device__ __forceinline__ bool softmax_probabilities(float (&score)[kTiles][kSc
       for (int j = 0; j < kScoreTiles; ++j) {
         tile_max = fmaxf(tile_max, fmaxf(score[i][j][2 * half], score[i][j][2 * half + 1]));
       }
-      const float new_max = fmaxf(row_max[i][half], quad_max(tile_max));
+      // -inf + kMaxSlack is -inf: a row's first finite logits set its reference.
+      const float seen = quad_max(tile_max);
+      const float new_max = seen > row_max[i][half] + kMaxSlack ? seen : row_max[i][half];
       const float subtract = safe_max(new_max);
       correction[i][half] = fast_exp2(row_max[i][half] - subtract);
       max_changed = max_changed || new_max != row_max[i][half];
