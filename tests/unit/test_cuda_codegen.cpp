@@ -687,6 +687,48 @@ TEST(CudaCodegen, ConstantMultiplicationsAroundTheScoreAreMerged) {
   }
 }
 
+// The forward's logit (score_mod_forward) is in natural units exactly when log2(e) would cost
+// score_mod_log2 per-element multiplies that the natural function does not have: a bias term
+// (`bias * log2(e)`), a root with no constant factor of its own. The kernels' softmax then takes
+// log2(e) in its exp2 argument (kForwardToLog2). Not for the identity, ALiBi (the factor goes
+// into the per-block slope), softcap (the root's own constant takes it; and its small-tanh
+// functions are in log2 units), or a root with a constant factor.
+TEST(CudaCodegen, ForwardLogitInNaturalUnitsWhereLog2eCostsMultiplies) {
+  SKIP_WITHOUT_CUDA_ENGINE();
+  struct Expectation {
+    std::string score_mod;
+    bool natural;
+  };
+  const std::vector<Expectation> expectations = {
+      {"score", false},
+      {"score + slopes[kv % 4]", true},
+      {"score - slopes[kv % 4]", true},
+      {"slopes[kv % 4]", true},
+      {"score + slopes[h] * (kv - q)", false},
+      {"30 * tanh(score / 30)", false},
+      {"(score + slopes[kv % 4]) * 2", false},
+      {"tanh(score)", true},
+  };
+  for (const Expectation& e : expectations) {
+    SCOPED_TRACE(e.score_mod);
+    GeneratedCase c{"natural", DType::kBF16, 64, 64, e.score_mod, "",
+                    {{"slopes", TensorDecl{DType::kF32, {4}}}}, {}, Layout::kBSHD, {}};
+    if (e.score_mod.find("slopes") == std::string::npos) c.tensors.clear();
+    const std::string source = cuda_engine()->generated_source(make_problem(c));
+    const std::string generated = source.substr(source.find("// ---- generated"));
+    const std::string body = function_body(source, "score_mod_forward");
+    ASSERT_FALSE(body.empty()) << generated;
+    if (e.natural) {
+      EXPECT_NE(generated.find("kForwardToLog2 = kLog2e;"), std::string::npos) << generated;
+      EXPECT_EQ(body.find("score_mod_log2"), std::string::npos) << body;
+      EXPECT_EQ(body.find("0x1.715476p+0f"), std::string::npos) << "log2(e) in\n" << body;
+    } else {
+      EXPECT_NE(generated.find("kForwardToLog2 = 1.0f;"), std::string::npos) << generated;
+      EXPECT_NE(body.find("return score_mod_log2("), std::string::npos) << body;
+    }
+  }
+}
+
 // An i32 converted to f32 skips I2F (ir_small_int_to_float) exactly when the interval analysis
 // bounds it inside [-2^22, 2^22) over the problem: ALiBi's kv - q at ordinary lengths, not at
 // lengths of 2^22 and more, nor an integer read from a tensor (unless reduced modulo a literal).

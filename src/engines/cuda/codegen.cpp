@@ -215,6 +215,7 @@ class GraphLowering {
   // evaluates the argument's own operations at the bound.
   std::string emit_from_dot(std::string& fields, std::string& assignments, bool log2_result,
                             SmallTanh* small = nullptr) {
+    factor_multiplies_ = 0;
     const auto count = graph_.nodes().size();
     std::int32_t score_node = -1;
     std::vector<int> uses(count, 0);
@@ -283,6 +284,7 @@ class GraphLowering {
     }
     skipped_.insert(chain.begin(), chain.end());
     const auto single = static_cast<float>(factor);
+    if (distributed.empty() && single != 1.0f && varying_[base]) ++factor_multiplies_;
     auto body = [&](TanhForm form) {
       tanh_form_ = form;
       std::string text = statements;
@@ -318,6 +320,11 @@ class GraphLowering {
     tanh_form_ = TanhForm::kLibrary;
     return fast;
   }
+
+  // How many per-element multiplies by the root's constant factor the last emit_from_dot's
+  // function has (a varying value times the factor that no product took in: a bias term's
+  // `bias * log2 e`, a root `t * log2 e`).
+  int factor_multiplies() const { return factor_multiplies_; }
 
  private:
   // The name of an Invariants field holding `expression` (computed in prepare()), added as
@@ -416,6 +423,7 @@ class GraphLowering {
     if (node.type == Type::kF32 && node.op == Op::kLiteral) {
       return float_literal(node.literal * factor);
     }
+    if (varying_[index]) ++factor_multiplies_;
     return fmt::format("ir_mul({}, {})", converted(index, Type::kF32), factor_text);
   }
 
@@ -671,6 +679,7 @@ class GraphLowering {
   // tanh as CUDA's tanhf, as ir_tanh (emit_from_dot) or as ir_tanh_small (its small variant).
   enum class TanhForm { kLibrary, kFast, kSmall };
   TanhForm tanh_form_ = TanhForm::kLibrary;
+  int factor_multiplies_ = 0;  // emit_from_dot's (factor_multiplies)
   std::size_t staged_index_ = static_cast<std::size_t>(-1);  // stage_load's node
   std::string staged_;                                       // and its expression
   const Problem& problem_;
@@ -921,6 +930,40 @@ std::string generate_modifier_source(const Problem& problem, const ModifierBindi
   SmallTanh score_small;
   const std::string score_log2_body =
       score_log2.emit_from_dot(fields, assignments, true, &score_small);
+  // The forward's logit (score_mod_forward): score_mod_log2, or the natural-units function when
+  // log2 e costs it per-element multiplies that the natural one does not have (a bias: `dot *
+  // (scale log2 e) + bias * log2 e` against `dot * scale + bias`, one FMA); the softmax then
+  // takes log2 e in its exp2 argument, an FMA in place of the subtraction (kForwardToLog2).
+  // Not with small-tanh functions (they are of score_mod_log2).
+  std::string forward_members =
+      "  static constexpr float kForwardToLog2 = 1.0f;\n"
+      "  __device__ static __forceinline__ float score_mod_forward(const Invariants& inv, "
+      "const ForwardParams& p, const Coordinates& at, float dot, int q, int kv, "
+      "const StagedElement* staged) {\n"
+      "    return score_mod_log2(inv, p, at, dot, q, kv, staged);\n  }\n";
+  if (!problem.score_mod().is_identity_score() && score_log2.factor_multiplies() > 0 &&
+      !(score_small.has_tanh && score_small.possible)) {
+    GraphLowering score_natural(problem.score_mod(), "s", problem, bindings);
+    if (choice.stage_tensor) {
+      const auto staged = static_cast<std::size_t>(stageable_load(problem));
+      static_cast<void>(score_natural.stage_load(staged));
+    }
+    std::string natural_fields = fields;
+    std::string natural_assignments = assignments;
+    const std::string natural_body =
+        score_natural.emit_from_dot(natural_fields, natural_assignments, false);
+    if (score_natural.factor_multiplies() < score_log2.factor_multiplies()) {
+      fields = std::move(natural_fields);
+      assignments = std::move(natural_assignments);
+      forward_members =
+          "  static constexpr float kForwardToLog2 = kLog2e;\n"
+          "  // score_mod(dot * scale), constant multiplications merged (natural units)\n"
+          "  __device__ static __forceinline__ float score_mod_forward(const Invariants& inv, "
+          "const ForwardParams& p, const Coordinates& at, float dot, int q, int kv, "
+          "[[maybe_unused]] const StagedElement* staged) {\n" +
+          natural_body + "  }\n";
+    }
+  }
   std::string mask_body;
   const std::string mask_value = mask.emit_varying(mask_body);
   SmallTanh derivative_small;
@@ -966,6 +1009,7 @@ std::string generate_modifier_source(const Problem& problem, const ModifierBindi
       "const ForwardParams& p, const Coordinates& at, float dot, int q, int kv, "
       "[[maybe_unused]] const StagedElement* staged) {\n" +
       score_log2_body + "  }\n";
+  text += forward_members;
   text += fmt::format("  static constexpr bool kSmallTanh = {};\n", small_tanh);
   if (small_tanh) {
     text +=

@@ -38,6 +38,12 @@ struct IdentityModifier {
                                          const flexattn_kernels::StagedElement*) {
     return dot * p.scale_log2;
   }
+  static constexpr float kForwardToLog2 = 1.0f;
+  __device__ static float score_mod_forward(const Invariants& invariants, const ForwardParams& p,
+                                            const Coordinates& at, float dot, int q, int kv,
+                                            const flexattn_kernels::StagedElement* staged) {
+    return score_mod_log2(invariants, p, at, dot, q, kv, staged);
+  }
   static constexpr bool kSmallTanh = false;
   static constexpr int kStagedTensor = -1;
   __device__ static bool mask_mod(const Invariants&, const ForwardParams&, const Coordinates&,
@@ -86,6 +92,13 @@ struct CausalSoftcapModifier {
                                          const Coordinates& at, float dot, int q, int kv,
                                          const flexattn_kernels::StagedElement*) {
     return score_mod(invariants, p, at, dot * p.scale, q, kv) * flexattn_kernels::kLog2e;
+  }
+  // With small-tanh functions (log2 units) the forward's logit is in log2 units too.
+  static constexpr float kForwardToLog2 = 1.0f;
+  __device__ static float score_mod_forward(const Invariants& invariants, const ForwardParams& p,
+                                            const Coordinates& at, float dot, int q, int kv,
+                                            const flexattn_kernels::StagedElement* staged) {
+    return score_mod_log2(invariants, p, at, dot, q, kv, staged);
   }
   // The small-tanh variants (as the generated code has them for tanh(score / cap)).
   static constexpr bool kSmallTanh = true;

@@ -11,6 +11,8 @@
 //   static float score_mod_log2(const Invariants&, const ForwardParams&, const Coordinates&,
 //                               float dot, int q, int kv, const StagedElement*);
 //                               // score_mod(dot * scale) * log2(e)
+//   static constexpr float kForwardToLog2;  // 1, or log2(e) (never with kSmallTanh)
+//   static float score_mod_forward(...);  // score_mod_log2 / kForwardToLog2 (the forward's)
 //   static constexpr int kStagedTensor;  // the tensor slot read from a StagedElement, or -1
 //   static long long staged_origin(const Invariants&, const ForwardParams&, const Coordinates&);
 //                               // its element [..., 0, 0] (only with kStagedTensor >= 0)
@@ -124,8 +126,10 @@ __device__ __forceinline__ float masked_logit(float logit, const ForwardParams& 
 // with kCheck, `kv` may lie past it and is clamped before the modifier reads anything, so a
 // modifier only ever sees indices its load analysis covers. kLog2Domain: the logit times log2(e),
 // from the generated score_mod_log2 (which merges constant multiplications). kSmall: its
-// small-tanh variant, for a tile that small_tanh_tile admitted.
-template <class Modifier, bool kCheck, bool kLog2Domain, bool kSmall = false>
+// small-tanh variant, for a tile that small_tanh_tile admitted. kForward (the forward's
+// softmax): score_mod_forward, the logit times log2(e) / Modifier::kForwardToLog2.
+template <class Modifier, bool kCheck, bool kLog2Domain, bool kSmall = false,
+          bool kForward = false>
 __device__ __forceinline__ float element_logit(float dot, const ForwardParams& p,
                                                const typename Modifier::Invariants& invariants,
                                                const Coordinates& at, int q, int kv,
@@ -137,6 +141,8 @@ __device__ __forceinline__ float element_logit(float dot, const ForwardParams& p
   } else if constexpr (kSmall) {
     static_assert(kLog2Domain && Modifier::kSmallTanh, "the small variant is of score_mod_log2");
     logit = Modifier::score_mod_log2_small(invariants, p, at, dot, q, kv_inside, staged);
+  } else if constexpr (kLog2Domain && kForward) {
+    logit = Modifier::score_mod_forward(invariants, p, at, dot, q, kv_inside, staged);
   } else if constexpr (kLog2Domain) {
     logit = Modifier::score_mod_log2(invariants, p, at, dot, q, kv_inside, staged);
   } else {

@@ -112,10 +112,10 @@ __device__ __forceinline__ void compute_logits_with(float (&score)[kTiles][kScor
           const unsigned bits = pair[i][j][e / 2];
           const StagedElement element{
               static_cast<unsigned short>(e % 2 == 0 ? bits & 0xffffu : bits >> 16)};
-          score[i][j][e] = element_logit<Modifier, kCheck, true, kSmall>(
+          score[i][j][e] = element_logit<Modifier, kCheck, true, kSmall, true>(
               score[i][j][e], p, invariants, at, query[i][e / 2], kv, &element);
         } else {
-          score[i][j][e] = element_logit<Modifier, kCheck, true, kSmall>(
+          score[i][j][e] = element_logit<Modifier, kCheck, true, kSmall, true>(
               score[i][j][e], p, invariants, at, query[i][e / 2], kv);
         }
       }
@@ -136,6 +136,8 @@ __device__ __forceinline__ void compute_logits(float (&score)[kTiles][kScoreTile
                                                const Coordinates& at, const int (&query)[kTiles][2],
                                                int kv_first, const StagedTile* staged = nullptr,
                                                bool try_small = true) {
+  static_assert(!Modifier::kSmallTanh || Modifier::kForwardToLog2 == 1.0f,
+                "the small-tanh functions are in log2 units, as score_mod_forward must be");
   if constexpr (Modifier::kSmallTanh && !kCheck) {
     if (try_small &&
         small_tanh_tile<Modifier, kTiles * kScoreTiles * 4>(&score[0][0][0], invariants, p)) {
@@ -157,12 +159,15 @@ constexpr float kMaxSlack = 8.0f;
 // Online softmax of one kv tile in exp2 form, first half: the row's reference max (the max of
 // its logits so far, or up to kMaxSlack below it), P = exp2(S - reference) in place of the
 // logits, the row sums, and in `correction` the factor that rescales what was accumulated under
-// the old reference. Returns whether a row of this thread changed its reference.
+// the old reference. Returns whether a row of this thread changed its reference. The logits and
+// row_max are in log2 units times 1 / to_log2 (Modifier::kForwardToLog2: 1, or log2 e for a
+// natural-units score_mod_forward; a constant, so 1 costs nothing).
 template <int kTiles, int kScoreTiles>
 __device__ __forceinline__ bool softmax_probabilities(float (&score)[kTiles][kScoreTiles][4],
                                                       float (&row_max)[kTiles][2],
                                                       float (&row_sum)[kTiles][2],
-                                                      float (&correction)[kTiles][2]) {
+                                                      float (&correction)[kTiles][2],
+                                                      float to_log2) {
   bool max_changed = false;
 #pragma unroll
   for (int i = 0; i < kTiles; ++i) {
@@ -175,9 +180,10 @@ __device__ __forceinline__ bool softmax_probabilities(float (&score)[kTiles][kSc
       }
       // -inf + kMaxSlack is -inf: a row's first finite logits set its reference.
       const float seen = quad_max(tile_max);
-      const float new_max = seen > row_max[i][half] + kMaxSlack ? seen : row_max[i][half];
-      const float subtract = safe_max(new_max);
-      correction[i][half] = fast_exp2(row_max[i][half] - subtract);
+      const float new_max =
+          seen > row_max[i][half] + kMaxSlack / to_log2 ? seen : row_max[i][half];
+      const float subtract = safe_max(new_max) * to_log2;
+      correction[i][half] = fast_exp2(row_max[i][half] * to_log2 - subtract);
       max_changed = max_changed || new_max != row_max[i][half];
       row_max[i][half] = new_max;
       float sum = row_sum[i][half] * correction[i][half];
@@ -185,7 +191,7 @@ __device__ __forceinline__ bool softmax_probabilities(float (&score)[kTiles][kSc
       for (int j = 0; j < kScoreTiles; ++j) {
 #pragma unroll
         for (int c = 0; c < 2; ++c) {
-          const float probability = fast_exp2(score[i][j][2 * half + c] - subtract);
+          const float probability = fast_exp2(fmaf(score[i][j][2 * half + c], to_log2, -subtract));
           score[i][j][2 * half + c] = probability;
           sum += probability;
         }
@@ -213,14 +219,25 @@ __device__ __forceinline__ void rescale_output(float (&output)[kTiles][kOutputTi
   }
 }
 
+// The row maxima in log2 units, for the epilogue's LSE (softmax_probabilities' `to_log2`).
+template <int kTiles>
+__device__ __forceinline__ void to_log2_units(float (&row_max)[kTiles][2], float to_log2) {
+#pragma unroll
+  for (int i = 0; i < kTiles; ++i) {
+    row_max[i][0] *= to_log2;  // -inf stays -inf
+    row_max[i][1] *= to_log2;
+  }
+}
+
 // Both halves, for a kernel whose O is not in flight.
 template <int kTiles, int kScoreTiles, int kOutputTiles>
 __device__ __forceinline__ void online_softmax(float (&score)[kTiles][kScoreTiles][4],
                                                float (&row_max)[kTiles][2],
                                                float (&row_sum)[kTiles][2],
-                                               float (&output)[kTiles][kOutputTiles][4]) {
+                                               float (&output)[kTiles][kOutputTiles][4],
+                                               float to_log2) {
   float correction[kTiles][2];
-  const bool max_changed = softmax_probabilities(score, row_max, row_sum, correction);
+  const bool max_changed = softmax_probabilities(score, row_max, row_sum, correction, to_log2);
   rescale_output(output, correction, max_changed);
 }
 
@@ -420,7 +437,7 @@ __device__ __forceinline__ void forward_mma(const ForwardParams& p) {
       compute_logits<Modifier, false>(score, p, invariants, at, query, kv_first);
     }
 
-    online_softmax(score, row_max, row_sum, output);
+    online_softmax(score, row_max, row_sum, output, Modifier::kForwardToLog2);
 
     // O += P V: the S accumulators of two adjacent key tiles form one A fragment.
 #pragma unroll
@@ -448,6 +465,7 @@ __device__ __forceinline__ void forward_mma(const ForwardParams& p) {
   wait_copies<0>();
   __syncthreads();  // every warp is done with Q, K and V: the Q buffer now stages O
 
+  to_log2_units(row_max, Modifier::kForwardToLog2);
   store_output<Config>(p, shared, output, row_max, row_sum, span, batch, head, q_start, thread);
 }
 

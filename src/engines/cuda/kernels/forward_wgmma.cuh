@@ -377,7 +377,7 @@ __device__ __forceinline__ void forward_wgmma(const ForwardParams& p) {
       compute_logits<Modifier, false>(score, p, invariants, at, query, kv_first, staged_tile,
                                       try_small);
     }
-    return softmax_probabilities(score, row_max, row_sum, correction);
+    return softmax_probabilities(score, row_max, row_sum, correction, Modifier::kForwardToLog2);
   };
   // P of the tile as A fragments: two adjacent 8-key slices of S form one.
   auto pack_probabilities = [&](int stage) {
@@ -499,6 +499,7 @@ __device__ __forceinline__ void forward_wgmma(const ForwardParams& p) {
       release_stage(iteration);  // K, V and the staged tile read
     }
   }
+  to_log2_units(row_max, Modifier::kForwardToLog2);
   if constexpr (Config::kProducer) {
     // Every computing warp is done with Q: its buffer now stages O.
     named_barrier_sync<kConsumerBarrier>(kThreads);
