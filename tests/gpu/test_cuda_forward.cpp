@@ -82,6 +82,25 @@ std::vector<conformance::Case> forward_cases() {
   }
   // Both tanh forms in one launch, and the switch between them (test_support.hpp).
   for (const conformance::Case& c : mixed_tanh_tile_cases(false)) result.push_back(c);
+  // The lazy row max (kMaxSlack): logits that drift across the kv tiles, upward by a lot per
+  // tile (the reference moves on every tile), upward by a little (it lags by up to 8 in log2
+  // units: probabilities up to 2^8), and downward (it stays at the first tile's). The custom
+  // bias sums take the natural-units logit (score_mod_forward) as well.
+  const std::vector<std::pair<std::string, std::string>> drifts = {
+      {"steep", "score + float(kv) * 0.5"},
+      {"gentle", "score + float(kv) * 0.02 + bias[h, q, kv]"},
+      {"falling", "score - float(kv) * 0.02"}};
+  for (const auto& [name, score_mod] : drifts) {
+    for (const auto& [dtype, head_dim] :
+         std::vector<std::pair<DType, std::int64_t>>{{DType::kBF16, 64}, {DType::kBF16, 128},
+                                                     {DType::kF16, 128}}) {
+      conformance::Case c = conformance::custom_case(
+          conformance::Shape{1, 2, 2, 1024, 1024, head_dim, head_dim}, Layout::kBHSD, dtype,
+          score_mod, "none", false);
+      c.name = fmt::format("lazy_max_{}_{}_d{}", name, to_string(dtype), head_dim);
+      result.push_back(c);
+    }
+  }
   return result;
 }
 
