@@ -72,8 +72,9 @@ __device__ __forceinline__ void staged_pairs(const StagedTile& tile, int row0, i
                                                               row * 128 + ((c % 8) ^ (row % 8)) * 16));
 }
 
-// Scale, modify, mask: the S accumulators become log2-domain logits (kSmall: with the
-// modifier's small-tanh functions; see compute_logits).
+// Scale, modify, mask: the S accumulators become log2-domain logits divided by
+// Modifier::kForwardToLog2 (score_mod_forward; kSmall: with the modifier's small-tanh functions,
+// see compute_logits).
 template <class Modifier, bool kCheck, bool kSmall, int kTiles, int kScoreTiles>
 __device__ __forceinline__ void compute_logits_with(float (&score)[kTiles][kScoreTiles][4],
                                                     const ForwardParams& p,
