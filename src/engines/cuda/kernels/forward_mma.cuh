@@ -68,8 +68,8 @@ __device__ __forceinline__ void staged_pairs(const StagedTile& tile, int row0, i
   const int matrix = lane / 8;
   const int row = row0 + (matrix % 2) * 8 + lane % 8;
   const int c = chunk + matrix / 2;
-  load_matrix_x4(pair, tile.address + static_cast<unsigned>((c / 8) * tile.panel_bytes +
-                                                              row * 128 + ((c % 8) ^ (row % 8)) * 16));
+  const int offset = (c / 8) * tile.panel_bytes + row * 128 + ((c % 8) ^ (row % 8)) * 16;
+  load_matrix_x4(pair, tile.address + static_cast<unsigned>(offset));
 }
 
 // Scale, modify, mask: the S accumulators become log2-domain logits divided by
