@@ -320,7 +320,7 @@ struct BackwardState {
   BackwardParams params{};
   std::size_t delta_floats = 0;  // one per (b, h, query), like the LSE
   std::size_t dq_accum_floats = 0;  // fused dQ: tokens x heads x head_dim_qk
-  std::size_t dq_counters = 0;      // fused dQ: batch x heads x q blocks
+  std::size_t dq_counters = 0;      // fused dQ in order: batch x heads x q blocks
 };
 
 class CudaPlan final : public Plan {
@@ -417,17 +417,17 @@ class CudaPlan final : public Plan {
       b.delta_floats = static_cast<std::size_t>(lse.numel());
       if (b.choice.fused_dq) {
         const TileList& kv_list = dkdv_tiles != nullptr ? *dkdv_tiles : *backward_tiles;
-        if (!b.choice.unordered_dq) {
-          b.kv_tile_turns =
-              upload_ints(driver_, kv_tile_turns(transposed, kv_list.query_blocks));
-          p.kv_tile_turns = device_ints(b.kv_tile_turns);
-        }
         p.heads_q = static_cast<int>(problem.heads_q());
         p.dq_blocks = static_cast<int>(kv_list.query_blocks);
         b.dq_accum_floats = static_cast<std::size_t>(problem.total_tokens_q() * problem.heads_q() *
                                                      problem.head_dim_qk());
-        b.dq_counters = static_cast<std::size_t>(problem.batch() * problem.heads_q() *
-                                                 kv_list.query_blocks);
+        if (!b.choice.unordered_dq) {  // the order: a turn table and counters to wait on
+          b.kv_tile_turns =
+              upload_ints(driver_, kv_tile_turns(transposed, kv_list.query_blocks));
+          p.kv_tile_turns = device_ints(b.kv_tile_turns);
+          b.dq_counters = static_cast<std::size_t>(problem.batch() * problem.heads_q() *
+                                                   kv_list.query_blocks);
+        }
       }
     }
   }
@@ -511,7 +511,9 @@ class CudaPlan final : public Plan {
     p.delta = reinterpret_cast<float*>(scratch.address());
     if (b.choice.fused_dq) {
       p.dq_accum = reinterpret_cast<float*>(scratch.address() + dq_accum_offset);
-      p.dq_counters = reinterpret_cast<int*>(scratch.address() + dq_counters_offset);
+      p.dq_counters = b.dq_counters == 0
+                          ? nullptr
+                          : reinterpret_cast<int*>(scratch.address() + dq_counters_offset);
     }
     if (bytes > accumulators_begin) {
       driver_->check(driver_->api().memset_d8_async(scratch.address() + accumulators_begin, 0,

@@ -331,14 +331,15 @@ __device__ __forceinline__ void backward_dkdv_wgmma(const BackwardParams& bp) {
       wgmma_wait<0>();
       fence_operands(dq_flat);
       // Added in kv-tile order: this tile's turn among those visiting the q block (host table),
-      // so the fp32 sums are the same in every run.
-      int* counter = bp.dq_counters +
-                     (static_cast<long long>(batch) * bp.heads_q + head) * bp.dq_blocks +
-                     (entry >> 1);
-      // Without a turn table (FLEXATTN_CUDA_FUSED_DQ=unordered) the additions go in any order.
+      // so the fp32 sums are the same in every run. Without a turn table and counters
+      // (FLEXATTN_CUDA_FUSED_DQ=unordered) the additions go in any order.
       const bool ordered = bp.kv_tile_turns != nullptr;
-      const int turn = ordered ? bp.kv_tile_turns[begin + iteration % per_head] : 0;
+      int* counter = nullptr;
+      int turn = 0;
       if (ordered) {
+        counter = bp.dq_counters +
+                  (static_cast<long long>(batch) * bp.heads_q + head) * bp.dq_blocks + (entry >> 1);
+        turn = bp.kv_tile_turns[begin + iteration % per_head];
         if (thread == 0) wait_for_turn(counter, turn);
         __syncthreads();
       }

@@ -89,7 +89,7 @@ struct BackwardParams {
   // zeroed before the launch) in the order of kv_tile_turns (per kv-major entry: the rank of its
   // kv tile among those visiting its q block), one counter per (batch, head, q block of
   // dq_blocks) in dq_counters (zeroed); the dQ kernel then converts dq_accum to dq. Without
-  // kv_tile_turns (null) the additions go in any order.
+  // kv_tile_turns and dq_counters (both null) the additions go in any order.
   float* dq_accum;
   int* dq_counters;
   const int* kv_tile_turns;
