@@ -79,10 +79,13 @@ constexpr int kBackwardRowStatistics = 2;
 // in shared memory beside the four row tiles, up to head dim 256.
 constexpr int kBackwardSimtBlock = 32;
 // wgmma (kernels/backward_wgmma.cuh): two warpgroups of 64 rows per block in both kernels. dK/dV:
-// 128 keys, 64-row q blocks, two stages of Q, dO, LSE and delta, K and V resident. dQ: 128 query
-// rows, 64-key kv tiles in two stages, Q and dO resident. 1024 bytes to align the swizzled panels.
+// 128 keys, 64-row q blocks, three stages of Q, dO, LSE and delta, K and V resident. dQ: 128 query
+// rows, 64-key kv tiles in three stages, Q and dO resident. 1024 bytes to align the swizzled
+// panels. Three stages: the warpgroups run half a tile apart, so two tiles are read at once while
+// the next one loads.
 constexpr int kBackwardWgmmaBlock = 128;
 constexpr int kBackwardWgmmaThreads = 256;
+constexpr int kBackwardWgmmaStages = 3;
 
 int round_up(int value, int multiple) { return (value + multiple - 1) / multiple * multiple; }
 
@@ -233,9 +236,9 @@ void use_wgmma(BackwardChoice& c) {
   constexpr int kBytes = 2;  // bf16 / fp16
   const int dims = c.head_dim_qk + c.head_dim_v;
   const int resident = kWgmmaAlignment + kBackwardWgmmaBlock * dims * kBytes;
-  const int streamed = kBackwardMmaStages * kBackwardMmaBlock * dims * kBytes;
+  const int streamed = kBackwardWgmmaStages * kBackwardMmaBlock * dims * kBytes;
   c.shared_wgmma_dkdv = resident + streamed +
-                        kBackwardMmaStages * kBackwardRowStatistics * kBackwardMmaBlock *
+                        kBackwardWgmmaStages * kBackwardRowStatistics * kBackwardMmaBlock *
                             static_cast<int>(sizeof(float));
   c.shared_wgmma_dq = resident + streamed;
 }

@@ -6,20 +6,28 @@
 // 16 w .. 16 w + 15, so the accumulator layout per warp is the mma.sync kernel's and the element
 // pipeline is shared: dkdv_elements). K and V stay in shared memory; for every query head of the
 // GQA group and every 64-row q block of the kv-major tile list, Q, dO, LSE and delta stream
-// through two stages (cp.async). Per q block and warpgroup:
+// through three stages (cp.async). Per q block and warpgroup:
 //   S^T  = K Q^T      wgmma m64 n64 k16, K (A) and Q (B) from shared memory, K-major
 //   dP^T = V dO^T     the same with V and dO
 //   element pipeline: S^T -> P^T, dP^T -> dS^T (dkdv_elements)
 //   dV  += P^T dO     wgmma m64 n(head_dim_v) k16, P^T from registers, dO MN-major
 //   dK  += dS^T Q     wgmma m64 n(head_dim_qk) k16, dS^T from registers, Q MN-major
-// Each group of products is waited for before its results are read.
+// Each group of products is waited for before its results are read. The two warpgroups run half
+// a q block apart (one block barrier per q block): warpgroup 0 issues dV/dK of q block i - 1 and
+// S^T/dP^T of q block i as one group, then runs q block i's element work, while warpgroup 1 runs
+// q block i - 1's element work and then issues its own group; so the tensor cores run one
+// warpgroup's products while the other computes elements.
 //
 // backward_dq_wgmma: a block owns kDqBlockQ = 128 query rows of one head (two warpgroups of 64)
-// and walks the q-major tile list (128 x 64) like the forward, K and V in two stages:
+// and walks the q-major tile list (128 x 64) like the forward, K and V in three stages:
 //   S = Q K^T, dP = dO V^T   wgmma m64 n64 k16, both operands from shared memory (K-major)
 //   the element pipeline of backward_dq_mma (dq_delta_elements, dq_gradient_elements)
 //   dQ += dS K               wgmma m64 n(head_dim_qk) k16, dS from registers, K MN-major
-// with the same exact-delta pass and tensor-gradient scatter when a tensor gradient is wanted.
+// with the same exact-delta pass and tensor-gradient scatter when a tensor gradient is wanted,
+// and the warpgroups half a kv tile apart as in the dK/dV kernel.
+//
+// Neither kernel branches around a product within a wgmma group, and `warpgroup` is broadcast
+// from lane 0: otherwise ptxas serializes every wgmma of the kernel (its C7515 and C7520 notes).
 #pragma once
 
 #include "backward_mma.cuh"
@@ -42,7 +50,7 @@ struct BackwardWgmmaConfig {
   static constexpr int kThreads = kWarps * kWarpSize;
   static constexpr int kBlockKv = kWarpgroupRows * kWarpgroups;  // 128 keys
   static constexpr int kBlockQ = 64;
-  static constexpr int kStages = 2;
+  static constexpr int kStages = 3;  // see the dK/dV loop: two q blocks read, one loading
   static constexpr int kChunksQk = kHeadDimQk / kChunkElements;
   static constexpr int kChunksV = kHeadDimV / kChunkElements;
   static constexpr int kStepsQk = kHeadDimQk / 16;
@@ -103,6 +111,66 @@ struct BackwardWgmmaConfig {
   static_assert(kSharedDq == kSharedDq_, "the host's dQ shared-memory size (tile_plan.cpp)");
 };
 
+// S^T = K Q^T and dP^T = V dO^T of one q block, 64 keys x 64 queries per warpgroup: the
+// warpgroup's keys of K and V as K-major A operands (descriptors), the q block's Q and dO
+// stages (shared addresses) as K-major B. Issued into the open wgmma group.
+template <class Config>
+__device__ __forceinline__ void issue_transposed_scores(float (&st)[Config::kTilesQ * 4],
+                                                        float (&dpt)[Config::kTilesQ * 4],
+                                                        unsigned long long k_descriptor,
+                                                        unsigned long long v_descriptor,
+                                                        unsigned q_tile, unsigned do_tile) {
+  using Tag = typename Config::Tag;
+  constexpr int kCoreGroupBytes = kSwizzleRows * kSwizzleRows * kChunkBytes;
+  constexpr unsigned kStepBytes = 16 * 2;  // one k-step of 16 values along a K-major row
+  const unsigned long long q_descriptor = matrix_descriptor(q_tile, 16, kCoreGroupBytes);
+  const unsigned long long do_descriptor = matrix_descriptor(do_tile, 16, kCoreGroupBytes);
+#pragma unroll
+  for (int step = 0; step < Config::kStepsQk; ++step) {
+    const unsigned along = (step % 4) * kStepBytes;
+    const unsigned panel = step / 4;
+    wgmma_from_shared(
+        Tag{}, st, advance_descriptor(k_descriptor, panel * Config::KLayout::kPanelBytes + along),
+        advance_descriptor(q_descriptor, panel * Config::QLayout::kPanelBytes + along), step > 0);
+  }
+#pragma unroll
+  for (int step = 0; step < Config::kStepsV; ++step) {
+    const unsigned along = (step % 4) * kStepBytes;
+    const unsigned panel = step / 4;
+    wgmma_from_shared(
+        Tag{}, dpt, advance_descriptor(v_descriptor, panel * Config::VLayout::kPanelBytes + along),
+        advance_descriptor(do_descriptor, panel * Config::DoLayout::kPanelBytes + along), step > 0);
+  }
+}
+
+// dV += P^T dO and dK += dS^T Q of one q block (k = its 64 queries): P^T and dS^T from
+// registers (pa, sa), the q block's dO and Q stages as MN-major B operands. Issued into the open
+// wgmma group.
+template <class Config>
+__device__ __forceinline__ void issue_key_gradients(float (&dk)[Config::kTilesQk * 4],
+                                                    float (&dv)[Config::kTilesV * 4],
+                                                    const unsigned (&pa)[Config::kStepsQ][4],
+                                                    const unsigned (&sa)[Config::kStepsQ][4],
+                                                    unsigned q_tile, unsigned do_tile) {
+  using Tag = typename Config::Tag;
+  constexpr int kPanelRowBytes = kSwizzleRows * kChunkBytes;
+  constexpr int kCoreGroupBytes = kSwizzleRows * kPanelRowBytes;
+  const unsigned long long do_values =
+      matrix_descriptor(do_tile, Config::DoLayout::kPanelBytes, kCoreGroupBytes);
+  const unsigned long long q_values =
+      matrix_descriptor(q_tile, Config::QLayout::kPanelBytes, kCoreGroupBytes);
+#pragma unroll
+  for (int step = 0; step < Config::kStepsQ; ++step) {
+    wgmma_from_registers(Tag{}, dv, pa[step],
+                         advance_descriptor(do_values, step * 16 * kPanelRowBytes), 1);
+  }
+#pragma unroll
+  for (int step = 0; step < Config::kStepsQ; ++step) {
+    wgmma_from_registers(Tag{}, dk, sa[step],
+                         advance_descriptor(q_values, step * 16 * kPanelRowBytes), 1);
+  }
+}
+
 template <class Config, class Modifier>
 __device__ __forceinline__ void backward_dkdv_wgmma(const BackwardParams& bp) {
   using Tag = typename Config::Tag;
@@ -111,7 +179,6 @@ __device__ __forceinline__ void backward_dkdv_wgmma(const BackwardParams& bp) {
   constexpr int kTilesQ = Config::kTilesQ;
   constexpr int kPanelRowBytes = kSwizzleRows * kChunkBytes;      // 128
   constexpr int kCoreGroupBytes = kSwizzleRows * kPanelRowBytes;  // 8 rows: a descriptor stride
-  constexpr int kStepBytes = 16 * 2;  // one k-step of 16 values along a K-major row
   const ForwardParams& p = bp.fwd;
   const AlignedShared aligned = aligned_shared_memory<Config::kAlignment>();
   const unsigned aligned_start = aligned.address;
@@ -122,7 +189,9 @@ __device__ __forceinline__ void backward_dkdv_wgmma(const BackwardParams& bp) {
   const int lane = thread % kWarpSize;
   const int group = lane / 4;
   const int quad_lane = lane % 4;
-  const int warpgroup = warp / 4;
+  // Broadcast from lane 0, so the compiler knows it is uniform across the warp: the products
+  // issued on a branch of it are then not serialized (ptxas's "WG.AR in divergent path").
+  const int warpgroup = __shfl_sync(0xffffffffu, warp / 4, 0);
   const int kv_tile = blockIdx.x;
   const int head_kv = blockIdx.y;
   const int batch = blockIdx.z;
@@ -204,69 +273,27 @@ __device__ __forceinline__ void backward_dkdv_wgmma(const BackwardParams& bp) {
 
   int prepared_head = -1;
   typename Modifier::Invariants invariants{};
-  for (int iteration = 0; iteration < total; ++iteration) {
+  // The element pipeline of q block `iteration` (st becomes P^T, dpt dS^T), then P^T and dS^T
+  // packed as the A fragments of dV and dK.
+  float st[kTilesQ][4];
+  float dpt[kTilesQ][4];
+  float(&st_flat)[kTilesQ * 4] = reinterpret_cast<float(&)[kTilesQ * 4]>(st);
+  float(&dpt_flat)[kTilesQ * 4] = reinterpret_cast<float(&)[kTilesQ * 4]>(dpt);
+  unsigned pa[Config::kStepsQ][4];
+  unsigned sa[Config::kStepsQ][4];
+  auto run_elements = [&](int iteration) {
     const int stage = iteration % Config::kStages;
-    wait_copies<0>();
-    fence_async_shared();  // this thread's copies, visible to the wgmma reads after the barrier
-    __syncthreads();       // this iteration's Q/dO visible; the other stage is no longer read
-    if (iteration + 1 < total) load_queries(iteration + 1, (iteration + 1) % Config::kStages);
-    commit_copies();
-
     const int head = head_kv * p.heads_per_kv + iteration / per_head;
     const int entry = bp.kv_tile_entries[begin + iteration % per_head];
-    const int q_start = (entry >> 1) * kBlockQ;
     const Coordinates at{batch, head, span.q_len, span.kv_len};
     if (head != prepared_head) {
       invariants = Modifier::prepare(p, at);
       prepared_head = head;
     }
-    const unsigned q_tile = q_tiles + stage * Config::kQBytes;
-    const unsigned do_tile = do_tiles + stage * Config::kDoBytes;
     const float* lse_stage = row_floats + stage * 2 * kBlockQ;
-    const float* delta_stage = lse_stage + kBlockQ;
-
-    // S^T = K Q^T and dP^T = V dO^T: 64 keys x 64 queries per warpgroup, one group.
-    float st[kTilesQ][4];
-    float dpt[kTilesQ][4];
-    float(&st_flat)[kTilesQ * 4] = reinterpret_cast<float(&)[kTilesQ * 4]>(st);
-    float(&dpt_flat)[kTilesQ * 4] = reinterpret_cast<float(&)[kTilesQ * 4]>(dpt);
-    const unsigned long long q_descriptor = matrix_descriptor(q_tile, 16, kCoreGroupBytes);
-    const unsigned long long do_descriptor = matrix_descriptor(do_tile, 16, kCoreGroupBytes);
-    fence_operands(st_flat);
-    fence_operands(dpt_flat);
-    wgmma_fence();
-#pragma unroll
-    for (int step = 0; step < Config::kStepsQk; ++step) {
-      const unsigned along = (step % 4) * kStepBytes;
-      const unsigned panel = step / 4;
-      wgmma_from_shared(
-          Tag{}, st_flat,
-          advance_descriptor(k_descriptor, panel * Config::KLayout::kPanelBytes + along),
-          advance_descriptor(q_descriptor, panel * Config::QLayout::kPanelBytes + along), step > 0);
-    }
-#pragma unroll
-    for (int step = 0; step < Config::kStepsV; ++step) {
-      const unsigned along = (step % 4) * kStepBytes;
-      const unsigned panel = step / 4;
-      wgmma_from_shared(
-          Tag{}, dpt_flat,
-          advance_descriptor(v_descriptor, panel * Config::VLayout::kPanelBytes + along),
-          advance_descriptor(do_descriptor, panel * Config::DoLayout::kPanelBytes + along),
-          step > 0);
-    }
-    wgmma_commit();
-    wgmma_wait<0>();
-    fence_operands(st_flat);
-    fence_operands(dpt_flat);
-
-    // Element pipeline: st becomes P^T, dpt becomes dS^T.
-    dkdv_elements<Modifier>(st, dpt, p, invariants, at, span, kv_row, q_start,
-                            entry_is_mixed(entry) || kv_boundary, lse_stage, delta_stage,
+    dkdv_elements<Modifier>(st, dpt, p, invariants, at, span, kv_row, (entry >> 1) * kBlockQ,
+                            entry_is_mixed(entry) || kv_boundary, lse_stage, lse_stage + kBlockQ,
                             quad_lane);
-
-    // dV += P^T dO and dK += dS^T Q (k = the 64 queries; dO and Q as MN-major B operands).
-    unsigned pa[Config::kStepsQ][4];
-    unsigned sa[Config::kStepsQ][4];
 #pragma unroll
     for (int step = 0; step < Config::kStepsQ; ++step) {
       pack_fragment<Tag>(pa[step], st, step);
@@ -274,11 +301,96 @@ __device__ __forceinline__ void backward_dkdv_wgmma(const BackwardParams& bp) {
       fence_operands(pa[step]);
       fence_operands(sa[step]);
     }
-    // kFusedDq: dQ[:, 64 g .. 64 g + 63] of this q block over the 128 keys, for warpgroup g.
-    float dq_part[Config::kDqTiles][4];
-    float(&dq_flat)[Config::kDqTiles * 4] =
-        reinterpret_cast<float(&)[Config::kDqTiles * 4]>(dq_part);
-    if constexpr (Config::kFusedDq) {
+  };
+
+  if constexpr (!Config::kFusedDq) {
+    // The warpgroups run half an interval apart, so that one's element work overlaps the
+    // other's products on the tensor cores. Interval i (one block barrier each):
+    //   warpgroup 0: products (dV/dK of q block i - 1, S^T/dP^T of q block i), then q block i's
+    //                element work;
+    //   warpgroup 1: q block i - 1's element work (its S^T/dP^T came at the end of the last
+    //                interval), then the same products.
+    // Intervals 0 .. total: the first has no dV/dK, the last no S^T/dP^T. q blocks i - 1 and i
+    // are read during interval i while i + 1 loads: three stages.
+    // No interval at all without a q block (dK and dV stay zero).
+    static_assert(Config::kStages >= 3, "two q blocks in use and one loading");
+    for (int interval = 0; total > 0 && interval <= total; ++interval) {
+      wait_copies<0>();
+      fence_async_shared();  // this thread's copies, visible to the wgmma reads after the barrier
+      __syncthreads();       // q block `interval` visible; interval - 2's stage no longer read
+      if (interval + 1 < total) load_queries(interval + 1, (interval + 1) % Config::kStages);
+      commit_copies();
+#pragma unroll 1
+      for (int half = 0; half < 2; ++half) {
+        if ((half == 0) != (warpgroup == 0)) {
+          const int iteration = interval - warpgroup;
+          if (iteration >= 0 && iteration < total) run_elements(iteration);
+          continue;
+        }
+        fence_operands(dk_flat);
+        fence_operands(dv_flat);
+        // Each case one whole group (fence, products, commit, wait): a product branched around
+        // inside a group makes ptxas serialize every wgmma of the kernel.
+        const int last = (interval + Config::kStages - 1) % Config::kStages;
+        const unsigned last_q = q_tiles + last * Config::kQBytes;
+        const unsigned last_do = do_tiles + last * Config::kDoBytes;
+        const int stage = interval % Config::kStages;
+        const unsigned q_tile = q_tiles + stage * Config::kQBytes;
+        const unsigned do_tile = do_tiles + stage * Config::kDoBytes;
+        if (interval == 0) {
+          wgmma_fence();
+          issue_transposed_scores<Config>(st_flat, dpt_flat, k_descriptor, v_descriptor, q_tile,
+                                          do_tile);
+          wgmma_commit();
+          wgmma_wait<0>();
+        } else if (interval == total) {
+          wgmma_fence();
+          issue_key_gradients<Config>(dk_flat, dv_flat, pa, sa, last_q, last_do);
+          wgmma_commit();
+          wgmma_wait<0>();
+        } else {
+          wgmma_fence();
+          issue_key_gradients<Config>(dk_flat, dv_flat, pa, sa, last_q, last_do);
+          issue_transposed_scores<Config>(st_flat, dpt_flat, k_descriptor, v_descriptor, q_tile,
+                                          do_tile);
+          wgmma_commit();
+          wgmma_wait<0>();
+        }
+        fence_operands(dk_flat);
+        fence_operands(dv_flat);
+        fence_operands(st_flat);
+        fence_operands(dpt_flat);
+#pragma unroll
+        for (int step = 0; step < Config::kStepsQ; ++step) {
+          fence_operands(pa[step]);  // read by dV/dK until the wait: not reused before it
+          fence_operands(sa[step]);
+        }
+      }
+    }
+  } else {
+    // kFusedDq: one q block per interval, both warpgroups together (both write dS^T for dQ).
+    for (int iteration = 0; iteration < total; ++iteration) {
+      const int stage = iteration % Config::kStages;
+      wait_copies<0>();
+      fence_async_shared();  // this thread's copies, visible to the wgmma reads after the barrier
+      __syncthreads();       // this iteration's Q/dO visible; older stages are no longer read
+      if (iteration + 1 < total) load_queries(iteration + 1, (iteration + 1) % Config::kStages);
+      commit_copies();
+
+      const int head = head_kv * p.heads_per_kv + iteration / per_head;
+      const int entry = bp.kv_tile_entries[begin + iteration % per_head];
+      const int q_start = (entry >> 1) * kBlockQ;
+      const unsigned q_tile = q_tiles + stage * Config::kQBytes;
+      const unsigned do_tile = do_tiles + stage * Config::kDoBytes;
+      wgmma_fence();
+      issue_transposed_scores<Config>(st_flat, dpt_flat, k_descriptor, v_descriptor, q_tile,
+                                      do_tile);
+      wgmma_commit();
+      wgmma_wait<0>();
+      fence_operands(st_flat);
+      fence_operands(dpt_flat);
+      run_elements(iteration);
+
       // This warp's 16 keys of dS^T (the values sa holds) into the shared tile; the block's
       // barrier at the top of the next iteration keeps it until both warpgroups' dQ products
       // are done with it.
@@ -287,33 +399,21 @@ __device__ __forceinline__ void backward_dkdv_wgmma(const BackwardParams& bp) {
           quad_lane, 1.0f);
       fence_async_shared();
       __syncthreads();  // both warpgroups' keys stored
-    }
-    fence_operands(dk_flat);
-    fence_operands(dv_flat);
-    wgmma_fence();
-    const unsigned long long do_values =
-        matrix_descriptor(do_tile, Config::DoLayout::kPanelBytes, kCoreGroupBytes);
-    const unsigned long long q_values =
-        matrix_descriptor(q_tile, Config::QLayout::kPanelBytes, kCoreGroupBytes);
-#pragma unroll
-    for (int step = 0; step < Config::kStepsQ; ++step) {
-      wgmma_from_registers(Tag{}, dv_flat, pa[step],
-                           advance_descriptor(do_values, step * 16 * kPanelRowBytes), 1);
-    }
-#pragma unroll
-    for (int step = 0; step < Config::kStepsQ; ++step) {
-      wgmma_from_registers(Tag{}, dk_flat, sa[step],
-                           advance_descriptor(q_values, step * 16 * kPanelRowBytes), 1);
-    }
-    wgmma_commit();
-    wgmma_wait<0>();
-    fence_operands(dk_flat);
-    fence_operands(dv_flat);
-    if constexpr (Config::kFusedDq) {
-      // dQ = dS K in its own group, once the P^T and dS^T fragments are free (one group with
-      // dV and dK kept them live beside dQ's 32 accumulators: 80 bytes of spills at softcap).
-      // A = dS^T (keys x queries, MN-major), B = panel g of K (keys x 64 dims, MN-major);
-      // k = the 128 keys in steps of 16 rows.
+      fence_operands(dk_flat);
+      fence_operands(dv_flat);
+      wgmma_fence();
+      issue_key_gradients<Config>(dk_flat, dv_flat, pa, sa, q_tile, do_tile);
+      wgmma_commit();
+      wgmma_wait<0>();
+      fence_operands(dk_flat);
+      fence_operands(dv_flat);
+      // dQ[:, 64 g .. 64 g + 63] of this q block over the 128 keys, for warpgroup g, in its own
+      // group once the P^T and dS^T fragments are free (one group with dV and dK kept them live
+      // beside dQ's 32 accumulators: 80 bytes of spills at softcap). A = dS^T (keys x queries,
+      // MN-major), B = panel g of K (keys x 64 dims, MN-major); k = the 128 keys in steps of 16.
+      float dq_part[Config::kDqTiles][4];
+      float(&dq_flat)[Config::kDqTiles * 4] =
+          reinterpret_cast<float(&)[Config::kDqTiles * 4]>(dq_part);
       const unsigned long long ds_values =
           matrix_descriptor(aligned_shared_memory<Config::kAlignment>().address + kDsOffset,
                             Config::DsLayout::kPanelBytes, kCoreGroupBytes);
@@ -444,7 +544,9 @@ __device__ __forceinline__ void backward_dq_wgmma(const BackwardParams& bp) {
   const int lane = thread % kWarpSize;
   const int group = lane / 4;
   const int quad_lane = lane % 4;
-  const int warpgroup = warp / 4;
+  // Broadcast from lane 0, so the compiler knows it is uniform across the warp: the products
+  // issued on a branch of it are then not serialized (ptxas's "WG.AR in divergent path").
+  const int warpgroup = __shfl_sync(0xffffffffu, warp / 4, 0);
   const int q_block = gridDim.x - 1 - blockIdx.x;  // the longest lists (causal) start first
   const int head = blockIdx.y;
   const int batch = blockIdx.z;
@@ -513,99 +615,132 @@ __device__ __forceinline__ void backward_dq_wgmma(const BackwardParams& bp) {
   const int first_pass = tensor_grads ? 0 : 1;
   float row_pdp[2] = {0.0f, 0.0f};
   float row_p[2] = {0.0f, 0.0f};
+  float s[kTilesKv][4];
+  float dp[kTilesKv][4];
+  float(&s_flat)[kTilesKv * 4] = reinterpret_cast<float(&)[kTilesKv * 4]>(s);
+  float(&dp_flat)[kTilesKv * 4] = reinterpret_cast<float(&)[kTilesKv * 4]>(dp);
+  unsigned sa[Config::kDqStepsKv][4];  // dS as the A fragments of dQ += dS K
+  const int count = entries.end - entries.begin;
+  // As in the dK/dV kernel, the warpgroups run half an interval apart: in interval i warpgroup
+  // 0 issues dQ += dS K of kv tile i - 1 and S, dP of kv tile i, then runs tile i's element
+  // work; warpgroup 1 runs tile i - 1's element work, then issues the same products. Intervals
+  // 0 .. count; kv tiles i - 1 and i are read during interval i while i + 1 loads.
+  static_assert(Config::kStages >= 3, "two kv tiles in use and one loading");
   for (int pass = first_pass; pass < 2; ++pass) {
     const bool delta_pass = pass == 0;
     if (pass == 1 && first_pass == 0) {
       wait_copies<0>();
-      __syncthreads();  // every warp is done with the last K/V stage of the first pass
+      __syncthreads();  // every warp is done with the last K/V stages of the first pass
       renormalise_dq_rows(row_pdp, row_p, row_valid, lse2, delta);
-      if (entries.begin < entries.end) load_keys_and_values(entries.begin, 0);
+      if (count > 0) load_keys_and_values(entries.begin, 0);
       commit_copies();
     }
-    for (int entry_index = entries.begin; entry_index < entries.end; ++entry_index) {
-      const int iteration = entry_index - entries.begin;
-      const int stage = iteration % Config::kStages;
+    for (int interval = 0; interval <= count; ++interval) {
       wait_copies<0>();
       fence_async_shared();  // this thread's copies, visible to the wgmma reads after the barrier
-      __syncthreads();       // tile `iteration` visible; the other stage is no longer read
-      if (entry_index + 1 < entries.end) {
-        load_keys_and_values(entry_index + 1, (iteration + 1) % Config::kStages);
+      __syncthreads();       // kv tile `interval` visible; interval - 2's stage no longer read
+      if (interval + 1 < count) {
+        load_keys_and_values(entries.begin + interval + 1, (interval + 1) % Config::kStages);
       }
       commit_copies();
-      const unsigned k_tile = k_tiles + stage * Config::kDqKBytes;
-      const unsigned v_tile = v_tiles + stage * Config::kDqVBytes;
-      const int entry = p.tile_entries[entry_index];
-      const int kv_start = entry_kv_tile(entry) * kBlockKv;
-
-      // S = Q K^T and dP = dO V^T: 64 queries x 64 keys per warpgroup, one group.
-      float s[kTilesKv][4];
-      float dp[kTilesKv][4];
-      float(&s_flat)[kTilesKv * 4] = reinterpret_cast<float(&)[kTilesKv * 4]>(s);
-      float(&dp_flat)[kTilesKv * 4] = reinterpret_cast<float(&)[kTilesKv * 4]>(dp);
-      const unsigned long long k_descriptor = matrix_descriptor(k_tile, 16, kCoreGroupBytes);
-      const unsigned long long v_descriptor = matrix_descriptor(v_tile, 16, kCoreGroupBytes);
-      fence_operands(s_flat);
-      fence_operands(dp_flat);
-      wgmma_fence();
+#pragma unroll 1
+      for (int half = 0; half < 2; ++half) {
+        if ((half == 0) != (warpgroup == 0)) {
+          // Element work of kv tile `iteration`; the pass and the scatter are decided per tile
+          // (see backward_dq_mma).
+          const int iteration = interval - warpgroup;
+          if (iteration < 0 || iteration >= count) continue;
+          const int entry = p.tile_entries[entries.begin + iteration];
+          const int kv_start = entry_kv_tile(entry) * kBlockKv;
+          const bool check = entry_is_mixed(entry) || kv_start + kBlockKv > span.kv_len;
+          if (delta_pass) {
+            dq_delta_elements<Modifier>(s, dp, p, invariants, at, span, query, lse2, kv_start,
+                                        check, quad_lane, row_pdp, row_p);
+            continue;
+          }
+          if (tensor_grads) {
+            dq_gradient_elements<Modifier, true>(s, dp, bp, invariants, at, span, query, lse2,
+                                                 delta, kv_start, check, quad_lane, local);
+          } else {
+            dq_gradient_elements<Modifier, false>(s, dp, bp, invariants, at, span, query, lse2,
+                                                  delta, kv_start, check, quad_lane, local);
+          }
 #pragma unroll
-      for (int step = 0; step < Config::kStepsQk; ++step) {
-        const unsigned along = (step % 4) * kStepBytes;
-        const unsigned panel = step / 4;
-        wgmma_from_shared(
-            Tag{}, s_flat,
-            advance_descriptor(q_descriptor, panel * Config::DqQLayout::kPanelBytes + along),
-            advance_descriptor(k_descriptor, panel * Config::DqKLayout::kPanelBytes + along),
-            step > 0);
-      }
+          for (int step = 0; step < Config::kDqStepsKv; ++step) {
+            pack_fragment<Tag>(sa[step], dp, step);
+            fence_operands(sa[step]);
+          }
+          continue;
+        }
+        fence_operands(dq_flat);
+        // dQ += dS K of kv tile interval - 1 (k = its 64 keys; K as the MN-major B operand).
+        auto issue_gradient = [&]() {
+          const unsigned long long k_values = matrix_descriptor(
+              k_tiles + (interval + Config::kStages - 1) % Config::kStages * Config::kDqKBytes,
+              Config::DqKLayout::kPanelBytes, kCoreGroupBytes);
 #pragma unroll
-      for (int step = 0; step < Config::kStepsV; ++step) {
-        const unsigned along = (step % 4) * kStepBytes;
-        const unsigned panel = step / 4;
-        wgmma_from_shared(
-            Tag{}, dp_flat,
-            advance_descriptor(do_descriptor, panel * Config::DqDoLayout::kPanelBytes + along),
-            advance_descriptor(v_descriptor, panel * Config::DqVLayout::kPanelBytes + along),
-            step > 0);
-      }
-      wgmma_commit();
-      wgmma_wait<0>();
-      fence_operands(s_flat);
-      fence_operands(dp_flat);
-
-      const bool check = entry_is_mixed(entry) || kv_start + kBlockKv > span.kv_len;
-      // The pass and the scatter are decided per tile (see backward_dq_mma).
-      if (delta_pass) {
-        dq_delta_elements<Modifier>(s, dp, p, invariants, at, span, query, lse2, kv_start, check,
-                                    quad_lane, row_pdp, row_p);
-        continue;
-      }
-      if (tensor_grads) {
-        dq_gradient_elements<Modifier, true>(s, dp, bp, invariants, at, span, query, lse2, delta,
-                                             kv_start, check, quad_lane, local);
-      } else {
-        dq_gradient_elements<Modifier, false>(s, dp, bp, invariants, at, span, query, lse2, delta,
-                                              kv_start, check, quad_lane, local);
-      }
-
-      // dQ += dS K (k = the 64 keys; K as the MN-major B operand).
-      unsigned sa[Config::kDqStepsKv][4];
+          for (int step = 0; step < Config::kDqStepsKv; ++step) {
+            wgmma_from_registers(Tag{}, dq_flat, sa[step],
+                                 advance_descriptor(k_values, step * 16 * kPanelRowBytes), 1);
+          }
+        };
+        // S = Q K^T and dP = dO V^T of kv tile `interval`: 64 queries x 64 keys per warpgroup.
+        auto issue_scores = [&]() {
+          const int stage = interval % Config::kStages;
+          const unsigned long long k_descriptor =
+              matrix_descriptor(k_tiles + stage * Config::kDqKBytes, 16, kCoreGroupBytes);
+          const unsigned long long v_descriptor =
+              matrix_descriptor(v_tiles + stage * Config::kDqVBytes, 16, kCoreGroupBytes);
 #pragma unroll
-      for (int step = 0; step < Config::kDqStepsKv; ++step) {
-        pack_fragment<Tag>(sa[step], dp, step);
-        fence_operands(sa[step]);
-      }
-      fence_operands(dq_flat);
-      wgmma_fence();
-      const unsigned long long k_values =
-          matrix_descriptor(k_tile, Config::DqKLayout::kPanelBytes, kCoreGroupBytes);
+          for (int step = 0; step < Config::kStepsQk; ++step) {
+            const unsigned along = (step % 4) * kStepBytes;
+            const unsigned panel = step / 4;
+            wgmma_from_shared(
+                Tag{}, s_flat,
+                advance_descriptor(q_descriptor, panel * Config::DqQLayout::kPanelBytes + along),
+                advance_descriptor(k_descriptor, panel * Config::DqKLayout::kPanelBytes + along),
+                step > 0);
+          }
 #pragma unroll
-      for (int step = 0; step < Config::kDqStepsKv; ++step) {
-        wgmma_from_registers(Tag{}, dq_flat, sa[step],
-                             advance_descriptor(k_values, step * 16 * kPanelRowBytes), 1);
+          for (int step = 0; step < Config::kStepsV; ++step) {
+            const unsigned along = (step % 4) * kStepBytes;
+            const unsigned panel = step / 4;
+            wgmma_from_shared(
+                Tag{}, dp_flat,
+                advance_descriptor(do_descriptor, panel * Config::DqDoLayout::kPanelBytes + along),
+                advance_descriptor(v_descriptor, panel * Config::DqVLayout::kPanelBytes + along),
+                step > 0);
+          }
+        };
+        // Each case one whole group (fence, products, commit, wait): a product branched around
+        // inside a group makes ptxas serialize every wgmma of the kernel.
+        const bool gradient = !delta_pass && interval > 0;
+        const bool scores = interval < count;
+        if (gradient && scores) {
+          wgmma_fence();
+          issue_gradient();
+          issue_scores();
+          wgmma_commit();
+          wgmma_wait<0>();
+        } else if (gradient) {
+          wgmma_fence();
+          issue_gradient();
+          wgmma_commit();
+          wgmma_wait<0>();
+        } else if (scores) {
+          wgmma_fence();
+          issue_scores();
+          wgmma_commit();
+          wgmma_wait<0>();
+        }
+        fence_operands(dq_flat);
+        fence_operands(s_flat);
+        fence_operands(dp_flat);
+#pragma unroll
+        for (int step = 0; step < Config::kDqStepsKv; ++step) {
+          fence_operands(sa[step]);  // read by dQ until the wait: not reused before it
+        }
       }
-      wgmma_commit();
-      wgmma_wait<0>();
-      fence_operands(dq_flat);
     }
   }  // passes
   if constexpr (Modifier::kHasTensorGrads) {
