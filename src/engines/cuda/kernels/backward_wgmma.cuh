@@ -171,6 +171,17 @@ __device__ __forceinline__ void issue_key_gradients(float (&dk)[Config::kTilesQk
   }
 }
 
+// One whole wgmma group: fence, the products `issue` makes, commit, wait. The kernels pick
+// among such groups with branches; a branch around a product inside a group would make ptxas
+// serialize every wgmma of the kernel.
+template <class Issue>
+__device__ __forceinline__ void wgmma_group(const Issue& issue) {
+  wgmma_fence();
+  issue();
+  wgmma_commit();
+  wgmma_wait<0>();
+}
+
 template <class Config, class Modifier>
 __device__ __forceinline__ void backward_dkdv_wgmma(const BackwardParams& bp) {
   using Tag = typename Config::Tag;
@@ -329,32 +340,26 @@ __device__ __forceinline__ void backward_dkdv_wgmma(const BackwardParams& bp) {
         }
         fence_operands(dk_flat);
         fence_operands(dv_flat);
-        // Each case one whole group (fence, products, commit, wait): a product branched around
-        // inside a group makes ptxas serialize every wgmma of the kernel.
-        const int last = (interval + Config::kStages - 1) % Config::kStages;
-        const unsigned last_q = q_tiles + last * Config::kQBytes;
-        const unsigned last_do = do_tiles + last * Config::kDoBytes;
-        const int stage = interval % Config::kStages;
-        const unsigned q_tile = q_tiles + stage * Config::kQBytes;
-        const unsigned do_tile = do_tiles + stage * Config::kDoBytes;
+        auto gradients = [&]() {  // of q block interval - 1
+          const int last = (interval + Config::kStages - 1) % Config::kStages;
+          issue_key_gradients<Config>(dk_flat, dv_flat, pa, sa, q_tiles + last * Config::kQBytes,
+                                      do_tiles + last * Config::kDoBytes);
+        };
+        auto scores = [&]() {  // of q block `interval`
+          const int stage = interval % Config::kStages;
+          issue_transposed_scores<Config>(st_flat, dpt_flat, k_descriptor, v_descriptor,
+                                          q_tiles + stage * Config::kQBytes,
+                                          do_tiles + stage * Config::kDoBytes);
+        };
         if (interval == 0) {
-          wgmma_fence();
-          issue_transposed_scores<Config>(st_flat, dpt_flat, k_descriptor, v_descriptor, q_tile,
-                                          do_tile);
-          wgmma_commit();
-          wgmma_wait<0>();
+          wgmma_group(scores);
         } else if (interval == total) {
-          wgmma_fence();
-          issue_key_gradients<Config>(dk_flat, dv_flat, pa, sa, last_q, last_do);
-          wgmma_commit();
-          wgmma_wait<0>();
+          wgmma_group(gradients);
         } else {
-          wgmma_fence();
-          issue_key_gradients<Config>(dk_flat, dv_flat, pa, sa, last_q, last_do);
-          issue_transposed_scores<Config>(st_flat, dpt_flat, k_descriptor, v_descriptor, q_tile,
-                                          do_tile);
-          wgmma_commit();
-          wgmma_wait<0>();
+          wgmma_group([&]() {
+            gradients();
+            scores();
+          });
         }
         fence_operands(dk_flat);
         fence_operands(dv_flat);
@@ -712,26 +717,17 @@ __device__ __forceinline__ void backward_dq_wgmma(const BackwardParams& bp) {
                 step > 0);
           }
         };
-        // Each case one whole group (fence, products, commit, wait): a product branched around
-        // inside a group makes ptxas serialize every wgmma of the kernel.
         const bool gradient = !delta_pass && interval > 0;
         const bool scores = interval < count;
         if (gradient && scores) {
-          wgmma_fence();
-          issue_gradient();
-          issue_scores();
-          wgmma_commit();
-          wgmma_wait<0>();
+          wgmma_group([&]() {
+            issue_gradient();
+            issue_scores();
+          });
         } else if (gradient) {
-          wgmma_fence();
-          issue_gradient();
-          wgmma_commit();
-          wgmma_wait<0>();
+          wgmma_group(issue_gradient);
         } else if (scores) {
-          wgmma_fence();
-          issue_scores();
-          wgmma_commit();
-          wgmma_wait<0>();
+          wgmma_group(issue_scores);
         }
         fence_operands(dq_flat);
         fence_operands(s_flat);
