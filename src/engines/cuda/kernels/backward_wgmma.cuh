@@ -111,6 +111,21 @@ struct BackwardWgmmaConfig {
   static_assert(kSharedDq == kSharedDq_, "the host's dQ shared-memory size (tile_plan.cpp)");
 };
 
+// d (64 x N) = A B^T over kSteps k-steps of 16, A and B K-major in swizzled panels of 64 values
+// (kPanelBytesA and kPanelBytesB apart); d's earlier values discarded.
+template <int kSteps, int kPanelBytesA, int kPanelBytesB, class Tag, int kCount>
+__device__ __forceinline__ void wgmma_k_major(Tag tag, float (&d)[kCount], unsigned long long a,
+                                              unsigned long long b) {
+  constexpr unsigned kStepBytes = 16 * 2;  // one k-step of 16 values along a K-major row
+#pragma unroll
+  for (int step = 0; step < kSteps; ++step) {
+    const unsigned along = (step % 4) * kStepBytes;
+    const unsigned panel = step / 4;
+    wgmma_from_shared(tag, d, advance_descriptor(a, panel * kPanelBytesA + along),
+                      advance_descriptor(b, panel * kPanelBytesB + along), step > 0);
+  }
+}
+
 // S^T = K Q^T and dP^T = V dO^T of one q block, 64 keys x 64 queries per warpgroup: the
 // warpgroup's keys of K and V as K-major A operands (descriptors), the q block's Q and dO
 // stages (shared addresses) as K-major B. Issued into the open wgmma group.
@@ -122,25 +137,10 @@ __device__ __forceinline__ void issue_transposed_scores(float (&st)[Config::kTil
                                                         unsigned q_tile, unsigned do_tile) {
   using Tag = typename Config::Tag;
   constexpr int kCoreGroupBytes = kSwizzleRows * kSwizzleRows * kChunkBytes;
-  constexpr unsigned kStepBytes = 16 * 2;  // one k-step of 16 values along a K-major row
-  const unsigned long long q_descriptor = matrix_descriptor(q_tile, 16, kCoreGroupBytes);
-  const unsigned long long do_descriptor = matrix_descriptor(do_tile, 16, kCoreGroupBytes);
-#pragma unroll
-  for (int step = 0; step < Config::kStepsQk; ++step) {
-    const unsigned along = (step % 4) * kStepBytes;
-    const unsigned panel = step / 4;
-    wgmma_from_shared(
-        Tag{}, st, advance_descriptor(k_descriptor, panel * Config::KLayout::kPanelBytes + along),
-        advance_descriptor(q_descriptor, panel * Config::QLayout::kPanelBytes + along), step > 0);
-  }
-#pragma unroll
-  for (int step = 0; step < Config::kStepsV; ++step) {
-    const unsigned along = (step % 4) * kStepBytes;
-    const unsigned panel = step / 4;
-    wgmma_from_shared(
-        Tag{}, dpt, advance_descriptor(v_descriptor, panel * Config::VLayout::kPanelBytes + along),
-        advance_descriptor(do_descriptor, panel * Config::DoLayout::kPanelBytes + along), step > 0);
-  }
+  wgmma_k_major<Config::kStepsQk, Config::KLayout::kPanelBytes, Config::QLayout::kPanelBytes>(
+      Tag{}, st, k_descriptor, matrix_descriptor(q_tile, 16, kCoreGroupBytes));
+  wgmma_k_major<Config::kStepsV, Config::VLayout::kPanelBytes, Config::DoLayout::kPanelBytes>(
+      Tag{}, dpt, v_descriptor, matrix_descriptor(do_tile, 16, kCoreGroupBytes));
 }
 
 // dV += P^T dO and dK += dS^T Q of one q block (k = its 64 queries): P^T and dS^T from
@@ -538,7 +538,6 @@ __device__ __forceinline__ void backward_dq_wgmma(const BackwardParams& bp) {
   constexpr int kTilesKv = Config::kDqTilesKv;
   constexpr int kPanelRowBytes = kSwizzleRows * kChunkBytes;      // 128
   constexpr int kCoreGroupBytes = kSwizzleRows * kPanelRowBytes;  // 8 rows: a descriptor stride
-  constexpr int kStepBytes = 16 * 2;  // one k-step of 16 values along a K-major row
   const ForwardParams& p = bp.fwd;
   const AlignedShared aligned = aligned_shared_memory<Config::kAlignment>();
   const unsigned aligned_start = aligned.address;
@@ -692,30 +691,14 @@ __device__ __forceinline__ void backward_dq_wgmma(const BackwardParams& bp) {
         // S = Q K^T and dP = dO V^T of kv tile `interval`: 64 queries x 64 keys per warpgroup.
         auto issue_scores = [&]() {
           const int stage = interval % Config::kStages;
-          const unsigned long long k_descriptor =
-              matrix_descriptor(k_tiles + stage * Config::kDqKBytes, 16, kCoreGroupBytes);
-          const unsigned long long v_descriptor =
-              matrix_descriptor(v_tiles + stage * Config::kDqVBytes, 16, kCoreGroupBytes);
-#pragma unroll
-          for (int step = 0; step < Config::kStepsQk; ++step) {
-            const unsigned along = (step % 4) * kStepBytes;
-            const unsigned panel = step / 4;
-            wgmma_from_shared(
-                Tag{}, s_flat,
-                advance_descriptor(q_descriptor, panel * Config::DqQLayout::kPanelBytes + along),
-                advance_descriptor(k_descriptor, panel * Config::DqKLayout::kPanelBytes + along),
-                step > 0);
-          }
-#pragma unroll
-          for (int step = 0; step < Config::kStepsV; ++step) {
-            const unsigned along = (step % 4) * kStepBytes;
-            const unsigned panel = step / 4;
-            wgmma_from_shared(
-                Tag{}, dp_flat,
-                advance_descriptor(do_descriptor, panel * Config::DqDoLayout::kPanelBytes + along),
-                advance_descriptor(v_descriptor, panel * Config::DqVLayout::kPanelBytes + along),
-                step > 0);
-          }
+          wgmma_k_major<Config::kStepsQk, Config::DqQLayout::kPanelBytes,
+                        Config::DqKLayout::kPanelBytes>(
+              Tag{}, s_flat, q_descriptor,
+              matrix_descriptor(k_tiles + stage * Config::kDqKBytes, 16, kCoreGroupBytes));
+          wgmma_k_major<Config::kStepsV, Config::DqDoLayout::kPanelBytes,
+                        Config::DqVLayout::kPanelBytes>(
+              Tag{}, dp_flat, do_descriptor,
+              matrix_descriptor(v_tiles + stage * Config::kDqVBytes, 16, kCoreGroupBytes));
         };
         const bool gradient = !delta_pass && interval > 0;
         const bool scores = interval < count;
