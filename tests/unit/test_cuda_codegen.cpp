@@ -226,6 +226,28 @@ TEST(CudaCodegenBackward, SoftcapHasAScoreGradient) {
   EXPECT_NE(source.find("backward_delta<flexattn_kernels::BFloat16Tag, 64>"), std::string::npos);
 }
 
+// kBoundedDerivative (the kernels leave out their select against 0 * inf) only where the
+// derivative's interval over every score is finite.
+TEST(CudaCodegenBackward, BoundedDerivativeOnlyWhereItsIntervalIsFinite) {
+  SKIP_WITHOUT_CUDA_ENGINE();
+  const std::vector<std::pair<std::string, bool>> modifiers = {
+      {"30 * tanh(score / 30)", true},           // 1 - tanh^2: [0, 1]
+      {"", true},                                // the constant 1
+      {"where(kv % 5 == 3, -inf, score * 0.5)", true},  // 0 or 0.5
+      {"score * score / 8", false},              // score / 4: unbounded
+      {"exp(score)", false},
+  };
+  for (const auto& [modifier, bounded] : modifiers) {
+    GeneratedCase c{"bounded", DType::kBF16, 64, 64, modifier, "", {}, {}, Layout::kBSHD, {}};
+    const std::string source =
+        generated_part(cuda_engine()->generated_source(make_backward_problem(c)));
+    EXPECT_NE(source.find(bounded ? "kBoundedDerivative = true" : "kBoundedDerivative = false"),
+              std::string::npos)
+        << modifier << "\n"
+        << source;
+  }
+}
+
 TEST(CudaCodegenBackward, PlainHasTheIdentityDerivative) {
   SKIP_WITHOUT_CUDA_ENGINE();
   GeneratedCase plain{"plain", DType::kF32, 80, 80, "", "", {}, {}, Layout::kBSHD, {}};

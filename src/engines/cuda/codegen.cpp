@@ -772,6 +772,13 @@ std::string backward_members(const Problem& problem, const ModifierBindings& bin
   std::string text;
   text += fmt::format("  static constexpr bool kIdentityDerivative = {};\n",
                       is_constant(backward.score_derivative, 1.0));
+  // Whether d score_mod / d score is finite at every finite score (its interval over the problem,
+  // the score unbounded, has finite ends): then an element whose dlogit is 0 (masked, or P = 0)
+  // gets 0 from the product alone, without the kernels' select against 0 * inf.
+  const Interval derivative_range = node_intervals(backward.score_derivative, problem.leaf_ranges())
+      [static_cast<std::size_t>(backward.score_derivative.root())];
+  text += fmt::format("  static constexpr bool kBoundedDerivative = {};\n",
+                      std::isfinite(derivative_range.lo) && std::isfinite(derivative_range.hi));
   text += fmt::format("  static constexpr bool kHasTensorGrads = {};\n", !scatter.empty());
   // At least one slot: a C++ array cannot be empty.
   text += fmt::format("  static constexpr int kLocalGradSlots = {};\n", std::max(local_slots, 1));

@@ -484,7 +484,7 @@ class CudaPlan final : public Plan {
     }
     bind_tensors(args.tensors, p.fwd);
 
-    // Scratch: delta, then one fixed-point accumulator per wanted tensor gradient.
+    // Scratch: delta, lse2, then one fixed-point accumulator per wanted tensor gradient.
     struct Gradient {
       std::size_t slot;
       const TensorView* view;
@@ -492,6 +492,8 @@ class CudaPlan final : public Plan {
     };
     std::vector<Gradient> gradients;
     std::size_t bytes = align_scratch(b.delta_floats * sizeof(float));
+    const std::size_t lse2_offset = bytes;
+    bytes += align_scratch(b.delta_floats * sizeof(float));
     const std::size_t accumulators_begin = bytes;
     // Fused dQ: its fp32 sums and the order counters, zeroed with the gradient accumulators.
     const std::size_t dq_accum_offset = bytes;
@@ -509,6 +511,7 @@ class CudaPlan final : public Plan {
     const auto stream = static_cast<CUstream>(args.stream);
     StreamScratch scratch(*driver_, bytes, stream);
     p.delta = reinterpret_cast<float*>(scratch.address());
+    p.lse2 = reinterpret_cast<float*>(scratch.address() + lse2_offset);
     if (b.choice.fused_dq) {
       p.dq_accum = reinterpret_cast<float*>(scratch.address() + dq_accum_offset);
       p.dq_counters = b.dq_counters == 0

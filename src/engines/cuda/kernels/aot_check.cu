@@ -52,6 +52,7 @@ struct IdentityModifier {
   }
 
   static constexpr bool kIdentityDerivative = true;
+  static constexpr bool kBoundedDerivative = true;
   static constexpr bool kHasTensorGrads = false;
   static constexpr int kLocalGradSlots = 1;
   __device__ static float score_grad(const Invariants&, const ForwardParams&, const Coordinates&,
@@ -122,6 +123,7 @@ struct CausalSoftcapModifier {
   }
 
   static constexpr bool kIdentityDerivative = false;
+  static constexpr bool kBoundedDerivative = true;  // 1 - tanh^2 lies in [0, 1]
   static constexpr bool kHasTensorGrads = true;
   static constexpr int kLocalGradSlots = 1;  // head_bias
   // d(cap * tanh(score / cap)) / d score = 1 - tanh^2(score / cap).

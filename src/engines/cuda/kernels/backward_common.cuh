@@ -4,6 +4,7 @@
 //
 // The backward adds to the generated Modifier (codegen.cpp) when the problem wants gradients:
 //   static constexpr bool kIdentityDerivative;  // d score_mod / d score is the constant 1
+//   static constexpr bool kBoundedDerivative;   // ... is finite at every finite score
 //   static constexpr bool kHasTensorGrads;      // some float tensor load has a derivative
 //   static constexpr int kLocalGradSlots;       // >= 1: per-thread accumulators (see below)
 //   static float score_grad(const Invariants&, const ForwardParams&, const Coordinates&,
@@ -37,6 +38,10 @@ __device__ __forceinline__ const float* lse_row(const BackwardParams& p, int bat
                                                 int token) {
   return p.fwd.lse + batch * p.fwd.lse_batch_stride + head * p.fwd.lse_head_stride + token;
 }
+__device__ __forceinline__ float* lse2_address(const BackwardParams& p, int batch, int head,
+                                               int token) {
+  return p.lse2 + batch * p.fwd.lse_batch_stride + head * p.fwd.lse_head_stride + token;
+}
 
 // One gradient contribution in fixed point (saturates beyond +-2^31; NaN becomes INT64_MIN).
 __device__ __forceinline__ long long to_fixed(float value) {
@@ -54,10 +59,11 @@ __device__ __forceinline__ long long warp_sum_fixed(long long value) {
   return value;
 }
 
-// P = exp(logit - lse) in the log2 domain: logit2 = logit * log2(e), lse2 = lse * log2(e).
+// P = exp(logit - lse) in the log2 domain: logit2 = logit * log2(e), lse2 = lse * log2(e)
+// (BackwardParams::lse2: +inf for a row without probabilities, which makes every P 0).
 // 0 where the element is masked (logit -inf) or the row kept no key (lse -inf).
 __device__ __forceinline__ float probability_log2(float logit2, float lse2) {
-  return lse2 == negative_infinity() ? 0.0f : fast_exp2(logit2 - lse2);
+  return fast_exp2(logit2 - lse2);
 }
 
 // unmasked_then_masked: the tensor-core kernels compute every element of a tile with the same
@@ -111,8 +117,9 @@ __device__ __forceinline__ float score_gradient_from_dot(
 // delta /= sum P): the stored LSE carries the forward's rounding, which scales a whole row of P,
 // and a tensor gradient summed over rows with different such factors no longer cancels.
 //
-// delta[b, h, q] = sum_d dO[b, q, h, d] * O[b, q, h, d] in fp32 (O and dO as stored). One warp
-// per row at a time; grid (ceil(seq_len_q / kDeltaRows), heads_q, batch), kDeltaThreads threads.
+// delta[b, h, q] = sum_d dO[b, q, h, d] * O[b, q, h, d] in fp32 (O and dO as stored), and
+// lse2[b, h, q] (BackwardParams::lse2). One warp per row at a time; grid (ceil(seq_len_q /
+// kDeltaRows), heads_q, batch), kDeltaThreads threads.
 template <class Tag, int kHeadDimV>
 __device__ __forceinline__ void backward_delta(const BackwardParams& p) {
   const int warp = threadIdx.x / kWarpSize;
@@ -136,7 +143,12 @@ __device__ __forceinline__ void backward_delta(const BackwardParams& p) {
              load_as_float(Tag{}, p.dout.data, do_base + d);
     }
     sum = warp_sum(sum);
-    if (lane == 0) *delta_address(p, batch, head, span.q_offset + token) = sum;
+    if (lane == 0) {
+      *delta_address(p, batch, head, span.q_offset + token) = sum;
+      const float lse = *lse_row(p, batch, head, span.q_offset + token);
+      *lse2_address(p, batch, head, span.q_offset + token) =
+          lse == negative_infinity() ? positive_infinity() : lse * kLog2e;
+    }
   }
 }
 

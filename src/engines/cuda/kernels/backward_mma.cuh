@@ -47,7 +47,7 @@ struct BackwardMmaConfig {
   static constexpr int kTilesV = 2 * kStepsV;    // 8-column accumulator tiles of dV
   static constexpr int kTileQkBytes = 64 * kChunksQk * kChunkBytes;  // 64 rows of Q or K
   static constexpr int kTileVBytes = 64 * kChunksV * kChunkBytes;    // 64 rows of V or dO
-  static constexpr int kRowStageBytes = 2 * 64 * static_cast<int>(sizeof(float));  // lse, delta
+  static constexpr int kRowStageBytes = 2 * 64 * static_cast<int>(sizeof(float));  // lse2, delta
   static constexpr int kSharedDkdv = kTileQkBytes + kTileVBytes +
                                      kStages * (kTileQkBytes + kTileVBytes) +
                                      kStages * kRowStageBytes;
@@ -68,6 +68,18 @@ __device__ __forceinline__ void copy_float_async(unsigned destination, const flo
   asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(destination), "l"(source),
                "r"(valid ? 4 : 0)
                : "memory");
+}
+
+// One float of a q block's row stage (lse2 or delta of one query): copied from `source` when the
+// query is in the sequence, else `fallback` stored (+inf for lse2, 0 for delta). Either is visible
+// to the other threads after the block's next barrier, like the tiles' copies.
+__device__ __forceinline__ void stage_row_float(unsigned destination, const float* source,
+                                                bool valid, float fallback) {
+  if (valid) {
+    copy_float_async(destination, source, true);
+  } else {
+    asm volatile("st.shared.f32 [%0], %1;\n" ::"r"(destination), "f"(fallback) : "memory");
+  }
 }
 
 template <int kTiles>
@@ -167,15 +179,13 @@ __device__ __forceinline__ void dkdv_elements_with(
     float (&st)[kTilesQ][4], float (&dpt)[kTilesQ][4], const ForwardParams& p,
     const typename Modifier::Invariants& invariants, const Coordinates& at,
     const SequenceSpan& span, const int (&kv_row)[2], int q_start, bool check,
-    const float* lse_stage, const float* delta_stage, int quad_lane) {
+    const float* lse2_stage, const float* delta_stage, int quad_lane) {
 #pragma unroll
   for (int j = 0; j < kTilesQ; ++j) {
 #pragma unroll
     for (int e = 0; e < 4; ++e) {
       const int column = j * 8 + 2 * quad_lane + e % 2;  // query row within the q block
-      const int q = q_start + column;
-      const bool q_valid = q < span.q_len;
-      const int q_inside = ir_min(q, span.q_len - 1);
+      const int q_inside = ir_min(q_start + column, span.q_len - 1);
       const int kv = kv_row[e / 2];
       const int kv_inside = ir_min(kv, span.kv_len - 1);
       const float dot = st[j][e];
@@ -183,13 +193,13 @@ __device__ __forceinline__ void dkdv_elements_with(
       float logit2 =
           element_logit<Modifier, false, true, kSmall>(dot, p, invariants, at, q_inside, kv_inside);
       if (check) logit2 = masked_logit<Modifier>(logit2, p, invariants, at, q_inside, kv);
-      const float lse2 = q_valid ? lse_stage[column] * kLog2e : negative_infinity();
-      const float probability = probability_log2(logit2, lse2);
+      // lse2: +inf past the queries (stage_row_float) and in empty rows.
+      const float probability = probability_log2(logit2, lse2_stage[column]);
       const float dlogit = probability * (dpt[j][e] - delta_stage[column]);
       const float dscore = score_gradient_from_dot<Modifier, kSmall>(dlogit, invariants, p, at,
                                                                      dot, q_inside, kv_inside);
       st[j][e] = probability;
-      dpt[j][e] = dlogit != 0.0f ? dscore : 0.0f;
+      dpt[j][e] = Modifier::kBoundedDerivative || dlogit != 0.0f ? dscore : 0.0f;
     }
   }
 }
@@ -200,17 +210,17 @@ __device__ __forceinline__ void dkdv_elements(float (&st)[kTilesQ][4], float (&d
                                               const typename Modifier::Invariants& invariants,
                                               const Coordinates& at, const SequenceSpan& span,
                                               const int (&kv_row)[2], int q_start, bool check,
-                                              const float* lse_stage, const float* delta_stage,
+                                              const float* lse2_stage, const float* delta_stage,
                                               int quad_lane) {
   if constexpr (Modifier::kSmallTanh) {
     if (small_tanh_tile<Modifier, kTilesQ * 4>(&st[0][0], invariants, p)) {
       dkdv_elements_with<Modifier, true>(st, dpt, p, invariants, at, span, kv_row, q_start, check,
-                                         lse_stage, delta_stage, quad_lane);
+                                         lse2_stage, delta_stage, quad_lane);
       return;
     }
   }
   dkdv_elements_with<Modifier, false>(st, dpt, p, invariants, at, span, kv_row, q_start, check,
-                                      lse_stage, delta_stage, quad_lane);
+                                      lse2_stage, delta_stage, quad_lane);
 }
 
 template <class Config, class Modifier>
@@ -270,11 +280,11 @@ __device__ __forceinline__ void backward_dkdv_mma(const BackwardParams& bp) {
         view_row<const unsigned short>(bp.dout, batch, span.q_offset + q_start, head),
         bp.dout.token_stride, rows_valid, Config::kRealChunksV, thread);
     const int row = thread % 64;
-    const bool valid = row < rows_valid;
-    const float* source = thread < 64 ? lse_row(bp, batch, head, span.q_offset + q_start)
-                                      : delta_address(bp, batch, head, span.q_offset + q_start);
-    copy_float_async(row_tiles + stage * Config::kRowStageBytes + thread * sizeof(float),
-                     valid ? source + row : source, valid);
+    const bool lse = thread < 64;
+    const float* source = lse ? lse2_address(bp, batch, head, span.q_offset + q_start)
+                              : delta_address(bp, batch, head, span.q_offset + q_start);
+    stage_row_float(row_tiles + stage * Config::kRowStageBytes + thread * sizeof(float),
+                    source + row, row < rows_valid, lse ? positive_infinity() : 0.0f);
   };
   if (total > 0) load_queries(0, 0);
   commit_copies();
@@ -317,8 +327,8 @@ __device__ __forceinline__ void backward_dkdv_mma(const BackwardParams& bp) {
     }
     const unsigned q_tile = q_tiles + stage * Config::kTileQkBytes;
     const unsigned do_tile = do_tiles + stage * Config::kTileVBytes;
-    const float* lse_stage = row_floats + stage * 2 * 64;
-    const float* delta_stage = lse_stage + 64;
+    const float* lse2_stage = row_floats + stage * 2 * 64;
+    const float* delta_stage = lse2_stage + 64;
 
     // S^T = K Q^T and dP^T = V dO^T: 16 keys x 64 queries per warp.
     float st[kTilesQ][4];
@@ -328,7 +338,7 @@ __device__ __forceinline__ void backward_dkdv_mma(const BackwardParams& bp) {
 
     // Element pipeline: st becomes P^T, dpt becomes dS^T.
     dkdv_elements<Modifier>(st, dpt, p, invariants, at, span, kv_row, q_start,
-                            entry_is_mixed(entry) || kv_boundary, lse_stage, delta_stage,
+                            entry_is_mixed(entry) || kv_boundary, lse2_stage, delta_stage,
                             quad_lane);
 
     // dV += P^T dO and dK += dS^T Q (k = the 64 queries).
@@ -384,8 +394,8 @@ __device__ __forceinline__ void dq_rows(const BackwardParams& bp, int batch, int
     const int row = first_row + half * 8;
     row_valid[half] = row < span.q_len;
     query[half] = ir_min(row, span.q_len - 1);
-    lse2[half] = row_valid[half] ? *lse_row(bp, batch, head, span.q_offset + row) * kLog2e
-                                 : negative_infinity();
+    lse2[half] = row_valid[half] ? *lse2_address(bp, batch, head, span.q_offset + row)
+                                 : positive_infinity();
     delta[half] = row_valid[half] ? *delta_address(bp, batch, head, span.q_offset + row) : 0.0f;
   }
 }
@@ -474,7 +484,7 @@ __device__ __forceinline__ void dq_gradient_elements_with(
         Modifier::tensor_grads(invariants, bp, at, s[j][e] * p.scale, query[half], kv_inside,
                                dlogit, local);
       }
-      dp[j][e] = dlogit != 0.0f ? dscore : 0.0f;
+      dp[j][e] = Modifier::kBoundedDerivative || dlogit != 0.0f ? dscore : 0.0f;
     }
   }
 }

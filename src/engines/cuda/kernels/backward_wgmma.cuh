@@ -68,7 +68,7 @@ struct BackwardWgmmaConfig {
   static constexpr int kQBytes = kBlockQ * kChunksQk * kChunkBytes;
   static constexpr int kDoBytes = kBlockQ * kChunksV * kChunkBytes;
   static constexpr int kRowStageBytes =
-      2 * kBlockQ * static_cast<int>(sizeof(float));  // lse, delta
+      2 * kBlockQ * static_cast<int>(sizeof(float));  // lse2, delta
   static constexpr int kAlignment = 1024;             // the panels' swizzle (forward_wgmma.cuh)
   static constexpr int kStreamBytes = kStages * (kQBytes + kDoBytes);
   // kFusedDq: dS^T of the q block (128 keys x 64 queries, rows of keys: one 128-byte panel row
@@ -252,14 +252,13 @@ __device__ __forceinline__ void backward_dkdv_wgmma(const BackwardParams& bp) {
         do_tiles + stage * Config::kDoBytes,
         view_row<const unsigned short>(bp.dout, batch, span.q_offset + q_start, head),
         bp.dout.token_stride, rows_valid, Config::kChunksV, thread);
-    if (thread < 2 * kBlockQ) {  // lse, then delta: one float per thread
+    if (thread < 2 * kBlockQ) {  // lse2, then delta: one float per thread
       const int row = thread % kBlockQ;
-      const bool valid = row < rows_valid;
-      const float* source = thread < kBlockQ
-                                ? lse_row(bp, batch, head, span.q_offset + q_start)
+      const bool lse = thread < kBlockQ;
+      const float* source = lse ? lse2_address(bp, batch, head, span.q_offset + q_start)
                                 : delta_address(bp, batch, head, span.q_offset + q_start);
-      copy_float_async(row_tiles + stage * Config::kRowStageBytes + thread * sizeof(float),
-                       valid ? source + row : source, valid);
+      stage_row_float(row_tiles + stage * Config::kRowStageBytes + thread * sizeof(float),
+                      source + row, row < rows_valid, lse ? positive_infinity() : 0.0f);
     }
   };
   if (total > 0) load_queries(0, 0);
@@ -301,9 +300,9 @@ __device__ __forceinline__ void backward_dkdv_wgmma(const BackwardParams& bp) {
       invariants = Modifier::prepare(p, at);
       prepared_head = head;
     }
-    const float* lse_stage = row_floats + stage * 2 * kBlockQ;
+    const float* lse2_stage = row_floats + stage * 2 * kBlockQ;
     dkdv_elements<Modifier>(st, dpt, p, invariants, at, span, kv_row, (entry >> 1) * kBlockQ,
-                            entry_is_mixed(entry) || kv_boundary, lse_stage, lse_stage + kBlockQ,
+                            entry_is_mixed(entry) || kv_boundary, lse2_stage, lse2_stage + kBlockQ,
                             quad_lane);
 #pragma unroll
     for (int step = 0; step < Config::kStepsQ; ++step) {

@@ -72,6 +72,10 @@ struct BackwardParams {
   SequenceView dout;        // read; the layout of o
   SequenceView dq, dk, dv;  // written; the layouts of q, k, v
   float* delta;             // scratch: rowsum(dO * O) per (b, h, q), indexed like lse
+  // Scratch: lse * log2(e) per (b, h, q), indexed like lse, +inf for an empty row (lse = -inf),
+  // so that exp2(logit2 - lse2) is each row's probability, 0 in an empty row (the delta kernel
+  // writes it).
+  float* lse2;
   // The kv-major transpose of the tile list: for kv tile t, kv_tile_entries[kv_tile_offsets[t]
   // .. kv_tile_offsets[t + 1]) are the q blocks that visit it, ascending, each
   // q_block << 1 | mixed.
