@@ -203,7 +203,9 @@ __device__ __forceinline__ void dkdv_elements_with(
     }
   }
 }
-// With the small-tanh functions on a tile that admits them (small_tanh_tile).
+// With the small-tanh functions on an unmasked tile that admits them (small_tanh_tile; the masked
+// and boundary tiles take the general form, so the small one carries no mask code: the forward's
+// choice, docs/engines.md).
 template <class Modifier, int kTilesQ>
 __device__ __forceinline__ void dkdv_elements(float (&st)[kTilesQ][4], float (&dpt)[kTilesQ][4],
                                               const ForwardParams& p,
@@ -213,8 +215,8 @@ __device__ __forceinline__ void dkdv_elements(float (&st)[kTilesQ][4], float (&d
                                               const float* lse2_stage, const float* delta_stage,
                                               int quad_lane) {
   if constexpr (Modifier::kSmallTanh) {
-    if (small_tanh_tile<Modifier, kTilesQ * 4>(&st[0][0], invariants, p)) {
-      dkdv_elements_with<Modifier, true>(st, dpt, p, invariants, at, span, kv_row, q_start, check,
+    if (!check && small_tanh_tile<Modifier, kTilesQ * 4>(&st[0][0], invariants, p)) {
+      dkdv_elements_with<Modifier, true>(st, dpt, p, invariants, at, span, kv_row, q_start, false,
                                          lse2_stage, delta_stage, quad_lane);
       return;
     }
@@ -439,7 +441,7 @@ __device__ __forceinline__ void dq_delta_elements_with(
     }
   }
 }
-// With the small-tanh functions on a tile that admits them (small_tanh_tile).
+// With the small-tanh functions on an unmasked tile that admits them (as dkdv_elements).
 template <class Modifier, int kTilesKv>
 __device__ __forceinline__ void dq_delta_elements(
     const float (&s)[kTilesKv][4], const float (&dp)[kTilesKv][4], const ForwardParams& p,
@@ -447,9 +449,9 @@ __device__ __forceinline__ void dq_delta_elements(
     const SequenceSpan& span, const int (&query)[2], const float (&lse2)[2], int kv_start,
     bool check, int quad_lane, float (&row_pdp)[2], float (&row_p)[2]) {
   if constexpr (Modifier::kSmallTanh) {
-    if (small_tanh_tile<Modifier, kTilesKv * 4>(&s[0][0], invariants, p)) {
+    if (!check && small_tanh_tile<Modifier, kTilesKv * 4>(&s[0][0], invariants, p)) {
       dq_delta_elements_with<Modifier, true>(s, dp, p, invariants, at, span, query, lse2, kv_start,
-                                             check, quad_lane, row_pdp, row_p);
+                                             false, quad_lane, row_pdp, row_p);
       return;
     }
   }
@@ -488,7 +490,7 @@ __device__ __forceinline__ void dq_gradient_elements_with(
     }
   }
 }
-// With the small-tanh functions on a tile that admits them (small_tanh_tile).
+// With the small-tanh functions on an unmasked tile that admits them (as dkdv_elements).
 template <class Modifier, bool kScatter, int kTilesKv>
 __device__ __forceinline__ void dq_gradient_elements(
     const float (&s)[kTilesKv][4], float (&dp)[kTilesKv][4], const BackwardParams& bp,
@@ -497,9 +499,9 @@ __device__ __forceinline__ void dq_gradient_elements(
     const float (&delta)[2], int kv_start, bool check, int quad_lane,
     long long (&local)[Modifier::kLocalGradSlots]) {
   if constexpr (Modifier::kSmallTanh) {
-    if (small_tanh_tile<Modifier, kTilesKv * 4>(&s[0][0], invariants, bp.fwd)) {
+    if (!check && small_tanh_tile<Modifier, kTilesKv * 4>(&s[0][0], invariants, bp.fwd)) {
       dq_gradient_elements_with<Modifier, kScatter, true>(s, dp, bp, invariants, at, span, query,
-                                                          lse2, delta, kv_start, check, quad_lane,
+                                                          lse2, delta, kv_start, false, quad_lane,
                                                           local);
       return;
     }
