@@ -171,16 +171,14 @@ __device__ __forceinline__ void issue_key_gradients(float (&dk)[Config::kTilesQk
   }
 }
 
-// One whole wgmma group: fence, the products `issue` makes, commit, `meanwhile` (work that
-// overlaps the products, e.g. the next stage's copies), wait. The kernels pick among such groups
-// with branches; a branch around a product inside a group would make ptxas serialize every wgmma
-// of the kernel.
-template <class Issue, class Meanwhile>
-__device__ __forceinline__ void wgmma_group(const Issue& issue, const Meanwhile& meanwhile) {
+// One whole wgmma group: fence, the products `issue` makes, commit, wait. The kernels pick
+// among such groups with branches; a branch around a product inside a group would make ptxas
+// serialize every wgmma of the kernel.
+template <class Issue>
+__device__ __forceinline__ void wgmma_group(const Issue& issue) {
   wgmma_fence();
   issue();
   wgmma_commit();
-  meanwhile();
   wgmma_wait<0>();
 }
 
@@ -330,12 +328,8 @@ __device__ __forceinline__ void backward_dkdv_wgmma(const BackwardParams& bp) {
       wait_copies<0>();
       fence_async_shared();  // this thread's copies, visible to the wgmma reads after the barrier
       __syncthreads();       // q block `interval` visible; interval - 2's stage no longer read
-      // q block interval + 1's copies, issued while this thread's products run (issued first,
-      // they would delay warpgroup 0's products by their address arithmetic every interval).
-      auto load_next = [&]() {
-        if (interval + 1 < total) load_queries(interval + 1, (interval + 1) % Config::kStages);
-        commit_copies();
-      };
+      if (interval + 1 < total) load_queries(interval + 1, (interval + 1) % Config::kStages);
+      commit_copies();
 #pragma unroll 1
       for (int half = 0; half < 2; ++half) {
         if ((half == 0) != (warpgroup == 0)) {
@@ -357,16 +351,14 @@ __device__ __forceinline__ void backward_dkdv_wgmma(const BackwardParams& bp) {
                                           do_tiles + stage * Config::kDoBytes);
         };
         if (interval == 0) {
-          wgmma_group(scores, load_next);
+          wgmma_group(scores);
         } else if (interval == total) {
-          wgmma_group(gradients, load_next);
+          wgmma_group(gradients);
         } else {
-          wgmma_group(
-              [&]() {
-                gradients();
-                scores();
-              },
-              load_next);
+          wgmma_group([&]() {
+            gradients();
+            scores();
+          });
         }
         fence_operands(dk_flat);
         fence_operands(dv_flat);
@@ -650,14 +642,10 @@ __device__ __forceinline__ void backward_dq_wgmma(const BackwardParams& bp) {
       wait_copies<0>();
       fence_async_shared();  // this thread's copies, visible to the wgmma reads after the barrier
       __syncthreads();       // kv tile `interval` visible; interval - 2's stage no longer read
-      // Kv tile interval + 1's copies, issued while this thread's products run (as in the dK/dV
-      // kernel); every thread issues one group of products per interval.
-      auto load_next = [&]() {
-        if (interval + 1 < count) {
-          load_keys_and_values(entries.begin + interval + 1, (interval + 1) % Config::kStages);
-        }
-        commit_copies();
-      };
+      if (interval + 1 < count) {
+        load_keys_and_values(entries.begin + interval + 1, (interval + 1) % Config::kStages);
+      }
+      commit_copies();
 #pragma unroll 1
       for (int half = 0; half < 2; ++half) {
         if ((half == 0) != (warpgroup == 0)) {
@@ -714,18 +702,14 @@ __device__ __forceinline__ void backward_dq_wgmma(const BackwardParams& bp) {
         const bool gradient = !delta_pass && interval > 0;
         const bool scores = interval < count;
         if (gradient && scores) {
-          wgmma_group(
-              [&]() {
-                issue_gradient();
-                issue_scores();
-              },
-              load_next);
+          wgmma_group([&]() {
+            issue_gradient();
+            issue_scores();
+          });
         } else if (gradient) {
-          wgmma_group(issue_gradient, load_next);
+          wgmma_group(issue_gradient);
         } else if (scores) {
-          wgmma_group(issue_scores, load_next);
-        } else {
-          load_next();
+          wgmma_group(issue_scores);
         }
         fence_operands(dq_flat);
         fence_operands(s_flat);
