@@ -432,13 +432,18 @@ TEST(CudaBackwardChoice, WgmmaOnSm90ForHeadDims64And128) {
 
 // The fused dQ (use_fused_dq): wgmma at head dim 128 without tensor gradients, 16 KB more for
 // the dS^T tile, its own kernel type; refused with a reason elsewhere, the choice unchanged.
+// The tile starts on a 1024-byte boundary (its swizzle): three row stages of 512 bytes end half
+// a kilobyte past one, so 512 bytes of padding come first (without them the fused dQ's
+// gradients were wrong on the H200, twelfth session).
 TEST(CudaBackwardChoice, FusedDqOnTheWgmmaBackwardAtHeadDim128) {
   cuda::BackwardChoice c =
       cuda::choose_backward_kernel(backward_problem_with(DType::kBF16, 128, 128), 90).choice;
   const int shared = c.dkdv_shared_bytes();
   ASSERT_EQ(cuda::use_fused_dq(c, false), "");
   EXPECT_TRUE(c.fused_dq);
-  EXPECT_EQ(c.dkdv_shared_bytes(), shared + 128 * 64 * 2);
+  EXPECT_EQ(c.dkdv_shared_bytes(), shared + 512 + 128 * 64 * 2);
+  EXPECT_EQ((c.dkdv_shared_bytes() - 1024 - 128 * 64 * 2) % 1024, 0)
+      << "the dS^T tile's offset from the aligned start";
   EXPECT_LE(c.dkdv_shared_bytes(), 227 * 1024);
   EXPECT_EQ(c.wgmma_config_type(),
             fmt::format("flexattn_kernels::BackwardWgmmaConfig<flexattn_kernels::BFloat16Tag, "
@@ -446,7 +451,7 @@ TEST(CudaBackwardChoice, FusedDqOnTheWgmmaBackwardAtHeadDim128) {
                         c.dkdv_shared_bytes(), c.dq_shared_bytes()));
   EXPECT_NE(c.describe().find("dQ accumulated by the dK/dV kernel"), std::string::npos);
   EXPECT_EQ(cuda::use_fused_dq(c, false), "") << "applying it twice changes nothing";
-  EXPECT_EQ(c.dkdv_shared_bytes(), shared + 128 * 64 * 2);
+  EXPECT_EQ(c.dkdv_shared_bytes(), shared + 512 + 128 * 64 * 2);
 
   struct Refusal {
     cuda::BackwardChoice choice;

@@ -512,8 +512,11 @@ std::string use_fused_dq(BackwardChoice& choice, bool tensor_grads) {
   if (choice.fused_dq) return {};
   BackwardChoice c = choice;
   c.fused_dq = true;
-  // dS^T of a q block: dkdv_block_kv keys x block_q queries, 16-bit.
-  c.shared_wgmma_dkdv += c.dkdv_block_kv * c.block_q * 2;
+  // dS^T of a q block: dkdv_block_kv keys x block_q queries, 16-bit, from the next 1024-byte
+  // boundary after the row stages (its swizzle; BackwardWgmmaConfig::kDsOffset).
+  c.shared_wgmma_dkdv = kWgmmaAlignment +
+                        round_up(c.shared_wgmma_dkdv - kWgmmaAlignment, kWgmmaAlignment) +
+                        c.dkdv_block_kv * c.block_q * 2;
   if (c.shared_wgmma_dkdv > kWgmmaMaxSharedBytes) {
     return fmt::format("the fused dQ's {} bytes of shared memory do not fit", c.shared_wgmma_dkdv);
   }

@@ -277,14 +277,14 @@ FLEXATTN_AOT_BACKWARD_MMA(aot_backward_f16_d80_v72, CausalSoftcapModifier, HalfT
 FLEXATTN_AOT_BACKWARD_MMA(aot_backward_bf16_d64, IdentityModifier, BFloat16Tag, 64, 64, 64, 64)
 
 // wgmma dK/dV and dQ (backward_wgmma.cuh, sm_90a): dK/dV shared bytes = 1024 + K and V of 128
-// keys + 3 stages of Q and dO (64 rows) + 3 stages of lse and delta (+ dS^T, 128 keys x 64
-// queries, with the fused dQ); dQ = 1024 + Q and dO of 128 rows + 3 stages of K and V (64 keys)
+// keys + 3 stages of Q and dO (64 rows) + 3 stages of lse2 and delta (+ 512 bytes to the next
+// kilobyte and dS^T, 128 keys x 64 queries, with the fused dQ); dQ = 1024 + Q and dO of 128 rows + 3 stages of K and V (64 keys)
 // (tile_plan.cpp).
 #define FLEXATTN_AOT_BACKWARD_WGMMA(name, modifier, tag, qk, v, fused)                          \
   using name##_config = flexattn_kernels::BackwardWgmmaConfig<                                \
       tag, qk, v,                                                                             \
       1024 + 128 * ((qk) + (v)) * 2 + 3 * 64 * ((qk) + (v)) * 2 + 3 * 512 +                   \
-          ((fused) ? 128 * 64 * 2 : 0),                                                       \
+          ((fused) ? 512 + 128 * 64 * 2 : 0),                                                 \
       1024 + 128 * ((qk) + (v)) * 2 + 3 * 64 * ((qk) + (v)) * 2, fused>;                      \
   extern "C" __global__ void __launch_bounds__(name##_config::kThreads, 1)                    \
       name##_dkdv(const BackwardParams params) {                                              \

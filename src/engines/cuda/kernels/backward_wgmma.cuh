@@ -75,10 +75,14 @@ struct BackwardWgmmaConfig {
   // each), the MN-major A operand of dQ = dS K.
   using DsLayout = SwizzledPanels<kBlockKv, kBlockQ / kChunkElements>;
   static constexpr int kDsBytes = kFusedDq ? kBlockKv * kBlockQ * 2 : 0;
+  // Its offset from the aligned start: after the row stages, rounded up to the swizzle's 1024
+  // bytes (three row stages end 512 bytes past a kilobyte; a misaligned tile reads as garbage).
+  static constexpr int kRowsEnd = kKBytes + kVBytes + kStreamBytes + kStages * kRowStageBytes;
+  static constexpr int kDsOffset = (kRowsEnd + kAlignment - 1) / kAlignment * kAlignment;
   static constexpr int kDqColumns = kHeadDimQk / kWarpgroups;  // dQ columns per warpgroup
   static constexpr int kDqTiles = kDqColumns / 8;
   static constexpr int kSharedBytes =
-      kAlignment + kKBytes + kVBytes + kStreamBytes + kStages * kRowStageBytes + kDsBytes;
+      kAlignment + (kFusedDq ? kDsOffset + kDsBytes : kRowsEnd);
 
   static_assert((kHeadDimQk == 64 || kHeadDimQk == 128) && (kHeadDimV == 64 || kHeadDimV == 128),
                 "the wgmma backward takes head dims 64 and 128");
@@ -217,11 +221,11 @@ __device__ __forceinline__ void backward_dkdv_wgmma(const BackwardParams& bp) {
   const unsigned row_tiles = do_tiles + Config::kStages * Config::kDoBytes;
   unsigned char* stream_area = shared + Config::kKBytes + Config::kVBytes;
   const float* row_floats = reinterpret_cast<const float*>(stream_area + Config::kStreamBytes);
-  // kFusedDq: the dS^T tile after the row stages (1024-byte aligned: everything before it is
-  // whole kilobytes). Its addresses and dq_accum's are computed where they are used, so they
-  // take no registers during the element pipeline.
-  constexpr int kDsOffset = Config::kKBytes + Config::kVBytes + Config::kStreamBytes +
-                            Config::kStages * Config::kRowStageBytes;
+  // kFusedDq: the dS^T tile at Config::kDsOffset (1024-byte aligned). Its addresses and
+  // dq_accum's are computed where they are used, so they take no registers during the element
+  // pipeline.
+  constexpr int kDsOffset = Config::kDsOffset;
+  static_assert(kDsOffset % Config::kAlignment == 0, "the dS^T tile's swizzle needs 1024 bytes");
   static_assert(!Config::kFusedDq || !Modifier::kHasTensorGrads,
                 "tensor gradients take the dQ kernel (its exact-delta pass and scatter)");
 
