@@ -280,6 +280,31 @@ std::vector<GoldenParam> fused_dq_golden_params() {
 INSTANTIATE_TEST_SUITE_P(Cases, CudaBackwardGoldenFusedDq,
                          ::testing::ValuesIn(fused_dq_golden_params()), golden_name);
 
+// FLEXATTN_CUDA_BACKWARD_STREAMS=2 (an experiment: the dQ kernel on a second stream beside the
+// dK/dV kernel): every golden case in bf16 and fp32 (wgmma and the fp32 kernels). Among them the
+// tensor-gradient cases, whose finalize kernels read what the dQ kernel scattered, after the
+// caller's stream waited for the second one.
+class CudaBackwardGoldenSideStream : public ::testing::TestWithParam<GoldenParam> {
+  const ScopedEnvironment streams_{"FLEXATTN_CUDA_BACKWARD_STREAMS", "2"};
+};
+
+TEST_P(CudaBackwardGoldenSideStream, GradientsMatchFlexAttention) {
+  FLEXATTN_SKIP_WITHOUT_GOLDEN();
+  SKIP_WITHOUT_DEVICE();
+  check_golden_gradients(GetParam());
+}
+
+std::vector<GoldenParam> side_stream_golden_params() {
+  std::vector<GoldenParam> params;
+  for (const GoldenParam& param : golden_params()) {
+    if (std::get<2>(param) != DType::kF16) params.push_back(param);
+  }
+  return params;
+}
+
+INSTANTIATE_TEST_SUITE_P(Cases, CudaBackwardGoldenSideStream,
+                         ::testing::ValuesIn(side_stream_golden_params()), golden_name);
+
 // ---- conformance matrix -------------------------------------------------------------------------
 
 std::vector<conformance::Case> backward_cases() {

@@ -271,6 +271,55 @@ class StreamScratch {
   CUdeviceptr address_ = 0;
 };
 
+// A second stream (FLEXATTN_CUDA_BACKWARD_STREAMS=2, an experiment): it starts after the work
+// `main` holds when it is created, and `main` waits for it when it is destroyed, so whatever
+// `main` does afterwards (the finalize kernels, freeing the stream-ordered scratch) follows its
+// work. The backward runs its dQ kernel there, beside the dK/dV kernel, so that the dQ blocks
+// fill the multiprocessors the dK/dV kernel's last partial wave leaves idle.
+class SideStream {
+ public:
+  SideStream(const Driver& driver, CUstream main) : driver_(driver), main_(main) {
+    const DriverFunctions& f = driver_.api();
+    driver_.check(f.stream_create(&side_, CU_STREAM_NON_BLOCKING), "cuStreamCreate");
+    CUevent ready = nullptr;
+    CUresult result = f.event_create(&ready, CU_EVENT_DISABLE_TIMING);
+    if (result == CUDA_SUCCESS) result = f.event_record(ready, main_);
+    if (result == CUDA_SUCCESS) result = f.stream_wait_event(side_, ready, 0);
+    if (ready != nullptr) f.event_destroy(ready);  // released once it has completed
+    if (result != CUDA_SUCCESS) {
+      f.stream_destroy(side_);
+      driver_.check(result, "cuEventRecord / cuStreamWaitEvent");
+    }
+  }
+  ~SideStream() {
+    const DriverFunctions& f = driver_.api();
+    CUevent done = nullptr;
+    CUresult result = f.event_create(&done, CU_EVENT_DISABLE_TIMING);
+    if (result == CUDA_SUCCESS) result = f.event_record(done, side_);
+    if (result == CUDA_SUCCESS) result = f.stream_wait_event(main_, done, 0);
+    if (done != nullptr) f.event_destroy(done);
+    if (result != CUDA_SUCCESS) f.context_synchronize();  // the ordering, the slow way
+    f.stream_destroy(side_);
+  }
+  SideStream(const SideStream&) = delete;
+  SideStream& operator=(const SideStream&) = delete;
+
+  CUstream get() const { return side_; }
+
+ private:
+  const Driver& driver_;
+  CUstream main_;
+  CUstream side_ = nullptr;
+};
+
+// Whether the backward runs its dQ kernel on a second stream (SideStream):
+// FLEXATTN_CUDA_BACKWARD_STREAMS=2. Not with the fused dQ, whose dQ kernel reads what the dK/dV
+// kernel writes.
+bool dq_on_side_stream() {
+  const char* value = std::getenv("FLEXATTN_CUDA_BACKWARD_STREAMS");
+  return value != nullptr && std::string_view(value) == "2";
+}
+
 // What the forward pass of every plan needs, and its grid.
 struct ForwardState {
   CUfunction function = nullptr;
@@ -321,6 +370,7 @@ struct BackwardState {
   std::size_t delta_floats = 0;  // one per (b, h, query), like the LSE
   std::size_t dq_accum_floats = 0;  // fused dQ: tokens x heads x head_dim_qk
   std::size_t dq_counters = 0;      // fused dQ in order: batch x heads x q blocks
+  bool dq_side_stream = false;      // dq_on_side_stream(), without the fused dQ
 };
 
 class CudaPlan final : public Plan {
@@ -415,6 +465,7 @@ class CudaPlan final : public Plan {
       p.kv_tile_offsets = device_ints(b.kv_tile_offsets);
       p.kv_tile_entries = device_ints(b.kv_tile_entries);
       b.delta_floats = static_cast<std::size_t>(lse.numel());
+      b.dq_side_stream = dq_on_side_stream() && !b.choice.fused_dq;
       if (b.choice.fused_dq) {
         const TileList& kv_list = dkdv_tiles != nullptr ? *dkdv_tiles : *backward_tiles;
         p.heads_q = static_cast<int>(problem.heads_q());
@@ -535,12 +586,18 @@ class CudaPlan final : public Plan {
     };
     launch(b.delta, {grid_q(flexattn_kernels::kDeltaRows), heads_q(), batch()},
            flexattn_kernels::kDeltaThreads, 0, stream, &p, "backward delta");
-    launch(b.dkdv,
-           {static_cast<unsigned>(ceil_div(problem_.seq_len_kv(), b.choice.dkdv_block_kv)),
-            heads_kv, batch()},
-           b.choice.dkdv_threads, b.choice.dkdv_shared_bytes(), stream, &p, "backward dK/dV");
-    launch(b.dq, {grid_q(b.choice.dq_block_q), heads_q(), batch()}, b.choice.dq_threads,
-           b.choice.dq_shared_bytes(), stream, &p, "backward dQ");
+    {
+      // The dQ kernel on a second stream when asked for; `stream` waits for it at the end of
+      // this block, before the finalize kernels read its tensor gradients.
+      std::optional<SideStream> side;
+      if (b.dq_side_stream) side.emplace(*driver_, stream);
+      launch(b.dkdv,
+             {static_cast<unsigned>(ceil_div(problem_.seq_len_kv(), b.choice.dkdv_block_kv)),
+              heads_kv, batch()},
+             b.choice.dkdv_threads, b.choice.dkdv_shared_bytes(), stream, &p, "backward dK/dV");
+      launch(b.dq, {grid_q(b.choice.dq_block_q), heads_q(), batch()}, b.choice.dq_threads,
+             b.choice.dq_shared_bytes(), side ? side->get() : stream, &p, "backward dQ");
+    }
     for (const Gradient& gradient : gradients) {
       FinalizeParams f{};
       f.fixed = reinterpret_cast<const long long*>(scratch.address() + gradient.offset);

@@ -57,6 +57,12 @@ void Driver::initialise() {
       resolve(library_, "cuMemAllocAsync", f.memory_allocate_async) &&
       resolve(library_, "cuMemFreeAsync", f.memory_free_async) &&
       resolve(library_, "cuMemsetD8Async", f.memset_d8_async) &&
+      resolve(library_, "cuStreamCreate", f.stream_create) &&
+      resolve(library_, "cuStreamDestroy_v2", f.stream_destroy) &&
+      resolve(library_, "cuEventCreate", f.event_create) &&
+      resolve(library_, "cuEventDestroy_v2", f.event_destroy) &&
+      resolve(library_, "cuEventRecord", f.event_record) &&
+      resolve(library_, "cuStreamWaitEvent", f.stream_wait_event) &&
       resolve(library_, "cuMemcpyHtoD_v2", f.copy_host_to_device) &&
       resolve(library_, "cuMemcpyDtoH_v2", f.copy_device_to_host) &&
       resolve(library_, "cuGetErrorName", f.get_error_name) &&

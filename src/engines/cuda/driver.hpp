@@ -39,6 +39,13 @@ struct DriverFunctions {
   decltype(&::cuMemAllocAsync) memory_allocate_async = nullptr;
   decltype(&::cuMemFreeAsync) memory_free_async = nullptr;
   decltype(&::cuMemsetD8Async) memset_d8_async = nullptr;
+  // A second stream for the backward's dQ kernel (FLEXATTN_CUDA_BACKWARD_STREAMS=2).
+  decltype(&::cuStreamCreate) stream_create = nullptr;
+  decltype(&::cuStreamDestroy) stream_destroy = nullptr;
+  decltype(&::cuEventCreate) event_create = nullptr;
+  decltype(&::cuEventDestroy) event_destroy = nullptr;
+  decltype(&::cuEventRecord) event_record = nullptr;
+  decltype(&::cuStreamWaitEvent) stream_wait_event = nullptr;
   decltype(&::cuMemcpyHtoD) copy_host_to_device = nullptr;
   decltype(&::cuMemcpyDtoH) copy_device_to_host = nullptr;
   decltype(&::cuGetErrorName) get_error_name = nullptr;
