@@ -60,8 +60,8 @@ __device__ __forceinline__ long long warp_sum_fixed(long long value) {
 }
 
 // P = exp(logit - lse) in the log2 domain: logit2 = logit * log2(e), lse2 = lse * log2(e)
-// (BackwardParams::lse2: +inf for a row without probabilities, which makes every P 0).
-// 0 where the element is masked (logit -inf) or the row kept no key (lse -inf).
+// (BackwardParams::lse2). 0 where the element is masked (logit2 -inf), and in a row that kept no
+// key or lies past the queries, whose lse2 is +inf.
 __device__ __forceinline__ float probability_log2(float logit2, float lse2) {
   return fast_exp2(logit2 - lse2);
 }
