@@ -101,6 +101,17 @@ std::vector<conformance::Case> forward_cases() {
       result.push_back(c);
     }
   }
+  // The fixed softmax reference (kStaticReference, softcap-like bounded logits): every logit
+  // near the bottom of [-30, 30] (tanh near -0.96), so P = exp2(S - 30 log2 e) is about 2^-85
+  // for every key; causal, so the first rows see one key and diagonal tiles are masked.
+  for (const auto& [dtype, head_dim] : std::vector<std::pair<DType, std::int64_t>>{
+           {DType::kBF16, 64}, {DType::kBF16, 128}, {DType::kF32, 64}}) {
+    conformance::Case c = conformance::custom_case(
+        conformance::Shape{1, 2, 2, 1024, 1024, head_dim, head_dim}, Layout::kBHSD, dtype,
+        "30 * tanh(score / 30 - 2)", "causal", false);
+    c.name = fmt::format("static_reference_low_{}_d{}", to_string(dtype), head_dim);
+    result.push_back(c);
+  }
   return result;
 }
 

@@ -248,6 +248,43 @@ TEST(CudaCodegenBackward, BoundedDerivativeOnlyWhereItsIntervalIsFinite) {
   }
 }
 
+// kStaticReference (the forward's softmax subtracts a bound on every logit, no running max)
+// only where score_mod's interval is finite and at most 100 log2 units wide, and not for fp16
+// (whose P would underflow); the reference is the interval's top in log2 units.
+TEST(CudaCodegen, StaticReferenceOnlyForNarrowBoundedLogits) {
+  SKIP_WITHOUT_CUDA_ENGINE();
+  struct Expected {
+    std::string modifier;
+    DType dtype;
+    std::string fragment;
+  };
+  const std::string off = "kStaticReference = false";
+  const std::vector<Expected> cases = {
+      // 30 log2 e = 43.28: the span 86.6 log2 units.
+      {"30 * tanh(score / 30)", DType::kBF16, "kStaticReferenceLog2 = (0x1.5a3f2ep+5f)"},
+      {"30 * tanh(score / 30)", DType::kF32, "kStaticReferenceLog2 = (0x1.5a3f2ep+5f)"},
+      {"30 * tanh(score / 30)", DType::kF16, off},
+      {"50 * tanh(score / 50)", DType::kBF16, off},  // 144 log2 units
+      {"where(score > 0, 3, -2)", DType::kBF16, "kStaticReferenceLog2 = (0x1.14ff58p+2f)"},
+      {"", DType::kBF16, off},
+      {"score + bias[h, q, kv]", DType::kBF16, off},
+      {"where(kv % 5 == 3, -inf, 30 * tanh(score / 30))", DType::kBF16, off},
+  };
+  for (const Expected& e : cases) {
+    std::map<std::string, TensorDecl> tensors;
+    if (e.modifier.find("bias") != std::string::npos) {
+      tensors["bias"] = TensorDecl{DType::kF32, {4, 100, 100}};
+    }
+    const Problem problem = make_problem(
+        GeneratedCase{"static", e.dtype, 128, 128, e.modifier, "", tensors, {}, Layout::kBSHD, {}});
+    const std::string source = generated_part(cuda_engine()->generated_source(problem));
+    EXPECT_NE(source.find(e.fragment), std::string::npos) << e.modifier << "\n" << source;
+    if (e.fragment != off) {
+      EXPECT_NE(source.find("kStaticReference = true"), std::string::npos) << e.modifier;
+    }
+  }
+}
+
 TEST(CudaCodegenBackward, PlainHasTheIdentityDerivative) {
   SKIP_WITHOUT_CUDA_ENGINE();
   GeneratedCase plain{"plain", DType::kF32, 80, 80, "", "", {}, {}, Layout::kBSHD, {}};

@@ -8,6 +8,7 @@
 #include <cstdint>
 #include <limits>
 #include <map>
+#include <numbers>
 #include <set>
 #include <tuple>
 #include <utility>
@@ -914,6 +915,31 @@ BindingSelection bind_modifier(const Problem& problem) {
   return selection;
 }
 
+// The widest logit range (log2 units) the forward's softmax takes against a fixed reference:
+// P = exp2(logit - hi) then stays a normal number of fp32's (and bf16's) exponent range, far
+// from the 2^-126 where ex2.approx.ftz flushes to 0.
+constexpr double kStaticReferenceSpan = 100.0;
+
+// kStaticReference (forward_mma.cuh, static_softmax_probabilities): the softmax subtracts a
+// bound on every logit instead of a running row max, when score_mod's interval over the problem
+// (the score unbounded) is finite and at most kStaticReferenceSpan wide in log2 units, e.g. a
+// softcap (30 tanh(score / 30) lies in [-30, 30]: 86.6 log2 units). Not for fp16, whose P
+// (stored as fp16 for P V) would underflow below 2^-24.
+std::string static_reference_members(const Problem& problem) {
+  const Graph& graph = problem.score_mod();
+  const Interval range =
+      node_intervals(graph, problem.leaf_ranges())[static_cast<std::size_t>(graph.root())];
+  const double lo = range.lo * std::numbers::log2e;
+  const double hi = range.hi * std::numbers::log2e;
+  const bool fixed = problem.dtype() != DType::kF16 && std::isfinite(lo) && std::isfinite(hi) &&
+                     hi - lo <= kStaticReferenceSpan;
+  std::string text = fmt::format("  static constexpr bool kStaticReference = {};\n", fixed);
+  text += fmt::format("  static constexpr float kStaticReferenceLog2 = {};{}\n",
+                      fixed ? float_literal(hi) : "0.0f",
+                      fixed ? fmt::format("  // logits in [{}, {}]", range.lo, range.hi) : "");
+  return text;
+}
+
 std::string generate_modifier_source(const Problem& problem, const ModifierBindings& bindings,
                                      const KernelChoice& choice, const BackwardCode* backward) {
   if (problem.wants_backward() != (backward != nullptr)) {
@@ -1017,6 +1043,7 @@ std::string generate_modifier_source(const Problem& problem, const ModifierBindi
       "[[maybe_unused]] const StagedElement* staged) {\n" +
       score_log2_body + "  }\n";
   text += forward_members;
+  text += static_reference_members(problem);
   text += fmt::format("  static constexpr bool kSmallTanh = {};\n", small_tanh);
   if (small_tanh) {
     text +=

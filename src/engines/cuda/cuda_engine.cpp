@@ -271,53 +271,82 @@ class StreamScratch {
   CUdeviceptr address_ = 0;
 };
 
-// A second stream (FLEXATTN_CUDA_BACKWARD_STREAMS=2, an experiment): it starts after the work
-// `main` holds when it is created, and `main` waits for it when it is destroyed, so whatever
-// `main` does afterwards (the finalize kernels, freeing the stream-ordered scratch) follows its
-// work. The backward runs its dQ kernel there, beside the dK/dV kernel, so that the dQ blocks
-// fill the multiprocessors the dK/dV kernel's last partial wave leaves idle.
-class SideStream {
+// A stream a plan owns (the backward's second stream), created on its first use and destroyed
+// with the plan (work still queued on it completes first; cuStreamDestroy does not wait).
+class PlanStream {
  public:
-  SideStream(const Driver& driver, CUstream main) : driver_(driver), main_(main) {
-    const DriverFunctions& f = driver_.api();
-    driver_.check(f.stream_create(&side_, CU_STREAM_NON_BLOCKING), "cuStreamCreate");
-    CUevent ready = nullptr;
-    CUresult result = f.event_create(&ready, CU_EVENT_DISABLE_TIMING);
-    if (result == CUDA_SUCCESS) result = f.event_record(ready, main_);
-    if (result == CUDA_SUCCESS) result = f.stream_wait_event(side_, ready, 0);
-    if (ready != nullptr) f.event_destroy(ready);  // released once it has completed
-    if (result != CUDA_SUCCESS) {
-      f.stream_destroy(side_);
-      driver_.check(result, "cuEventRecord / cuStreamWaitEvent");
+  explicit PlanStream(std::shared_ptr<const Driver> driver) : driver_(std::move(driver)) {}
+  ~PlanStream() {
+    if (stream_ == nullptr) return;
+    CUcontext popped = nullptr;
+    if (driver_->api().context_push(driver_->context()) == CUDA_SUCCESS) {
+      driver_->api().stream_destroy(stream_);
+      driver_->api().context_pop(&popped);
     }
   }
-  ~SideStream() {
-    const DriverFunctions& f = driver_.api();
-    CUevent done = nullptr;
-    CUresult result = f.event_create(&done, CU_EVENT_DISABLE_TIMING);
-    if (result == CUDA_SUCCESS) result = f.event_record(done, side_);
-    if (result == CUDA_SUCCESS) result = f.stream_wait_event(main_, done, 0);
-    if (done != nullptr) f.event_destroy(done);
-    if (result != CUDA_SUCCESS) f.context_synchronize();  // the ordering, the slow way
-    f.stream_destroy(side_);
-  }
-  SideStream(const SideStream&) = delete;
-  SideStream& operator=(const SideStream&) = delete;
+  PlanStream(const PlanStream&) = delete;
+  PlanStream& operator=(const PlanStream&) = delete;
 
-  CUstream get() const { return side_; }
+  // With the plan's context current.
+  CUstream get() const {
+    const std::lock_guard<std::mutex> lock(mutex_);
+    if (stream_ == nullptr) {
+      driver_->check(driver_->api().stream_create(&stream_, CU_STREAM_NON_BLOCKING),
+                     "cuStreamCreate");
+    }
+    return stream_;
+  }
 
  private:
-  const Driver& driver_;
-  CUstream main_;
-  CUstream side_ = nullptr;
+  std::shared_ptr<const Driver> driver_;
+  mutable std::mutex mutex_;
+  mutable CUstream stream_ = nullptr;
 };
 
-// Whether the backward runs its dQ kernel on a second stream (SideStream):
-// FLEXATTN_CUDA_BACKWARD_STREAMS=2. Not with the fused dQ, whose dQ kernel reads what the dK/dV
-// kernel writes.
+// Work forked from `main` onto `side` for one scope: `side` starts after the work `main` holds
+// when the fork is made, and `main` waits for `side` when it ends, so whatever `main` does
+// afterwards (the finalize kernels, freeing the stream-ordered scratch) follows the side work.
+// Both waits are stream-ordered (events), so the host does not block, and a captured `main`
+// (CUDA graphs) takes `side` into its capture and back. Calls from several host threads may
+// share `side`: each waits for its own event.
+class StreamFork {
+ public:
+  StreamFork(const Driver& driver, CUstream main, CUstream side)
+      : driver_(driver), main_(main), side_(side) {
+    driver_.check(order(main_, side_), "cuEventRecord / cuStreamWaitEvent");
+  }
+  ~StreamFork() {
+    if (order(side_, main_) != CUDA_SUCCESS) driver_.api().context_synchronize();  // the slow way
+  }
+  StreamFork(const StreamFork&) = delete;
+  StreamFork& operator=(const StreamFork&) = delete;
+
+ private:
+  // `later` waits for the work `earlier` holds now.
+  CUresult order(CUstream earlier, CUstream later) const {
+    const DriverFunctions& f = driver_.api();
+    CUevent event = nullptr;
+    CUresult result = f.event_create(&event, CU_EVENT_DISABLE_TIMING);
+    if (result == CUDA_SUCCESS) result = f.event_record(event, earlier);
+    if (result == CUDA_SUCCESS) result = f.stream_wait_event(later, event, 0);
+    if (event != nullptr) f.event_destroy(event);  // released once it has completed
+    return result;
+  }
+
+  const Driver& driver_;
+  CUstream main_;
+  CUstream side_;
+};
+
+// Whether the backward runs its dQ kernel on a second stream beside the dK/dV kernel (the
+// default; FLEXATTN_CUDA_BACKWARD_STREAMS=1 keeps both on the caller's stream): the dQ blocks
+// then fill the multiprocessors the dK/dV kernel's last partial wave leaves idle. Forward and
+// backward, bf16, head dim 128 (H200, 2026-12-03, thirteenth session): softcap 313.0 -> 316.5
+// TFLOP/s, no modifier 383.1 -> 392.1, causal softcap 276.4 -> 284.1, causal 356.7 -> 368.6.
+// Not with the fused dQ, whose dQ kernel reads what the dK/dV kernel writes.
 bool dq_on_side_stream() {
   const char* value = std::getenv("FLEXATTN_CUDA_BACKWARD_STREAMS");
-  return value != nullptr && std::string_view(value) == "2";
+  return value == nullptr || std::string_view(value) != "1";
 }
 
 // What the forward pass of every plan needs, and its grid.
@@ -371,6 +400,7 @@ struct BackwardState {
   std::size_t dq_accum_floats = 0;  // fused dQ: tokens x heads x head_dim_qk
   std::size_t dq_counters = 0;      // fused dQ in order: batch x heads x q blocks
   bool dq_side_stream = false;      // dq_on_side_stream(), without the fused dQ
+  std::unique_ptr<PlanStream> side_stream;  // with dq_side_stream
 };
 
 class CudaPlan final : public Plan {
@@ -466,6 +496,7 @@ class CudaPlan final : public Plan {
       p.kv_tile_entries = device_ints(b.kv_tile_entries);
       b.delta_floats = static_cast<std::size_t>(lse.numel());
       b.dq_side_stream = dq_on_side_stream() && !b.choice.fused_dq;
+      if (b.dq_side_stream) b.side_stream = std::make_unique<PlanStream>(driver_);
       if (b.choice.fused_dq) {
         const TileList& kv_list = dkdv_tiles != nullptr ? *dkdv_tiles : *backward_tiles;
         p.heads_q = static_cast<int>(problem.heads_q());
@@ -587,16 +618,17 @@ class CudaPlan final : public Plan {
     launch(b.delta, {grid_q(flexattn_kernels::kDeltaRows), heads_q(), batch()},
            flexattn_kernels::kDeltaThreads, 0, stream, &p, "backward delta");
     {
-      // The dQ kernel on a second stream when asked for; `stream` waits for it at the end of
-      // this block, before the finalize kernels read its tensor gradients.
-      std::optional<SideStream> side;
-      if (b.dq_side_stream) side.emplace(*driver_, stream);
+      // The dQ kernel on the second stream (dq_on_side_stream); `stream` waits for it at the end
+      // of this block, before the finalize kernels read its tensor gradients.
+      const CUstream side = b.dq_side_stream ? b.side_stream->get() : stream;
+      std::optional<StreamFork> fork;
+      if (b.dq_side_stream) fork.emplace(*driver_, stream, side);
       launch(b.dkdv,
              {static_cast<unsigned>(ceil_div(problem_.seq_len_kv(), b.choice.dkdv_block_kv)),
               heads_kv, batch()},
              b.choice.dkdv_threads, b.choice.dkdv_shared_bytes(), stream, &p, "backward dK/dV");
       launch(b.dq, {grid_q(b.choice.dq_block_q), heads_q(), batch()}, b.choice.dq_threads,
-             b.choice.dq_shared_bytes(), side ? side->get() : stream, &p, "backward dQ");
+             b.choice.dq_shared_bytes(), side, &p, "backward dQ");
     }
     for (const Gradient& gradient : gradients) {
       FinalizeParams f{};

@@ -46,6 +46,8 @@ struct IdentityModifier {
   }
   static constexpr bool kSmallTanh = false;
   static constexpr int kStagedTensor = -1;
+  static constexpr bool kStaticReference = false;  // (the generated softcap modules take it)
+  static constexpr float kStaticReferenceLog2 = 0.0f;
   __device__ static bool mask_mod(const Invariants&, const ForwardParams&, const Coordinates&,
                                   int, int) {
     return true;
@@ -117,6 +119,8 @@ struct CausalSoftcapModifier {
            flexattn_kernels::kLog2e;
   }
   static constexpr int kStagedTensor = -1;
+  static constexpr bool kStaticReference = false;  // (the generated softcap modules take it)
+  static constexpr float kStaticReferenceLog2 = 0.0f;
   __device__ static bool mask_mod(const Invariants&, const ForwardParams&, const Coordinates&,
                                   int q, int kv) {
     return q >= kv;

@@ -230,6 +230,48 @@ __device__ __forceinline__ void to_log2_units(float (&row_max)[kTiles][2], float
   }
 }
 
+// The softmax against a fixed reference (Modifier::kStaticReference): when the code generator
+// (codegen.cpp, static_reference_members) knows every logit lies in [lo, hi] with hi - lo at
+// most 100 log2 units (a softcap: 30 tanh(score / 30) lies in [-30, 30]) and P's storage type
+// has fp32's exponent range (bf16, fp32), the reference is hi: P = exp2(S - hi) is a normal
+// number in [2^-100, 1], as precise as under a running max (bf16's relative spacing does not
+// depend on the magnitude), and no row max, no cross-lane max and no rescaling of O are needed.
+// row_max holds the reference (the forward's units) for the epilogue's LSE; a row with no key
+// sums to 0 and finish_row_log2 gives it O = 0 and LSE = -inf, as under a running max.
+template <int kTiles, int kScoreTiles>
+__device__ __forceinline__ void static_softmax_probabilities(
+    float (&score)[kTiles][kScoreTiles][4], float (&row_sum)[kTiles][2], float reference_log2,
+    float to_log2) {
+#pragma unroll
+  for (int i = 0; i < kTiles; ++i) {
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+      float sum = row_sum[i][half];
+#pragma unroll
+      for (int j = 0; j < kScoreTiles; ++j) {
+#pragma unroll
+        for (int c = 0; c < 2; ++c) {
+          const float probability =
+              fast_exp2(fmaf(score[i][j][2 * half + c], to_log2, -reference_log2));
+          score[i][j][2 * half + c] = probability;
+          sum += probability;
+        }
+      }
+      row_sum[i][half] = sum;
+    }
+  }
+}
+
+// A row's reference before its first tile: -inf for a running max, else the fixed one.
+template <class Modifier>
+__device__ __forceinline__ float initial_reference() {
+  if constexpr (Modifier::kStaticReference) {
+    return Modifier::kStaticReferenceLog2 / Modifier::kForwardToLog2;
+  } else {
+    return negative_infinity();
+  }
+}
+
 // Both halves, for a kernel whose O is not in flight.
 template <int kTiles, int kScoreTiles, int kOutputTiles>
 __device__ __forceinline__ void online_softmax(float (&score)[kTiles][kScoreTiles][4],
@@ -376,7 +418,7 @@ __device__ __forceinline__ void forward_mma(const ForwardParams& p) {
     }
 #pragma unroll
     for (int half = 0; half < 2; ++half) {
-      row_max[i][half] = negative_infinity();
+      row_max[i][half] = initial_reference<Modifier>();
       row_sum[i][half] = 0.0f;
       const int row = q_start + warp * Config::kRowsPerWarp + i * 16 + group + half * 8;
       query[i][half] = ir_min(row, span.q_len - 1);
@@ -438,7 +480,12 @@ __device__ __forceinline__ void forward_mma(const ForwardParams& p) {
       compute_logits<Modifier, false>(score, p, invariants, at, query, kv_first);
     }
 
-    online_softmax(score, row_max, row_sum, output, Modifier::kForwardToLog2);
+    if constexpr (Modifier::kStaticReference) {
+      static_softmax_probabilities(score, row_sum, Modifier::kStaticReferenceLog2,
+                                   Modifier::kForwardToLog2);
+    } else {
+      online_softmax(score, row_max, row_sum, output, Modifier::kForwardToLog2);
+    }
 
     // O += P V: the S accumulators of two adjacent key tiles form one A fragment.
 #pragma unroll

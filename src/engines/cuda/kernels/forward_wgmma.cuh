@@ -318,7 +318,7 @@ __device__ __forceinline__ void forward_wgmma(const ForwardParams& p) {
   }
 #pragma unroll
   for (int half = 0; half < 2; ++half) {
-    row_max[0][half] = negative_infinity();
+    row_max[0][half] = initial_reference<Modifier>();
     row_sum[0][half] = 0.0f;
     const int row = q_start + warp * Config::kRowsPerWarp + group + half * 8;
     query[0][half] = ir_min(row, span.q_len - 1);
@@ -377,7 +377,18 @@ __device__ __forceinline__ void forward_wgmma(const ForwardParams& p) {
       compute_logits<Modifier, false>(score, p, invariants, at, query, kv_first, staged_tile,
                                       try_small);
     }
-    return softmax_probabilities(score, row_max, row_sum, correction, Modifier::kForwardToLog2);
+    if constexpr (Modifier::kStaticReference) {
+      static_softmax_probabilities(score, row_sum, Modifier::kStaticReferenceLog2,
+                                   Modifier::kForwardToLog2);
+      return false;  // O is never rescaled
+    } else {
+      return softmax_probabilities(score, row_max, row_sum, correction,
+                                   Modifier::kForwardToLog2);
+    }
+  };
+  // O rescaled for the tile's new reference (never with a fixed one).
+  auto rescale = [&](const float(&correction)[1][2], bool max_changed) {
+    if constexpr (!Modifier::kStaticReference) rescale_output(output, correction, max_changed);
   };
   // P of the tile as A fragments: two adjacent 8-key slices of S form one.
   auto pack_probabilities = [&](int stage) {
@@ -466,7 +477,7 @@ __device__ __forceinline__ void forward_wgmma(const ForwardParams& p) {
       wgmma_wait<0>();
       fence_operands(output_flat);
       release_stage(entry_index - 1 - entries.begin);  // its V was read by the P V just waited for
-      rescale_output(output, correction, max_changed);
+      rescale(correction, max_changed);
       pack_probabilities(stage);
     }
     if (entries.begin < entries.end) multiply_values();
@@ -493,7 +504,7 @@ __device__ __forceinline__ void forward_wgmma(const ForwardParams& p) {
       fence_operands(score_flat);
       float correction[1][2];
       const bool max_changed = probabilities(entry_index, correction, stage, true);
-      rescale_output(output, correction, max_changed);
+      rescale(correction, max_changed);
       pack_probabilities(stage);
       multiply_values();
       release_stage(iteration);  // K, V and the staged tile read
