@@ -915,16 +915,16 @@ BindingSelection bind_modifier(const Problem& problem) {
   return selection;
 }
 
-// The widest logit range (log2 units) the forward's softmax takes against a fixed reference:
-// P = exp2(logit - hi) then stays a normal number of fp32's (and bf16's) exponent range, far
-// from the 2^-126 where ex2.approx.ftz flushes to 0.
+// The widest logit range (log2 units) for which the forward's softmax fixes its reference after
+// a row's first tile: P = exp2(logit - reference) then stays a normal number of fp32's (and
+// bf16's) exponent range, far from the 2^-126 where ex2.approx.ftz flushes to 0.
 constexpr double kStaticReferenceSpan = 100.0;
 
-// kStaticReference (forward_mma.cuh, static_softmax_probabilities): the softmax subtracts a
-// bound on every logit instead of a running row max, when score_mod's interval over the problem
-// (the score unbounded) is finite and at most kStaticReferenceSpan wide in log2 units, e.g. a
-// softcap (30 tanh(score / 30) lies in [-30, 30]: 86.6 log2 units). Not for fp16, whose P
-// (stored as fp16 for P V) would underflow below 2^-24.
+// kStaticReference (forward_mma.cuh, bounded_softmax_probabilities): no running row max after a
+// row's first tile, when score_mod's interval over the problem (the score unbounded) is finite
+// and at most kStaticReferenceSpan wide in log2 units, e.g. a softcap (30 tanh(score / 30) lies
+// in [-30, 30]: 86.6 log2 units); kStaticReferenceLog2 is its top. Not for fp16, whose P (stored
+// as fp16 for P V) would underflow below 2^-24.
 std::string static_reference_members(const Problem& problem) {
   const Graph& graph = problem.score_mod();
   const Interval range =

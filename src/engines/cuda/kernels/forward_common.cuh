@@ -13,8 +13,9 @@
 //                               // score_mod(dot * scale) * log2(e)
 //   static constexpr float kForwardToLog2;  // 1, or log2(e) (never with kSmallTanh)
 //   static float score_mod_forward(...);  // score_mod_log2 / kForwardToLog2 (the forward's)
-//   static constexpr bool kStaticReference;  // the softmax subtracts kStaticReferenceLog2, a
-//   static constexpr float kStaticReferenceLog2;  // bound on every logit, not a running max
+//   static constexpr bool kStaticReference;  // every logit <= kStaticReferenceLog2 (log2
+//   static constexpr float kStaticReferenceLog2;  // units): the softmax's reference is fixed
+//                               // after a row's first tile (bounded_softmax_probabilities)
 //   static constexpr int kStagedTensor;  // the tensor slot read from a StagedElement, or -1
 //   static long long staged_origin(const Invariants&, const ForwardParams&, const Coordinates&);
 //                               // its element [..., 0, 0] (only with kStagedTensor >= 0)

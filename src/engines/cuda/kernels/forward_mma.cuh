@@ -230,45 +230,51 @@ __device__ __forceinline__ void to_log2_units(float (&row_max)[kTiles][2], float
   }
 }
 
-// The softmax against a fixed reference (Modifier::kStaticReference): when the code generator
-// (codegen.cpp, static_reference_members) knows every logit lies in [lo, hi] with hi - lo at
-// most 100 log2 units (a softcap: 30 tanh(score / 30) lies in [-30, 30]) and P's storage type
-// has fp32's exponent range (bf16, fp32), the reference is hi: P = exp2(S - hi) is a normal
-// number in [2^-100, 1], as precise as under a running max (bf16's relative spacing does not
-// depend on the magnitude), and no row max, no cross-lane max and no rescaling of O are needed.
-// row_max holds the reference (the forward's units) for the epilogue's LSE; a row with no key
-// sums to 0 and finish_row_log2 gives it O = 0 and LSE = -inf, as under a running max.
-template <int kTiles, int kScoreTiles>
-__device__ __forceinline__ void static_softmax_probabilities(
-    float (&score)[kTiles][kScoreTiles][4], float (&row_sum)[kTiles][2], float reference_log2,
-    float to_log2) {
+// The softmax with a reference fixed after a row's first tile (Modifier::kStaticReference):
+// when the code generator (codegen.cpp, static_reference_members) knows every logit lies in
+// [lo, hi] with hi - lo at most 100 log2 units (a softcap: 30 tanh(score / 30) lies in
+// [-30, 30]) and P's storage type has fp32's exponent range (bf16, fp32), a row's first tile
+// sets its reference to max(its max logit, hi - kStaticHeadroom) and no later tile moves it:
+// P = exp2(S - reference) stays a normal number in [2^-100, 2^kStaticHeadroom] (as precise as
+// under a running max: bf16's relative spacing does not depend on the magnitude), and the later
+// tiles need no row max, no cross-lane max and no rescaling of O. The first tile's largest P is
+// exactly 1, as under a running max, so a row whose keys all lie in its first tile (a short
+// row, a single key) gets its dominant term without a bf16 rounding its fp32 row sum does not
+// share. (A reference fixed at hi made such rows up to 2^-8 off: ten small softcap conformance
+// cases failed on the H200, thirteenth session.) A row whose first tile keeps no key takes
+// hi - kStaticHeadroom. Nothing is ever rescaled: O and the row sum are 0 before the first tile,
+// and the reference does not move after it.
+constexpr float kStaticHeadroom = 64.0f;
+
+template <bool kFirst, int kTiles, int kScoreTiles>
+__device__ __forceinline__ void bounded_softmax_probabilities(
+    float (&score)[kTiles][kScoreTiles][4], float (&row_max)[kTiles][2],
+    float (&row_sum)[kTiles][2], float bound_log2, float to_log2) {
 #pragma unroll
   for (int i = 0; i < kTiles; ++i) {
 #pragma unroll
     for (int half = 0; half < 2; ++half) {
+      if constexpr (kFirst) {
+        float tile_max = negative_infinity();
+#pragma unroll
+        for (int j = 0; j < kScoreTiles; ++j) {
+          tile_max = fmaxf(tile_max, fmaxf(score[i][j][2 * half], score[i][j][2 * half + 1]));
+        }
+        row_max[i][half] = fmaxf(quad_max(tile_max), (bound_log2 - kStaticHeadroom) / to_log2);
+      }
+      const float subtract = row_max[i][half] * to_log2;
       float sum = row_sum[i][half];
 #pragma unroll
       for (int j = 0; j < kScoreTiles; ++j) {
 #pragma unroll
         for (int c = 0; c < 2; ++c) {
-          const float probability =
-              fast_exp2(fmaf(score[i][j][2 * half + c], to_log2, -reference_log2));
+          const float probability = fast_exp2(fmaf(score[i][j][2 * half + c], to_log2, -subtract));
           score[i][j][2 * half + c] = probability;
           sum += probability;
         }
       }
       row_sum[i][half] = sum;
     }
-  }
-}
-
-// A row's reference before its first tile: -inf for a running max, else the fixed one.
-template <class Modifier>
-__device__ __forceinline__ float initial_reference() {
-  if constexpr (Modifier::kStaticReference) {
-    return Modifier::kStaticReferenceLog2 / Modifier::kForwardToLog2;
-  } else {
-    return negative_infinity();
   }
 }
 
@@ -418,7 +424,7 @@ __device__ __forceinline__ void forward_mma(const ForwardParams& p) {
     }
 #pragma unroll
     for (int half = 0; half < 2; ++half) {
-      row_max[i][half] = initial_reference<Modifier>();
+      row_max[i][half] = negative_infinity();
       row_sum[i][half] = 0.0f;
       const int row = q_start + warp * Config::kRowsPerWarp + i * 16 + group + half * 8;
       query[i][half] = ir_min(row, span.q_len - 1);
@@ -481,8 +487,14 @@ __device__ __forceinline__ void forward_mma(const ForwardParams& p) {
     }
 
     if constexpr (Modifier::kStaticReference) {
-      static_softmax_probabilities(score, row_sum, Modifier::kStaticReferenceLog2,
-                                   Modifier::kForwardToLog2);
+      if (iteration == 0) {
+        bounded_softmax_probabilities<true>(score, row_max, row_sum, Modifier::kStaticReferenceLog2,
+                                            Modifier::kForwardToLog2);
+      } else {
+        bounded_softmax_probabilities<false>(score, row_max, row_sum,
+                                             Modifier::kStaticReferenceLog2,
+                                             Modifier::kForwardToLog2);
+      }
     } else {
       online_softmax(score, row_max, row_sum, output, Modifier::kForwardToLog2);
     }

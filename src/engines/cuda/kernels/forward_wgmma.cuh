@@ -318,7 +318,7 @@ __device__ __forceinline__ void forward_wgmma(const ForwardParams& p) {
   }
 #pragma unroll
   for (int half = 0; half < 2; ++half) {
-    row_max[0][half] = initial_reference<Modifier>();
+    row_max[0][half] = negative_infinity();
     row_sum[0][half] = 0.0f;
     const int row = q_start + warp * Config::kRowsPerWarp + group + half * 8;
     query[0][half] = ir_min(row, span.q_len - 1);
@@ -363,7 +363,9 @@ __device__ __forceinline__ void forward_wgmma(const ForwardParams& p) {
   };
   // Logits and the softmax's probabilities of a finished S; O untouched (it may be in flight).
   // `try_small`: whether the tile may take the modifier's small-tanh functions (compute_logits).
-  auto probabilities = [&](int entry_index, float(&correction)[1][2], int stage, bool try_small) {
+  // `first`: the row's first tile (it sets a fixed reference, kStaticReference).
+  auto probabilities = [&](int entry_index, float(&correction)[1][2], int stage, bool try_small,
+                           bool first) {
     const int entry = p.tile_entries[entry_index];
     const int kv_start = entry_kv_tile(entry) * kBlockN;
     const int kv_first = kv_start + 2 * quad_lane;
@@ -378,8 +380,14 @@ __device__ __forceinline__ void forward_wgmma(const ForwardParams& p) {
                                       try_small);
     }
     if constexpr (Modifier::kStaticReference) {
-      static_softmax_probabilities(score, row_sum, Modifier::kStaticReferenceLog2,
-                                   Modifier::kForwardToLog2);
+      if (first) {
+        bounded_softmax_probabilities<true>(score, row_max, row_sum, Modifier::kStaticReferenceLog2,
+                                            Modifier::kForwardToLog2);
+      } else {
+        bounded_softmax_probabilities<false>(score, row_max, row_sum,
+                                             Modifier::kStaticReferenceLog2,
+                                             Modifier::kForwardToLog2);
+      }
       return false;  // O is never rescaled
     } else {
       return softmax_probabilities(score, row_max, row_sum, correction,
@@ -460,7 +468,7 @@ __device__ __forceinline__ void forward_wgmma(const ForwardParams& p) {
       wgmma_wait<0>();
       fence_operands(score_flat);
       float correction[1][2];
-      probabilities(entries.begin, correction, stage, false);  // O is 0: nothing to rescale
+      probabilities(entries.begin, correction, stage, false, true);  // O is 0: no rescaling
       pack_probabilities(stage);
     }
     for (int entry_index = entries.begin + 1; entry_index < entries.end; ++entry_index) {
@@ -473,7 +481,7 @@ __device__ __forceinline__ void forward_wgmma(const ForwardParams& p) {
       wgmma_wait<1>();  // S is done; P V may still run
       fence_operands(score_flat);
       float correction[1][2];
-      const bool max_changed = probabilities(entry_index, correction, stage, true);
+      const bool max_changed = probabilities(entry_index, correction, stage, true, false);
       wgmma_wait<0>();
       fence_operands(output_flat);
       release_stage(entry_index - 1 - entries.begin);  // its V was read by the P V just waited for
@@ -503,7 +511,8 @@ __device__ __forceinline__ void forward_wgmma(const ForwardParams& p) {
       wgmma_wait<0>();
       fence_operands(score_flat);
       float correction[1][2];
-      const bool max_changed = probabilities(entry_index, correction, stage, true);
+      const bool max_changed =
+          probabilities(entry_index, correction, stage, true, entry_index == entries.begin);
       rescale(correction, max_changed);
       pack_probabilities(stage);
       multiply_values();
