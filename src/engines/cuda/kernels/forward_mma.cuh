@@ -157,6 +157,33 @@ __device__ __forceinline__ void compute_logits(float (&score)[kTiles][kScoreTile
 // by a little), which made most tiles rescale O; with the slack, few do.
 constexpr float kMaxSlack = 8.0f;
 
+// The max of one row half's logits in a tile, across the quad of threads that hold the row.
+template <int kScoreTiles>
+__device__ __forceinline__ float row_tile_max(const float (&score)[kScoreTiles][4], int half) {
+  float tile_max = negative_infinity();
+#pragma unroll
+  for (int j = 0; j < kScoreTiles; ++j) {
+    tile_max = fmaxf(tile_max, fmaxf(score[j][2 * half], score[j][2 * half + 1]));
+  }
+  return quad_max(tile_max);
+}
+
+// P = exp2(S * to_log2 - subtract) in place of one row half's logits; returns `sum` plus them.
+template <int kScoreTiles>
+__device__ __forceinline__ float exponentiate_row(float (&score)[kScoreTiles][4], int half,
+                                                  float subtract, float to_log2, float sum) {
+#pragma unroll
+  for (int j = 0; j < kScoreTiles; ++j) {
+#pragma unroll
+    for (int c = 0; c < 2; ++c) {
+      const float probability = fast_exp2(fmaf(score[j][2 * half + c], to_log2, -subtract));
+      score[j][2 * half + c] = probability;
+      sum += probability;
+    }
+  }
+  return sum;
+}
+
 // Online softmax of one kv tile in exp2 form, first half: the row's reference max (the max of
 // its logits so far, or up to kMaxSlack below it), P = exp2(S - reference) in place of the
 // logits, the row sums, and in `correction` the factor that rescales what was accumulated under
@@ -174,30 +201,16 @@ __device__ __forceinline__ bool softmax_probabilities(float (&score)[kTiles][kSc
   for (int i = 0; i < kTiles; ++i) {
 #pragma unroll
     for (int half = 0; half < 2; ++half) {
-      float tile_max = negative_infinity();
-#pragma unroll
-      for (int j = 0; j < kScoreTiles; ++j) {
-        tile_max = fmaxf(tile_max, fmaxf(score[i][j][2 * half], score[i][j][2 * half + 1]));
-      }
       // -inf + kMaxSlack is -inf: a row's first finite logits set its reference.
-      const float seen = quad_max(tile_max);
+      const float seen = row_tile_max(score[i], half);
       const float new_max =
           seen > row_max[i][half] + kMaxSlack / to_log2 ? seen : row_max[i][half];
       const float subtract = safe_max(new_max) * to_log2;
       correction[i][half] = fast_exp2(row_max[i][half] * to_log2 - subtract);
       max_changed = max_changed || new_max != row_max[i][half];
       row_max[i][half] = new_max;
-      float sum = row_sum[i][half] * correction[i][half];
-#pragma unroll
-      for (int j = 0; j < kScoreTiles; ++j) {
-#pragma unroll
-        for (int c = 0; c < 2; ++c) {
-          const float probability = fast_exp2(fmaf(score[i][j][2 * half + c], to_log2, -subtract));
-          score[i][j][2 * half + c] = probability;
-          sum += probability;
-        }
-      }
-      row_sum[i][half] = sum;
+      row_sum[i][half] = exponentiate_row(score[i], half, subtract, to_log2,
+                                          row_sum[i][half] * correction[i][half]);
     }
   }
   return max_changed;
@@ -255,26 +268,26 @@ __device__ __forceinline__ void bounded_softmax_probabilities(
 #pragma unroll
     for (int half = 0; half < 2; ++half) {
       if constexpr (kFirst) {
-        float tile_max = negative_infinity();
-#pragma unroll
-        for (int j = 0; j < kScoreTiles; ++j) {
-          tile_max = fmaxf(tile_max, fmaxf(score[i][j][2 * half], score[i][j][2 * half + 1]));
-        }
-        row_max[i][half] = fmaxf(quad_max(tile_max), (bound_log2 - kStaticHeadroom) / to_log2);
+        row_max[i][half] =
+            fmaxf(row_tile_max(score[i], half), (bound_log2 - kStaticHeadroom) / to_log2);
       }
-      const float subtract = row_max[i][half] * to_log2;
-      float sum = row_sum[i][half];
-#pragma unroll
-      for (int j = 0; j < kScoreTiles; ++j) {
-#pragma unroll
-        for (int c = 0; c < 2; ++c) {
-          const float probability = fast_exp2(fmaf(score[i][j][2 * half + c], to_log2, -subtract));
-          score[i][j][2 * half + c] = probability;
-          sum += probability;
-        }
-      }
-      row_sum[i][half] = sum;
+      row_sum[i][half] = exponentiate_row(score[i], half, row_max[i][half] * to_log2, to_log2,
+                                          row_sum[i][half]);
     }
+  }
+}
+
+// The same for a Modifier with kStaticReference; `first`: the row's first tile.
+template <class Modifier, int kTiles, int kScoreTiles>
+__device__ __forceinline__ void fixed_reference_probabilities(
+    float (&score)[kTiles][kScoreTiles][4], float (&row_max)[kTiles][2],
+    float (&row_sum)[kTiles][2], bool first) {
+  constexpr float kBound = Modifier::kStaticReferenceLog2;
+  constexpr float kToLog2 = Modifier::kForwardToLog2;
+  if (first) {
+    bounded_softmax_probabilities<true>(score, row_max, row_sum, kBound, kToLog2);
+  } else {
+    bounded_softmax_probabilities<false>(score, row_max, row_sum, kBound, kToLog2);
   }
 }
 
@@ -487,14 +500,7 @@ __device__ __forceinline__ void forward_mma(const ForwardParams& p) {
     }
 
     if constexpr (Modifier::kStaticReference) {
-      if (iteration == 0) {
-        bounded_softmax_probabilities<true>(score, row_max, row_sum, Modifier::kStaticReferenceLog2,
-                                            Modifier::kForwardToLog2);
-      } else {
-        bounded_softmax_probabilities<false>(score, row_max, row_sum,
-                                             Modifier::kStaticReferenceLog2,
-                                             Modifier::kForwardToLog2);
-      }
+      fixed_reference_probabilities<Modifier>(score, row_max, row_sum, iteration == 0);
     } else {
       online_softmax(score, row_max, row_sum, output, Modifier::kForwardToLog2);
     }

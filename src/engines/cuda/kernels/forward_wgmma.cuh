@@ -380,14 +380,7 @@ __device__ __forceinline__ void forward_wgmma(const ForwardParams& p) {
                                       try_small);
     }
     if constexpr (Modifier::kStaticReference) {
-      if (first) {
-        bounded_softmax_probabilities<true>(score, row_max, row_sum, Modifier::kStaticReferenceLog2,
-                                            Modifier::kForwardToLog2);
-      } else {
-        bounded_softmax_probabilities<false>(score, row_max, row_sum,
-                                             Modifier::kStaticReferenceLog2,
-                                             Modifier::kForwardToLog2);
-      }
+      fixed_reference_probabilities<Modifier>(score, row_max, row_sum, first);
       return false;  // O is never rescaled
     } else {
       return softmax_probabilities(score, row_max, row_sum, correction,
