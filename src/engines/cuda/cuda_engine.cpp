@@ -306,9 +306,9 @@ class PlanStream {
 // Work forked from `main` onto `side` for one scope: `side` starts after the work `main` holds
 // when the fork is made, and `main` waits for `side` when it ends, so whatever `main` does
 // afterwards (the finalize kernels, freeing the stream-ordered scratch) follows the side work.
-// Both waits are stream-ordered (events), so the host does not block, and a captured `main`
-// (CUDA graphs) takes `side` into its capture and back. Calls from several host threads may
-// share `side`: each waits for its own event.
+// Both waits are stream-ordered (events), so the host does not block; by CUDA's rules a
+// captured `main` (CUDA graphs) takes `side` into its capture and back (not tested here). Calls
+// from several host threads may share `side`: each waits for its own event.
 class StreamFork {
  public:
   StreamFork(const Driver& driver, CUstream main, CUstream side)
