@@ -399,8 +399,8 @@ struct BackwardState {
   std::size_t delta_floats = 0;  // one per (b, h, query), like the LSE
   std::size_t dq_accum_floats = 0;  // fused dQ: tokens x heads x head_dim_qk
   std::size_t dq_counters = 0;      // fused dQ in order: batch x heads x q blocks
-  bool dq_side_stream = false;      // dq_on_side_stream(), without the fused dQ
-  std::unique_ptr<PlanStream> side_stream;  // with dq_side_stream
+  // The dQ kernel's stream when dq_on_side_stream() and no fused dQ, else null.
+  std::unique_ptr<PlanStream> side_stream;
 };
 
 class CudaPlan final : public Plan {
@@ -495,8 +495,9 @@ class CudaPlan final : public Plan {
       p.kv_tile_offsets = device_ints(b.kv_tile_offsets);
       p.kv_tile_entries = device_ints(b.kv_tile_entries);
       b.delta_floats = static_cast<std::size_t>(lse.numel());
-      b.dq_side_stream = dq_on_side_stream() && !b.choice.fused_dq;
-      if (b.dq_side_stream) b.side_stream = std::make_unique<PlanStream>(driver_);
+      if (dq_on_side_stream() && !b.choice.fused_dq) {
+        b.side_stream = std::make_unique<PlanStream>(driver_);
+      }
       if (b.choice.fused_dq) {
         const TileList& kv_list = dkdv_tiles != nullptr ? *dkdv_tiles : *backward_tiles;
         p.heads_q = static_cast<int>(problem.heads_q());
@@ -620,9 +621,9 @@ class CudaPlan final : public Plan {
     {
       // The dQ kernel on the second stream (dq_on_side_stream); `stream` waits for it at the end
       // of this block, before the finalize kernels read its tensor gradients.
-      const CUstream side = b.dq_side_stream ? b.side_stream->get() : stream;
+      const CUstream side = b.side_stream ? b.side_stream->get() : stream;
       std::optional<StreamFork> fork;
-      if (b.dq_side_stream) fork.emplace(*driver_, stream, side);
+      if (b.side_stream) fork.emplace(*driver_, stream, side);
       launch(b.dkdv,
              {static_cast<unsigned>(ceil_div(problem_.seq_len_kv(), b.choice.dkdv_block_kv)),
               heads_kv, batch()},
