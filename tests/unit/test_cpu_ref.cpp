@@ -11,6 +11,7 @@
 #include <string>
 #include <tuple>
 
+#include "engines/cpu_ref/cpu_ref.hpp"
 #include "support/test_support.hpp"
 
 namespace flexattn {
@@ -260,6 +261,27 @@ INSTANTIATE_TEST_SUITE_P(
                                          TeModifier::kCausal, TeModifier::kSoftcapCausal),
                        ::testing::Values(16, 64), ::testing::Values(Layout::kBSHD, Layout::kSBHD)),
     te_name);
+
+// The test-only mutant with d score_mod / d score replaced by 1: the plan proves the requested
+// modifier, the forward is the oracle's, and the backward is the dense one with slope 1.
+TEST(CpuRef, ScoreDerivativeReplacedByOneIsTheDenseBackwardWithSlopeOne) {
+  constexpr double kCap = 0.8;  // tanh far from linear: slope 1 is far from the true slope
+  ProblemDesc desc = make_desc(1, 2, 2, 16, 16, 64, 64);
+  desc.score_mod = kCap * tanh(score() / kCap);
+  const Problem problem(desc);
+  const auto mutant = make_cpu_ref_engine(ScoreDerivative::kReplacedByOne);
+  EXPECT_EQ(mutant->name(), "cpu_ref_score_derivative_one");
+  EXPECT_EQ(mutant->plan(problem)->info().lowered_hash, problem.modifier_hash());
+  NaiveModifier modifier;
+  modifier.score = [&](double s, std::int64_t, std::int64_t, std::int64_t) {
+    return kCap * std::tanh(s / kCap);
+  };
+  const Inputs inputs = test::random_inputs(problem, 5);
+  const Outputs outputs = test::run_engine(*mutant, problem, inputs);
+  expect_matches_naive(problem, inputs, outputs, modifier);  // NaiveModifier's slope is 1
+  const Outputs exact = test::run_engine(cpu_ref(), problem, inputs);
+  EXPECT_GT(test::max_abs_error(outputs.dq, exact.dq), 0.1 * test::max_abs_value(exact.dq));
+}
 
 // ---- semantics ----------------------------------------------------------------------------------
 

@@ -26,6 +26,7 @@ namespace flexattn {
 namespace {
 
 constexpr std::string_view kEngineName = "cpu_ref";
+constexpr std::string_view kScoreDerivativeOneName = "cpu_ref_score_derivative_one";
 constexpr double kNegativeInfinity = -std::numeric_limits<double>::infinity();
 constexpr double kNan = std::numeric_limits<double>::quiet_NaN();
 
@@ -116,6 +117,7 @@ struct Lowering {
   std::vector<LoadDerivative> load_derivatives;
   bool identity_score = false;
   bool keep_all = false;
+  bool score_derivative_one = false;  // the test-only mutant: d score_mod / d score taken as 1
 };
 
 // One (batch, query head) pair: its sequence lengths and the K/V rows of its kv head.
@@ -332,8 +334,9 @@ void CpuRefPlan::backward_task(const BackwardArgs& args, const Bindings& binding
         const double ds = probability * (dp[to_size(kv)] - row_sum);  // d loss / d modified
         if (ds == 0.0) continue;
         const EvalPoint at = point(rows, q, kv, scores.raw[to_size(kv)]);
-        const double slope =
-            lowering_.identity_score ? 1.0 : evaluate(lowering_.score_derivative, at, bindings);
+        const double slope = lowering_.identity_score || lowering_.score_derivative_one
+                                 ? 1.0
+                                 : evaluate(lowering_.score_derivative, at, bindings);
         const double ds_raw = ds * slope * scale;  // d loss / d (q . k)
         const double* k_row = &rows.k[to_size(kv * dim_qk)];
         double* dk = &dk_rows[to_size(kv * dim_qk)];
@@ -410,7 +413,10 @@ void CpuRefPlan::run_backward(const BackwardArgs& args) const {
 
 class CpuRefEngine final : public Engine {
  public:
-  std::string_view name() const override { return kEngineName; }
+  explicit CpuRefEngine(ScoreDerivative score_derivative) : score_derivative_(score_derivative) {}
+  std::string_view name() const override {
+    return score_derivative_ == ScoreDerivative::kExact ? kEngineName : kScoreDerivativeOneName;
+  }
   Support available() const override { return Support::yes(); }
 
  protected:
@@ -424,6 +430,7 @@ class CpuRefEngine final : public Engine {
     lowering.score_mod = problem.score_mod();
     lowering.mask_mod = problem.mask_mod();
     lowering.identity_score = lowering.score_mod.is_identity_score();
+    lowering.score_derivative_one = score_derivative_ == ScoreDerivative::kReplacedByOne;
     const GraphNode& mask_root = lowering.mask_mod.node(lowering.mask_mod.root());
     lowering.keep_all = lowering.mask_mod.is_literal() && mask_root.literal != 0.0;
     if (problem.wants_backward()) {
@@ -440,7 +447,7 @@ class CpuRefEngine final : public Engine {
     if (stage == Stage::kCheck) return result;
 
     PlanInfo info;
-    info.engine = std::string(kEngineName);
+    info.engine = std::string(name());
     info.description = fmt::format(
         "float64 reference, one query row at a time, OpenMP over (batch, head), {} threads",
         omp_get_max_threads());
@@ -449,10 +456,19 @@ class CpuRefEngine final : public Engine {
     result.plan = std::make_unique<CpuRefPlan>(std::move(info), problem, std::move(lowering));
     return result;
   }
+
+ private:
+  ScoreDerivative score_derivative_;
 };
 
 }  // namespace
 
-std::shared_ptr<const Engine> make_cpu_ref_engine() { return std::make_shared<CpuRefEngine>(); }
+std::shared_ptr<const Engine> make_cpu_ref_engine() {
+  return make_cpu_ref_engine(ScoreDerivative::kExact);
+}
+
+std::shared_ptr<const Engine> make_cpu_ref_engine(ScoreDerivative score_derivative) {
+  return std::make_shared<CpuRefEngine>(score_derivative);
+}
 
 }  // namespace flexattn

@@ -9,4 +9,18 @@ namespace flexattn {
 
 std::shared_ptr<const Engine> make_cpu_ref_engine();
 
+// What the reference's backward uses as d score_mod / d score.
+enum class ScoreDerivative {
+  kExact,          // the IR's symbolic derivative: the oracle
+  kReplacedByOne,  // 1 everywhere (tensor derivatives stay exact): a wrong-derivative mutant
+};
+
+// Test-only: cpu_ref with the given score derivative. With kReplacedByOne the plan records the
+// request's modifier hash (it lowered the right modifier) yet its backward computes dQ, dK and the
+// tensor gradients as if d score_mod / d score were 1; the forward is unchanged. Conformance uses
+// it to prove a case discriminates a wrong derivative, and tests use it as an engine that passes
+// the plan proof but computes the wrong gradients. Not in the engine registry, so selection never
+// reaches it; its name is "cpu_ref_score_derivative_one".
+std::shared_ptr<const Engine> make_cpu_ref_engine(ScoreDerivative score_derivative);
+
 }  // namespace flexattn
