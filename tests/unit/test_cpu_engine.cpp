@@ -136,13 +136,21 @@ void expect_relative(const HostTensor& result, const HostTensor& reference, cons
 }
 
 // cpu and cpu_ref on the same fp32 inputs (cpu_ref in float64), every output within
-// kFp32Relative.
-void expect_matches_float64(const ProblemDesc& desc32, std::uint64_t seed) {
+// kFp32Relative. `positive_scores` makes every q and k element at least 1 (scores >= 1 at head
+// dim 64), for modifiers that are singular at score 0.
+void expect_matches_float64(const ProblemDesc& desc32, std::uint64_t seed,
+                            bool positive_scores = false) {
   const Problem problem32(desc32);
   ProblemDesc desc64 = desc32;
   desc64.dtype = DType::kF64;
   const Problem problem64(desc64);
-  const Inputs inputs32 = random_inputs(problem32, seed);
+  Inputs inputs32 = random_inputs(problem32, seed);
+  for (HostTensor* tensor : {&inputs32.q, &inputs32.k}) {
+    const TensorView view = tensor->view();
+    for (std::int64_t e = 0; positive_scores && e < view.numel(); ++e) {
+      view.store(e, 1.0 + std::abs(view.load(e)));
+    }
+  }
   Inputs inputs64;
   inputs64.q = inputs32.q.to(DType::kF64);
   inputs64.k = inputs32.k.to(DType::kF64);
@@ -170,6 +178,31 @@ TEST(CpuFp32, WithinOneInAHundredThousandOfFloat64) {
   windowed.score_mod = ir::parse("30 * tanh(score / 30)");
   windowed.mask_mod = ir::parse("q >= kv && q - kv < 70");
   expect_matches_float64(windowed, 3);
+}
+
+// A tensor gradient whose derivative is a leaf: d(score * g[h]) / dg is the score itself (the
+// tape's output is then the score leaf), d(score + g[h]) / dg the literal 1.
+TEST(CpuFp32, TensorGradientsWhoseDerivativeIsALeaf) {
+  for (const char* text :
+       {"score * g[h]", "score * (g[h] + 0.25)", "score + g[h]", "g[h]", "score * g[h] * g[h]"}) {
+    ProblemDesc desc = base_desc(33, 47);
+    desc.tensors["g"] = TensorDecl{DType::kF32, {4}};
+    desc.score_mod = ir::parse(text, desc.scope());
+    SCOPED_TRACE(text);
+    expect_matches_float64(desc, 5);
+  }
+}
+
+// Query lengths that are not a multiple of the vector width leave padding lanes in the last
+// query tile, where the modifier sees a dummy score (0 here: 1 / score is inf). Scores of the
+// real queries are at least 1, so the problem is well conditioned.
+TEST(CpuFp32, PaddingLanesNeverReachTheGradients) {
+  for (std::int64_t seq_len_q : {8, 16, 17, 33, 40, 129}) {
+    ProblemDesc desc = base_desc(seq_len_q, 47);
+    desc.score_mod = ir::parse("1 / score");
+    SCOPED_TRACE(seq_len_q);
+    expect_matches_float64(desc, 7, true);
+  }
 }
 
 // Ragged thd batches, including a sequence with no queries and one with no keys (its queries

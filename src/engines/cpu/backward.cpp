@@ -112,8 +112,9 @@ void BackwardContext::set_head(std::int64_t b, std::int64_t h, BackwardState& s)
 }
 
 void BackwardContext::recompute(TileClass tile_class, std::int64_t k0, std::int64_t nk,
-                                std::int64_t lanes, const RowsView& keys, const RowsView& values,
+                                std::int64_t nq, const RowsView& keys, const RowsView& values,
                                 BackwardState& s) const {
+  const std::int64_t lanes = round_up(nq, kVectorWidth);
   float* raw = s.raw.data();      // (nk, lanes) of (block_k, ld): scale * K Q^T
   float* probs = s.probs.data();  // modified scores, then P^T
   float* dmod = s.dmod.data();    // d score_mod / d score
@@ -135,6 +136,9 @@ void BackwardContext::recompute(TileClass tile_class, std::int64_t k0, std::int6
         prob_row[r] = keep[r] != 0 ? prob_row[r] : kNegativeInfinity;
       }
     }
+    // Padding lanes hold score_mod at a dummy score (1 / score is inf there), and their shift is
+    // +inf: exp(inf - inf) would be NaN and reach dK and dV through the products.
+    std::fill(prob_row + nq, prob_row + lanes, kNegativeInfinity);
   }
   // P^T = exp(S'^T - LSE), or exp(S'^T - max) / sum from the statistics pass
   kernel.exp_shifted(probs, nk, lanes, ld, s.lse_shift.data(),
@@ -248,7 +252,7 @@ void CpuPlan::key_tile(const BackwardContext& x, const std::vector<float>& delta
       const std::int64_t q0 = qt * x.block_q, nq = std::min(x.block_q, q_len - q0);
       const std::int64_t lanes = round_up(nq, kVectorWidth);
       x.load_query_tile(b, h, q0, nq, delta, s);
-      x.recompute(tile_class, k0, nk, lanes, keys, values, s);
+      x.recompute(tile_class, k0, nk, nq, keys, values, s);
       // dV += P^T dO;  dK += dS^T Q (the scale is applied once, at the end)
       x.kernel.gemm({nk, x.dim_v_padded, lanes, s.probs.data(), x.ld, 1, s.douts.data(), x.douts_ld,
                      state.dv.data(), x.dim_v_padded, true});

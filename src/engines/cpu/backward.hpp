@@ -50,8 +50,9 @@ struct BackwardContext {
   void load_query_tile(std::int64_t b, std::int64_t h, std::int64_t q0, std::int64_t nq,
                        const std::vector<float>& delta, BackwardState& s) const;
   // S^T, the modifier and its derivative, the mask, P^T, dP^T, dS^T for keys [k0, k0 + nk)
-  // against the loaded query tile.
-  void recompute(TileClass tile_class, std::int64_t k0, std::int64_t nk, std::int64_t lanes,
+  // against the loaded query tile of nq queries. Lanes past nq (padding to whole vectors) are
+  // masked: P = 0 and dS = 0 there, whatever the modifier gives at their dummy score.
+  void recompute(TileClass tile_class, std::int64_t k0, std::int64_t nk, std::int64_t nq,
                  const RowsView& keys, const RowsView& values, BackwardState& s) const;
   // D = rowsum(dO * O) for every (batch, head, query), indexed like the LSE.
   std::vector<float> row_deltas(const TensorView& out) const;

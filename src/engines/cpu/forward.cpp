@@ -134,6 +134,11 @@ void CpuPlan::forward_pass(const ForwardArgs& args, const TensorView* dout,
           }
         }
       }
+      // Padding lanes (past nq) hold score_mod at a dummy score: masked, so nothing of them is
+      // kept (the statistics pass's D and max are per lane, but nothing may depend on them).
+      for (std::int64_t c = 0; nq < lanes && c < nk; ++c) {
+        std::fill(probs + c * ld + nq, probs + c * ld + lanes, kNegativeInfinity);
+      }
 
       // Online softmax: P^T in place, the running max and sum, and O^T rescaled when the max
       // moved; then O^T += V^T P^T.

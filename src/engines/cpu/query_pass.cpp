@@ -194,7 +194,7 @@ void CpuPlan::query_pass(const BackwardContext& x, const std::vector<float>& del
       const std::int64_t k0 = kt * x.block_k, nk = std::min(x.block_k, kv_len - k0);
       const RowsView keys = float_rows(x.args.k, {k_rows, k0, nk, x.dim_qk}, s.keys.data());
       const RowsView values = float_rows(x.args.v, {v_rows, k0, nk, x.dim_v}, s.values.data());
-      x.recompute(tile_class, k0, nk, lanes, keys, values, s);
+      x.recompute(tile_class, k0, nk, nq, keys, values, s);
       // dQ^T += K^T dS^T
       x.kernel.gemm({x.dim_qk, lanes, nk, keys.rows, 1, keys.ld, s.ds_raw.data(), x.ld,
                      state.dq_t.data(), x.ld, true});

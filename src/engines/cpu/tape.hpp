@@ -48,6 +48,7 @@ class Tape {
   const std::vector<Instruction>& instructions() const { return instructions_; }
   const std::vector<TapeLoad>& loads() const { return loads_; }
   Slot output(std::size_t i) const { return outputs_[i]; }
+  std::size_t output_count() const { return outputs_.size(); }
   std::int32_t float_slots() const { return float_slots_; }
   std::int32_t int_slots() const { return int_slots_; }
   // Slot of a leaf (kScore, kBatch, kHead, kQuery, kKey, kQueryLen, kKeyLen); index -1 if unused.
@@ -106,6 +107,8 @@ class TapeRunner {
   // values) when that pointer is not null; an output the row computes is written there directly.
   void run(std::int64_t key, const float* score, std::span<float* const> destinations = {});
 
+  // The values of `slot` in the last row run() evaluated (an output handed a destination there
+  // is read from the destination, not here).
   const float* floats(Slot slot) const { return read_floats_[to_index(slot)]; }
   const std::int32_t* ints(Slot slot) const { return read_ints_[to_index(slot)]; }
   std::int64_t width() const { return width_; }
@@ -137,6 +140,7 @@ class TapeRunner {
   std::vector<std::int32_t*> write_ints_;
   std::vector<bool> computed_per_row_;  // per float slot: written by a row instruction
   Slot score_slot_, key_slot_;          // leaves set per row (index -1 when unused)
+  bool score_is_output_ = false;        // an output is the score itself (e.g. d(score * g)/dg)
   std::vector<Slot> redirected_;        // slots run() pointed at caller memory
   std::vector<BoundLoad> bound_;
   std::vector<std::int64_t> offsets_;  // gather scratch (width,)

@@ -35,6 +35,11 @@ TapeRunner::TapeRunner(const Tape& tape, const TapeInputs& inputs, std::int64_t 
   point_at_storage();
   score_slot_ = tape.leaf(Op::kScore);
   key_slot_ = tape.leaf(Op::kKey);
+  for (std::size_t i = 0; i < tape.output_count(); ++i) {
+    const Slot output = tape.output(i);
+    score_is_output_ = score_is_output_ || (score_slot_.index >= 0 && output.is_float &&
+                                            output.index == score_slot_.index);
+  }
   offsets_.assign(static_cast<std::size_t>(width), 0);
   computed_per_row_.assign(floats, false);
   for (std::size_t i = tape.query_end(); i < tape.instructions().size(); ++i) {
@@ -160,7 +165,14 @@ void TapeRunner::run(std::int64_t key, const float* score, std::span<float* cons
     write_floats_[to_index(slot)] = storage_of(slot);
     read_floats_[to_index(slot)] = storage_of(slot);
   }
-  if (score_slot_.index >= 0) read_floats_[to_index(score_slot_)] = storage_of(score_slot_);
+  if (score_slot_.index >= 0) {
+    read_floats_[to_index(score_slot_)] = storage_of(score_slot_);
+    // floats() of an output reads its slot after the row: an output that is the score leaf
+    // itself (d(score * g[h]) / d g = score) must hold this row's score there, not stale values.
+    if (score_is_output_) {
+      std::memcpy(storage_of(score_slot_), score, static_cast<std::size_t>(lanes_) * sizeof(float));
+    }
+  }
 }
 
 void TapeRunner::gather(const Instruction& instruction) {
