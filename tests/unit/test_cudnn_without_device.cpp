@@ -77,6 +77,46 @@ TEST(CudnnLowering, LowersTheVerifiedModifiers) {
   }
 }
 
+// The backward graph classes cuDNN computed wrongly with exit status 0 are refused, naming the
+// class; the forward of the same modifiers still lowers, and so does a backward that avoids both
+// classes (ALiBi with a constant slope, a causal mask).
+TEST(CudnnLowering, RefusesTheBackwardClassesCudnnGotWrong) {
+  const auto support_of = [](const char* score_mod, const char* mask_mod, Direction direction) {
+    ProblemDesc desc = bf16_desc(direction);
+    desc.seq_len_q = 17;
+    desc.seq_len_kv = 33;
+    if (score_mod != nullptr) desc.score_mod = ir::parse(score_mod);
+    if (mask_mod != nullptr) desc.mask_mod = ir::parse(mask_mod);
+    return check_cudnn_lowering(Problem(desc));
+  };
+  const struct {
+    const char* score_mod;
+    const char* mask_mod;
+    const char* reason;
+  } refused[] = {
+      {"score + (kv - q) * exp2(-(h + 1))", nullptr, "reads the index h"},
+      {"score + float(h) * 0.25", nullptr, "reads the index h"},
+      {"score + float(b)", nullptr, "reads the index b"},
+      {nullptr, "q >= kv || h == 1", "reads the index h"},
+      {"score * score", nullptr, "derivative other than 1 ('score + score')"},
+      {"score * 0.5", "q >= kv", "derivative other than 1"},
+      {"where(score > 0, score, score * 0.25)", nullptr, "derivative other than 1"},
+  };
+  for (const auto& c : refused) {
+    const Support backward = support_of(c.score_mod, c.mask_mod, Direction::kForwardBackward);
+    ASSERT_FALSE(backward.ok()) << (c.score_mod ? c.score_mod : c.mask_mod);
+    EXPECT_NE(backward.reason().find(c.reason), std::string::npos) << backward.reason();
+    EXPECT_NE(backward.reason().find("cudnn backward refuses"), std::string::npos)
+        << backward.reason();
+    const Support forward = support_of(c.score_mod, c.mask_mod, Direction::kForward);
+    EXPECT_TRUE(forward.ok()) << forward.reason();
+  }
+  for (const char* score_mod : {"score + (kv - q) * 0.5", "score + float(kv % 3)"}) {
+    const Support backward = support_of(score_mod, "q >= kv", Direction::kForwardBackward);
+    EXPECT_TRUE(backward.ok()) << score_mod << ": " << backward.reason();
+  }
+}
+
 // The first device run verified eng2 (forward) and eng6 (backward) on cuDNN 9.19; another
 // release, another engine or the other graph kind is not verified.
 TEST(CudnnGuards, VerifiedEnginesAreScopedToKindAndRelease) {

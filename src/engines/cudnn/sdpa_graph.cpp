@@ -119,6 +119,43 @@ void finish_bindings(SdpaGraph& graph, const EmitContext& context) {
   }
 }
 
+// The index leaf among b and h that `graph` reads, or null.
+const char* batch_or_head_leaf(const Graph& graph) {
+  for (const GraphNode& node : graph.nodes()) {
+    if (node.op == Op::kBatch) return "b";
+    if (node.op == Op::kHead) return "h";
+  }
+  return nullptr;
+}
+
+// Graph classes the backward engines computed wrongly with exit status 0 (cuDNN 9.19, H200,
+// flexattn's conformance cases), refused until a qualification run covers them (docs/engines.md,
+// section cudnn):
+// - a modifier or mask that reads the batch or head index: `score + (kv - q) * exp2(-(h + 1))`
+//   gave dQ and dK off by 4e10 while the forward was right (the same modifier with a constant
+//   slope is right);
+// - a score modifier whose derivative is not the constant 1: `score * score` at seq_len 17 x 33
+//   gave NaN dQ, dK and dV (right at 128 x 128).
+Support check_backward_class(const Problem& problem, const ModifierLowering& lowering) {
+  for (const auto& [what, graph] : {std::pair{"score modifier", &problem.score_mod()},
+                                    std::pair{"mask", &problem.mask_mod()}}) {
+    if (const char* leaf = batch_or_head_leaf(*graph)) {
+      return Support::no(fmt::format(
+          "the {} '{}' reads the index {}: cuDNN's backward gave gradients off by 1e10 for such "
+          "graphs (ALiBi slopes from the head index), so the cudnn backward refuses them",
+          what, graph->to_string(), leaf));
+    }
+  }
+  if (lowering.has_derivative) {
+    return Support::no(fmt::format(
+        "the score modifier '{}' has a derivative other than 1 ('{}'): cuDNN's backward gave NaN "
+        "gradients for such graphs at lengths that are not a multiple of its tile (score * "
+        "score at 17 x 33), so the cudnn backward refuses them",
+        problem.score_mod().to_string(), lowering.derivative.graph.to_string()));
+  }
+  return Support::yes();
+}
+
 std::string modifier_summary(const ModifierLowering& lowering) {
   return fmt::format("score_mod {} ops, mask {} ops",
                      lowering.has_score_mod ? lowering.score.operations : 0,
@@ -156,6 +193,7 @@ Support lower_modifiers(const Problem& problem, ModifierLowering& lowering) {
           lowering.derivative.nodes[static_cast<std::size_t>(derivative.root())].constant;
       lowering.has_derivative = slope != 1.0;
     }
+    return check_backward_class(problem, lowering);
   }
   return Support::yes();
 }
