@@ -49,10 +49,21 @@ struct BackwardArgs {
 
 struct PlanInfo {
   std::string engine;
-  std::string description;          // human-readable: tiles, threads, kernels, cuDNN engine...
-  std::uint64_t lowered_hash = 0;   // canonical hash of the modifier the plan really implements
-  std::string signature;            // Problem::signature() it was built for
+  std::string description;  // human-readable: tiles, threads, kernels, cuDNN engine...
+  // The plan proof (DESIGN.md section 4), computed from what the plan executes (lifted back into
+  // the IR from its tape, instruction list or operation graph), never from the request:
+  // modifier_hash of the score modifier, mask and scale it really implements, and, for a problem
+  // that wants gradients, backward_hash of the derivatives it really executes (0 otherwise).
+  std::uint64_t lowered_hash = 0;
+  std::uint64_t lowered_backward_hash = 0;
+  std::string signature;  // Problem::signature() it was built for
 };
+
+// Checks a plan's proof against the problem: empty when the plan implements the requested
+// modifier (Problem::modifier_hash) and, for a problem that wants gradients, the requested
+// derivatives (Problem::backward_hash); otherwise a one-line reason naming the engine and the
+// part that differs. Selection and the conformance runner both apply it.
+std::string plan_proof_failure(const PlanInfo& info, const Problem& problem);
 
 class Plan {
  public:

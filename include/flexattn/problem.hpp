@@ -83,6 +83,10 @@ class Problem {
   const Graph& mask_mod() const { return mask_mod_; }
   // The hash a plan must prove it implements: score_mod, mask_mod and the scale.
   std::uint64_t modifier_hash() const { return modifier_hash_; }
+  // The hash of the derivatives a plan must prove when the problem wants gradients: backward_hash
+  // (below) of derivative_wrt_score and derivatives_wrt_tensors of score_mod. 0 for a forward-only
+  // problem.
+  std::uint64_t backward_hash() const { return backward_hash_; }
 
   // Per-sequence lengths of batch entry b (thd: from cu_seqlens; otherwise seq_len_q/kv).
   std::int64_t seq_len_q_of(std::int64_t b) const;
@@ -106,12 +110,20 @@ class Problem {
   Graph score_mod_;
   Graph mask_mod_;
   std::uint64_t modifier_hash_ = 0;
+  std::uint64_t backward_hash_ = 0;
   std::string signature_;
 };
 
 // The hash a plan must prove it implements (Problem::modifier_hash and every engine's
 // PlanInfo::lowered_hash use this one formula).
 std::uint64_t modifier_hash(const Graph& score_mod, const Graph& mask_mod, double scale);
+
+// The hash of a backward's derivatives a plan must prove (Problem::backward_hash and every
+// engine's PlanInfo::lowered_backward_hash use this one formula): d score_mod / d score, then, in
+// the order of derivatives_wrt_tensors, each float tensor load's tensor name, index graphs and
+// d score_mod / d load.
+std::uint64_t backward_hash(const Graph& score_derivative,
+                            const std::vector<LoadDerivative>& load_derivatives);
 
 // FLOPs per DESIGN.md section 6 (forward; forward+backward is 3.5x). Counts only kept tiles'
 // worth for causal-like masks via `kept_fraction` (1.0 dense, 0.5 causal).

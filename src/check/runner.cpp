@@ -304,11 +304,9 @@ Outcome run_case(const Engine& engine, const Case& test_case, std::uint64_t seed
   try {
     const std::unique_ptr<Plan> plan = engine.plan(problem);
     // The plan proof, exactly as selection applies it.
-    if (plan->info().lowered_hash != problem.modifier_hash()) {
+    if (const std::string failure = plan_proof_failure(plan->info(), problem); !failure.empty()) {
       outcome.status = Status::kFail;
-      outcome.reason = fmt::format(
-          "plan proof failed: the plan implements modifier {} but {} was requested",
-          hash_to_hex(plan->info().lowered_hash), hash_to_hex(problem.modifier_hash()));
+      outcome.reason = "plan proof failed: " + failure;
       return outcome;
     }
     const DeviceInput q_in(q, memory), k_in(k, memory), v_in(v, memory), dout_in(dout, memory);

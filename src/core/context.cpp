@@ -55,15 +55,13 @@ std::string cache_key(std::string_view engine, const Problem& problem) {
                      problem.mask_mod().to_string());
 }
 
-// The plan proof (DESIGN.md section 4): the plan implements exactly the requested modifier and was
-// built for exactly this problem.
+// The plan proof (DESIGN.md section 4): the plan implements exactly the requested modifier (and,
+// for a backward, its derivatives) and was built for exactly this problem.
 void verify_plan(const Plan& plan, const Problem& problem) {
   const PlanInfo& info = plan.info();
-  if (info.lowered_hash != problem.modifier_hash()) {
+  if (const std::string failure = plan_proof_failure(info, problem); !failure.empty()) {
     throw_internal(fmt::format(
-        "engine {}: its plan lowered modifier {} but {} was requested; refusing to run a plan "
-        "that does not implement the requested modifier",
-        info.engine, hash_to_hex(info.lowered_hash), hash_to_hex(problem.modifier_hash())));
+        "{}; refusing to run a plan that does not implement the requested modifier", failure));
   }
   if (info.signature != problem.signature()) {
     throw_internal(fmt::format(

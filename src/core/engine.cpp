@@ -55,6 +55,22 @@ void check_tensors(const Problem& problem, const std::map<std::string, TensorVie
 
 }  // namespace
 
+std::string plan_proof_failure(const PlanInfo& info, const Problem& problem) {
+  if (info.lowered_hash != problem.modifier_hash()) {
+    return fmt::format(
+        "engine {}: the forward modifier differs: its plan lowered score_mod, mask_mod and scale "
+        "of hash {} but {} was requested",
+        info.engine, hash_to_hex(info.lowered_hash), hash_to_hex(problem.modifier_hash()));
+  }
+  if (problem.wants_backward() && info.lowered_backward_hash != problem.backward_hash()) {
+    return fmt::format(
+        "engine {}: the derivative differs: its plan lowered derivatives of hash {} but {} "
+        "(d score_mod / d score and d score_mod / d loaded tensors) was requested",
+        info.engine, hash_to_hex(info.lowered_backward_hash), hash_to_hex(problem.backward_hash()));
+  }
+  return {};
+}
+
 Support Engine::supports(const Problem& problem) const {
   Support available_here = available();
   if (!available_here) return available_here;

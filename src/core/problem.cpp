@@ -139,6 +139,21 @@ std::uint64_t modifier_hash(const Graph& score_mod, const Graph& mask_mod, doubl
                       std::bit_cast<std::uint64_t>(scale));
 }
 
+std::uint64_t backward_hash(const Graph& score_derivative,
+                            const std::vector<LoadDerivative>& load_derivatives) {
+  std::uint64_t hash = hash_combine(score_derivative.hash(), load_derivatives.size());
+  for (const LoadDerivative& load : load_derivatives) {
+    hash = hash_combine(hash, load.tensor.size());
+    for (const char c : load.tensor) {
+      hash = hash_combine(hash, static_cast<std::uint64_t>(static_cast<unsigned char>(c)));
+    }
+    hash = hash_combine(hash, load.indices.size());
+    for (const Graph& index : load.indices) hash = hash_combine(hash, index.hash());
+    hash = hash_combine(hash, load.derivative.hash());
+  }
+  return hash;
+}
+
 Problem::Problem(ProblemDesc desc) : desc_(std::move(desc)) {
   ProblemDesc& d = desc_;
   require_positive(d.batch, "batch");
@@ -225,6 +240,10 @@ Problem::Problem(ProblemDesc desc) : desc_(std::move(desc)) {
   score_mod_ = check_and_clamp_loads(score_graph, ranges, shapes);
   mask_mod_ = check_and_clamp_loads(mask_graph, ranges, shapes);
   modifier_hash_ = flexattn::modifier_hash(score_mod_, mask_mod_, *d.scale);
+  if (wants_backward()) {
+    backward_hash_ = flexattn::backward_hash(derivative_wrt_score(score_mod_),
+                                             derivatives_wrt_tensors(score_mod_));
+  }
 
   std::string& s = signature_;
   s = fmt::format("{}|{}|{}|{}|lse={}", d.direction == Direction::kForward ? "fwd" : "fwd+bwd",

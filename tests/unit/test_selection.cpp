@@ -394,6 +394,32 @@ TEST(PlanProof, RefusesTheEngineThatDropsTheModifier) {
   EXPECT_EQ(expect_error([&] { context.select(problem); }).code(), ErrorCode::kInternal);
 }
 
+// The proof covers the backward's derivatives: a plan whose forward modifier matches but whose
+// derivatives do not (the derivative replaced by 1) is refused, naming the engine and the part.
+TEST(PlanProof, RefusesDerivativesOtherThanTheRequestedOnes) {
+  const Problem problem = softcap_problem(kSmallCap, Direction::kForwardBackward);
+  const Graph& score_mod = problem.score_mod();
+  PlanInfo info;
+  info.engine = "proof_fixture";
+  info.lowered_hash = problem.modifier_hash();
+  info.lowered_backward_hash =
+      backward_hash(derivative_wrt_score(score_mod), derivatives_wrt_tensors(score_mod));
+  EXPECT_EQ(plan_proof_failure(info, problem), "");
+  info.lowered_backward_hash = backward_hash(Graph(literal_f32(1.0)), {});
+  const std::string derivative = plan_proof_failure(info, problem);
+  EXPECT_TRUE(contains(derivative, "engine proof_fixture: the derivative differs")) << derivative;
+  EXPECT_TRUE(contains(derivative, hash_to_hex(problem.backward_hash()))) << derivative;
+  info.lowered_hash = modifier_hash(Graph::identity_score(), problem.mask_mod(), problem.scale());
+  const std::string forward = plan_proof_failure(info, problem);
+  EXPECT_TRUE(contains(forward, "engine proof_fixture: the forward modifier differs")) << forward;
+
+  // A forward-only problem has no derivatives to prove.
+  const Problem forward_only = softcap_problem(kSmallCap);
+  EXPECT_EQ(forward_only.backward_hash(), 0u);
+  info.lowered_hash = forward_only.modifier_hash();
+  EXPECT_EQ(plan_proof_failure(info, forward_only), "");
+}
+
 TEST(PlanProof, AutoDoesNotFallThroughPastARefusedPlan) {
   Context context(faulty_options(Policy::parse("-cpu_ref")));
   const Error error = expect_error([&] { context.select(softcap_problem(kSmallCap)); });

@@ -145,6 +145,10 @@ class CpuEngine final : public Engine {
         count_tiles(grids, TileClass::kAllFalse), count_tiles(grids, TileClass::kAllTrue),
         count_tiles(grids, TileClass::kMixed));
     info.lowered_hash = modifier_hash(lowering.score_mod, lowering.mask_mod, problem.scale());
+    if (problem.wants_backward()) {
+      info.lowered_backward_hash =
+          backward_hash(derivative_wrt_score(lowering.score_mod), lowering.load_derivatives);
+    }
     info.signature = problem.signature();
     result.plan = std::make_unique<CpuPlan>(std::move(info), problem, std::move(lowering), tiles,
                                             std::move(grids));

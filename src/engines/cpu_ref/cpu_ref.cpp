@@ -451,7 +451,15 @@ class CpuRefEngine final : public Engine {
     info.description = fmt::format(
         "float64 reference, one query row at a time, OpenMP over (batch, head), {} threads",
         omp_get_max_threads());
+    // cpu_ref has no lowering: it evaluates the canonical graphs themselves, so its proof is the
+    // hash of the graphs its evaluator holds (the plan's Lowering), taken where the plan keeps
+    // them. The test-only mutant evaluates 1 in place of score_derivative yet claims it
+    // (cpu_ref.hpp).
     info.lowered_hash = modifier_hash(lowering.score_mod, lowering.mask_mod, problem.scale());
+    if (problem.wants_backward()) {
+      info.lowered_backward_hash =
+          backward_hash(lowering.score_derivative, lowering.load_derivatives);
+    }
     info.signature = problem.signature();
     result.plan = std::make_unique<CpuRefPlan>(std::move(info), problem, std::move(lowering));
     return result;

@@ -749,6 +749,10 @@ class CudaEngine final : public Engine {
         driver_->compute_capability(), architecture_suffix(lowering), kernel.origin,
         kernel.seconds);
     info.lowered_hash = modifier_hash(problem.score_mod(), problem.mask_mod(), problem.scale());
+    if (lowering.backward) {
+      info.lowered_backward_hash =
+          backward_hash(lowering.backward->score_derivative, lowering.backward->load_derivatives);
+    }
     info.signature = problem.signature();
     result.plan = std::make_unique<CudaPlan>(
         std::move(info), problem, driver_, lowering, std::move(kernel), tiles,
