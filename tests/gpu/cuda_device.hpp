@@ -78,7 +78,7 @@ inline double epsilon(DType dtype) {
 using GoldenParam = std::tuple<std::string, Layout, DType>;
 inline std::vector<GoldenParam> golden_params() {
   std::vector<std::string> names = golden_case_names();
-  if (names.empty()) names.push_back("missing");  // one test that reports the skip
+  if (names.empty()) names.push_back("missing");  // one test that reports the missing data
   std::vector<GoldenParam> params;
   for (const std::string& name : names) {
     for (Layout layout : {Layout::kBSHD, Layout::kSBHD, Layout::kBHSD, Layout::kTHD}) {

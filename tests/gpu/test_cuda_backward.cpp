@@ -229,7 +229,7 @@ void check_golden_gradients(const GoldenParam& param) {
 class CudaBackwardGolden : public ::testing::TestWithParam<GoldenParam> {};
 
 TEST_P(CudaBackwardGolden, GradientsMatchFlexAttention) {
-  FLEXATTN_SKIP_WITHOUT_GOLDEN();
+  FLEXATTN_REQUIRE_GOLDEN();
   SKIP_WITHOUT_DEVICE();
   check_golden_gradients(GetParam());
 }
@@ -244,7 +244,7 @@ class CudaBackwardGoldenMmaSync : public ::testing::TestWithParam<GoldenParam> {
 };
 
 TEST_P(CudaBackwardGoldenMmaSync, GradientsMatchFlexAttention) {
-  FLEXATTN_SKIP_WITHOUT_GOLDEN();
+  FLEXATTN_REQUIRE_GOLDEN();
   SKIP_WITHOUT_DEVICE();
   check_golden_gradients(GetParam());
 }
@@ -260,7 +260,7 @@ class CudaBackwardGoldenFusedDq : public ::testing::TestWithParam<GoldenParam> {
 };
 
 TEST_P(CudaBackwardGoldenFusedDq, GradientsMatchFlexAttention) {
-  FLEXATTN_SKIP_WITHOUT_GOLDEN();
+  FLEXATTN_REQUIRE_GOLDEN();
   SKIP_WITHOUT_DEVICE();
   check_golden_gradients(GetParam());
 }
@@ -288,7 +288,7 @@ class CudaBackwardGoldenOneStream : public ::testing::TestWithParam<GoldenParam>
 };
 
 TEST_P(CudaBackwardGoldenOneStream, GradientsMatchFlexAttention) {
-  FLEXATTN_SKIP_WITHOUT_GOLDEN();
+  FLEXATTN_REQUIRE_GOLDEN();
   SKIP_WITHOUT_DEVICE();
   check_golden_gradients(GetParam());
 }

@@ -235,7 +235,7 @@ void check_golden_forward(const GoldenParam& param) {
 class CudaGolden : public ::testing::TestWithParam<GoldenParam> {};
 
 TEST_P(CudaGolden, ForwardMatchesFlexAttention) {
-  FLEXATTN_SKIP_WITHOUT_GOLDEN();
+  FLEXATTN_REQUIRE_GOLDEN();
   SKIP_WITHOUT_DEVICE();
   check_golden_forward(GetParam());
 }
@@ -249,7 +249,7 @@ class CudaGoldenMmaSync : public ::testing::TestWithParam<GoldenParam> {
 };
 
 TEST_P(CudaGoldenMmaSync, ForwardMatchesFlexAttention) {
-  FLEXATTN_SKIP_WITHOUT_GOLDEN();
+  FLEXATTN_REQUIRE_GOLDEN();
   SKIP_WITHOUT_DEVICE();
   check_golden_forward(GetParam());
 }

@@ -17,7 +17,7 @@
 
 namespace flexattn::test {
 
-// ---- golden cases (../shared/golden, see its README.md) ------------------------------------
+// ---- golden cases (tests/data/golden, see its README.md) ---------------------------------
 
 std::string golden_dir();  // FLEXATTN_GOLDEN_DIR
 bool golden_available();
@@ -42,11 +42,12 @@ struct GoldenCase {
 };
 GoldenCase load_golden_case(const std::string& name);
 
-// Skips the current test, visibly, when the golden data is absent.
-#define FLEXATTN_SKIP_WITHOUT_GOLDEN()                                               \
+// Fails the current test when the golden data is absent (it is part of the repository, so a
+// missing folder is a broken checkout or a wrong FLEXATTN_GOLDEN_DIR, never a reason to skip).
+#define FLEXATTN_REQUIRE_GOLDEN()                                                    \
   do {                                                                               \
     if (!::flexattn::test::golden_available()) {                                     \
-      GTEST_SKIP() << "golden data not found at " << ::flexattn::test::golden_dir(); \
+      GTEST_FAIL() << "golden data not found at " << ::flexattn::test::golden_dir(); \
     }                                                                                \
   } while (false)
 

@@ -386,7 +386,7 @@ TEST_F(NpyTest, ReadsVersion2And3Headers) {
 }
 
 TEST_F(NpyTest, ReadsTheGoldenFiles) {
-  FLEXATTN_SKIP_WITHOUT_GOLDEN();
+  FLEXATTN_REQUIRE_GOLDEN();
   const HostTensor doc = read_npy(test::golden_dir() + "/document_mask/doc.npy");
   EXPECT_EQ(doc.dtype(), DType::kI64);
   EXPECT_EQ(doc.shape(), std::vector<std::int64_t>{128});
