@@ -2,11 +2,14 @@
 // time): what the lowering table refuses, with which reason, that the modifiers it keeps still
 // lower, and which cuDNN engines on which release count as verified. Runs wherever the engine is
 // built, CI included.
+#include <fmt/format.h>
 #include <gtest/gtest.h>
 
+#include <map>
 #include <string>
 #include <vector>
 
+#include "flexattn/conformance.hpp"
 #include "flexattn/flexattn.hpp"
 #include "support/test_support.hpp"
 
@@ -135,6 +138,102 @@ TEST(CudnnGuards, VerifiedEnginesAreScopedToKindAndRelease) {
   EXPECT_FALSE(cudnn::is_verified(GraphKind::kForward, EngineChoice{5, {}}, k9190));
   EXPECT_EQ(cudnn::verified_engines(GraphKind::kForward), "eng2 on cuDNN 9.19");
   EXPECT_EQ(cudnn::verified_engines(GraphKind::kBackward), "eng6 on cuDNN 9.19");
+}
+
+// ---- the plan proof: modifiers read back from the graph descriptors ---------------------------
+
+// The catalogue's score modifiers and masks that the cudnn lowering takes (tanh and gathers are
+// refused before any descriptor exists), forward and backward, in bf16.
+std::vector<Problem> proof_problems() {
+  std::vector<Problem> problems;
+  for (const char* modifier : {"none", "bias", "alibi", "gate", "piecewise", "neginf"}) {
+    for (const char* mask :
+         {"none", "causal", "causalbr", "window", "document", "prefix", "emptyrows"}) {
+      for (bool backward : {false, true}) {
+        conformance::Case test_case;
+        test_case.shape = conformance::Shape{2, 4, 2, 100, 60, 64, 64};
+        test_case.dtype = DType::kBF16;
+        test_case.modifier = modifier;
+        test_case.mask = mask;
+        test_case.backward = backward;
+        test_case.name = fmt::format("{}_{}{}", modifier, mask, backward ? "_bwd" : "");
+        problems.emplace_back(conformance::instantiate(test_case, Device::kCuda, 1).desc);
+      }
+    }
+  }
+  return problems;
+}
+
+std::string label(const Problem& problem) {
+  return fmt::format("'{}' masked by '{}'{}", problem.score_mod().to_string(),
+                     problem.mask_mod().to_string(), problem.wants_backward() ? " (backward)" : "");
+}
+
+#define SKIP_WITHOUT_LIBCUDNN(proof)                                                           \
+  do {                                                                                         \
+    if (!(proof).proof && (proof).proof.reason().find("libcudnn.so.9") != std::string::npos) { \
+      GTEST_SKIP() << (proof).proof.reason();                                                  \
+    }                                                                                          \
+  } while (false)
+
+// Every graph the lowering builds reads back to the requested modifier, mask, scale and
+// derivative. cuDNN answers the tensors' attributes; the pointwise modes are taken as it accepted
+// them (cuDNN 9.19 answers CUDNN_STATUS_NOT_SUPPORTED for them, with or without a device).
+TEST(CudnnPlanProof, EveryCatalogueGraphReadsBackToItsRequest) {
+  int proven = 0;
+  for (const Problem& problem : proof_problems()) {
+    const CudnnGraphProof proof = prove_cudnn_graphs_without_device(problem);
+    SKIP_WITHOUT_LIBCUDNN(proof);
+    EXPECT_TRUE(proof.proof.ok()) << label(problem) << ": " << proof.proof.reason() << "\n"
+                                  << proof.read_back;
+    EXPECT_FALSE(proof.fault_applied);
+    EXPECT_NE(proof.read_back.find("values answered by cuDNN"), std::string::npos);
+    proven += proof.proof.ok() ? 1 : 0;
+  }
+  EXPECT_EQ(proven, 6 * 7 * 2);
+}
+
+// What is read back is the graph's, not the request's: the parameter, the lengths and the exp2
+// recipe appear as the constants and operations cuDNN holds.
+TEST(CudnnPlanProof, ReadsBackTheConstantsAndRecipesCudnnHolds) {
+  ProblemDesc desc = bf16_desc(Direction::kForward);
+  desc.params["slope"] = 0.1;
+  desc.score_mod = ir::parse("score * slope + exp2(float(kv - q)) + float(KV_LEN)", desc.scope());
+  desc.mask_mod = ir::parse("clamp(q - kv, 0, 8) < 5");
+  const CudnnGraphProof proof = prove_cudnn_graphs_without_device(Problem(desc));
+  SKIP_WITHOUT_LIBCUDNN(proof);
+  ASSERT_TRUE(proof.proof.ok()) << proof.proof.reason();
+  EXPECT_NE(proof.read_back.find("score * 0.1"), std::string::npos) << proof.read_back;
+  EXPECT_NE(proof.read_back.find("exp("), std::string::npos) << proof.read_back;
+  EXPECT_NE(proof.read_back.find("+ 100"), std::string::npos) << proof.read_back;
+  EXPECT_NE(proof.read_back.find("min(max("), std::string::npos) << proof.read_back;
+  EXPECT_EQ(proof.read_back.find("slope"), std::string::npos) << proof.read_back;
+}
+
+// Each fault the lowering can be made to emit (an operation dropped, a constant changed, the
+// operands of a non-commutative operation swapped, the mask's select dropped, the derivative's
+// multiply dropped) is refused by the proof, in every catalogue graph it applies to.
+TEST(CudnnPlanProof, RefusesEveryFaultTheLoweringEmits) {
+  std::map<CudnnLoweringFault, int> applied, refused;
+  for (const Problem& problem : proof_problems()) {
+    for (CudnnLoweringFault fault :
+         {CudnnLoweringFault::kDropOperation, CudnnLoweringFault::kChangeConstant,
+          CudnnLoweringFault::kSwapOperands, CudnnLoweringFault::kDropMaskSelect,
+          CudnnLoweringFault::kDropDerivativeMultiply}) {
+      const CudnnGraphProof proof = prove_cudnn_graphs_without_device(problem, fault);
+      SKIP_WITHOUT_LIBCUDNN(proof);
+      if (!proof.fault_applied) continue;
+      ++applied[fault];
+      refused[fault] += proof.proof.ok() ? 0 : 1;
+      EXPECT_FALSE(proof.proof.ok()) << label(problem) << " with fault " << static_cast<int>(fault)
+                                     << " read back as " << proof.read_back;
+    }
+  }
+  EXPECT_EQ(applied.size(), 5U);
+  for (const auto& [fault, count] : applied) {
+    EXPECT_GT(count, 0) << static_cast<int>(fault);
+    EXPECT_EQ(refused[fault], count) << "fault " << static_cast<int>(fault);
+  }
 }
 
 #else

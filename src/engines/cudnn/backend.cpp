@@ -16,13 +16,38 @@ namespace {
 constexpr std::int64_t kTensorAlignment = 16;
 constexpr std::size_t kRank = 4;
 
+// The size of one element of an attribute type, for the types the engine sets (0 for others:
+// their values are not kept).
+std::size_t element_bytes(cudnnBackendAttributeType_t type) {
+  switch (type) {
+    case CUDNN_TYPE_INT64:
+      return sizeof(std::int64_t);
+    case CUDNN_TYPE_BOOLEAN:
+      return sizeof(bool);
+    case CUDNN_TYPE_DATA_TYPE:
+      return sizeof(cudnnDataType_t);
+    case CUDNN_TYPE_POINTWISE_MODE:
+      return sizeof(cudnnPointwiseMode_t);
+    case CUDNN_TYPE_REDUCTION_OPERATOR_TYPE:
+      return sizeof(cudnnReduceTensorOp_t);
+    case CUDNN_TYPE_BACKEND_DESCRIPTOR:
+      return sizeof(cudnnBackendDescriptor_t);
+    case CUDNN_TYPE_HANDLE:
+      return sizeof(cudnnHandle_t);
+    case CUDNN_TYPE_HEUR_MODE:
+      return sizeof(cudnnBackendHeurMode_t);
+    default:
+      return 0;
+  }
+}
+
 }  // namespace
 
 // ---- Descriptor ------------------------------------------------------------------------------
 
 Descriptor::Descriptor(std::shared_ptr<const Library> library, cudnnBackendDescriptorType_t type,
                        std::string name)
-    : library_(std::move(library)), name_(std::move(name)) {
+    : library_(std::move(library)), type_(type), name_(std::move(name)) {
   library_->check(library_->api().create_descriptor(type, &handle_),
                   fmt::format("create descriptor '{}'", name_));
 }
@@ -30,7 +55,11 @@ Descriptor::Descriptor(std::shared_ptr<const Library> library, cudnnBackendDescr
 Descriptor::~Descriptor() { release(); }
 
 Descriptor::Descriptor(Descriptor&& other) noexcept
-    : library_(std::move(other.library_)), handle_(other.handle_), name_(std::move(other.name_)) {
+    : library_(std::move(other.library_)),
+      handle_(other.handle_),
+      type_(other.type_),
+      name_(std::move(other.name_)),
+      accepted_(std::move(other.accepted_)) {
   other.handle_ = nullptr;
 }
 
@@ -39,7 +68,9 @@ Descriptor& Descriptor::operator=(Descriptor&& other) noexcept {
     release();
     library_ = std::move(other.library_);
     handle_ = other.handle_;
+    type_ = other.type_;
     name_ = std::move(other.name_);
+    accepted_ = std::move(other.accepted_);
     other.handle_ = nullptr;
   }
   return *this;
@@ -55,6 +86,24 @@ void Descriptor::set(cudnnBackendAttributeName_t attribute, cudnnBackendAttribut
                      std::string_view attribute_name) const {
   library_->check(library_->api().set_attribute(handle_, attribute, type, count, values),
                   fmt::format("set {} of '{}'", attribute_name, name_));
+  const std::size_t size =
+      element_bytes(type) * static_cast<std::size_t>(std::max<std::int64_t>(count, 0));
+  std::vector<std::byte> bytes(size);
+  if (size > 0) std::memcpy(bytes.data(), values, size);
+  for (Accepted& entry : accepted_) {
+    if (entry.attribute == attribute) {
+      entry.bytes = std::move(bytes);
+      return;
+    }
+  }
+  accepted_.push_back(Accepted{attribute, std::move(bytes)});
+}
+
+const std::vector<std::byte>* Descriptor::accepted(cudnnBackendAttributeName_t attribute) const {
+  for (const Accepted& entry : accepted_) {
+    if (entry.attribute == attribute) return &entry.bytes;
+  }
+  return nullptr;
 }
 
 void Descriptor::set_int64(cudnnBackendAttributeName_t attribute, std::int64_t value,
@@ -309,6 +358,13 @@ void GraphBuilder::reshape(TensorId x, TensorId y, std::string name) {
   op.set_descriptor(CUDNN_ATTR_OPERATION_RESHAPE_YDESC, tensors_[static_cast<std::size_t>(y)],
                     "RESHAPE_YDESC");
   add_operation(std::move(op));
+}
+
+const Descriptor* GraphBuilder::part(cudnnBackendDescriptor_t handle) const {
+  for (const Descriptor& descriptor : parts_) {
+    if (descriptor.get() == handle) return &descriptor;
+  }
+  return nullptr;
 }
 
 Descriptor GraphBuilder::build(cudnnHandle_t handle) const {

@@ -1,9 +1,12 @@
 // RAII over cuDNN backend descriptors, and a small builder of operation graphs (tensors,
-// pointwise, matmul, reduction and reshape operations) that checks every call.
+// pointwise, matmul, reduction and reshape operations) that checks every call. Every attribute a
+// descriptor accepted is also kept as cuDNN was given it, so the plan proof (readback.hpp) can
+// read what cuDNN does not answer through cudnnBackendGetAttribute.
 #pragma once
 
 #include <cudnn_graph.h>
 
+#include <cstddef>
 #include <cstdint>
 #include <deque>
 #include <memory>
@@ -29,8 +32,10 @@ class Descriptor {
   Descriptor& operator=(const Descriptor&) = delete;
 
   cudnnBackendDescriptor_t get() const { return handle_; }
+  cudnnBackendDescriptorType_t type() const { return type_; }
   const std::string& name() const { return name_; }
   const Library& library() const { return *library_; }
+  const std::shared_ptr<const Library>& library_pointer() const { return library_; }
 
   void set(cudnnBackendAttributeName_t attribute, cudnnBackendAttributeType_t type,
            std::int64_t count, const void* values, std::string_view attribute_name) const;
@@ -60,11 +65,22 @@ class Descriptor {
                                           cudnnBackendDescriptorType_t type, std::int64_t capacity,
                                           std::string_view attribute_name) const;
 
+  // The bytes cuDNN accepted for `attribute` (the last successful set), or null when it was never
+  // set.
+  const std::vector<std::byte>* accepted(cudnnBackendAttributeName_t attribute) const;
+
  private:
+  struct Accepted {
+    cudnnBackendAttributeName_t attribute;
+    std::vector<std::byte> bytes;
+  };
   void release() noexcept;
   std::shared_ptr<const Library> library_;
   cudnnBackendDescriptor_t handle_ = nullptr;
+  cudnnBackendDescriptorType_t type_;
   std::string name_;
+  // Kept beside the cuDNN object, which the const setters change too.
+  mutable std::vector<Accepted> accepted_;
 };
 
 using TensorId = std::int32_t;
@@ -111,6 +127,10 @@ class GraphBuilder {
 
   // The finalized operation graph.
   Descriptor build(cudnnHandle_t handle) const;
+  // The operation descriptors, in the order build() gives them to OPERATIONGRAPH_OPS.
+  const std::vector<Descriptor>& operations() const { return operations_; }
+  // The pointwise, matmul or reduction descriptor an operation refers to by `handle`, or null.
+  const Descriptor* part(cudnnBackendDescriptor_t handle) const;
 
   const TensorSpec& spec(TensorId id) const { return specs_.at(static_cast<std::size_t>(id)); }
   std::int64_t uid(TensorId id) const { return static_cast<std::int64_t>(id) + 1; }

@@ -11,6 +11,8 @@
 #include "engines/cudnn/guards.hpp"
 #include "engines/cudnn/library.hpp"
 #include "engines/cudnn/planner.hpp"
+#include "engines/cudnn/proof.hpp"
+#include "engines/cudnn/readback.hpp"
 #include "engines/cudnn/sdpa_graph.hpp"
 #include "flexattn/error.hpp"
 
@@ -75,6 +77,25 @@ class Runtime {
   mutable std::mutex execution_mutex_;
   mutable cudnnHandle_t handle_ = nullptr;
 };
+
+// What the variant pack binds to the uids no operation computes.
+BoundValues bound_values(const SdpaGraph& graph) {
+  BoundValues bound;
+  for (const Binding& binding : graph.bindings) {
+    if (binding.kind == Binding::Kind::kHost) bound.host.emplace(binding.uid, binding.host);
+    if (binding.kind == Binding::Kind::kTensor) bound.tensors.emplace(binding.uid, binding.tensor);
+  }
+  return bound;
+}
+
+// The modifiers `graph` computes, read back from its descriptors; `counts` says where the values
+// came from.
+ReadBackModifiers read_back(const SdpaGraph& graph, GraphKind kind, std::string& counts) {
+  const GraphRecord record = read_graph(*graph.builder);
+  counts = fmt::format("{} values answered by cuDNN, {} taken as cuDNN accepted them",
+                       record.answered, record.as_accepted);
+  return rebuild_modifiers(record, bound_values(graph), kind);
+}
 
 // An operation graph with the plan chosen for it.
 struct CompiledGraph {
@@ -223,6 +244,8 @@ class CudnnPlan final : public Plan {
 // The graphs of a problem up to the screened engine candidates: what supports() builds.
 struct Prepared {
   SdpaGraph graph;
+  std::optional<ReadBackModifiers> modifiers;  // read back from the graph's descriptors
+  std::string readback_counts;
   std::optional<Descriptor> operation_graph;
   std::vector<Candidate> candidates;
   std::size_t offered = 0;
@@ -278,6 +301,12 @@ class CudnnEngine final : public Engine {
         return lowered;
       }
     }
+    const Proof proof = prove(*forward.modifiers, backward.modifiers, problem);
+    if (!proof.holds) {
+      lowered.support =
+          Support::no(fmt::format("cudnn: the plan proof failed: {}", proof.mismatch));
+      return lowered;
+    }
     if (stage == Stage::kCheck) {
       lowered.support = Support::yes();
       return lowered;
@@ -301,8 +330,11 @@ class CudnnEngine final : public Engine {
     PlanInfo info;
     info.engine = std::string(kEngineName);
     info.description = std::move(description);
-    // The proof: the hash of the graphs this plan lowered, not of the request.
-    info.lowered_hash = modifier_hash(modifiers.score.graph, modifiers.mask.graph, problem.scale());
+    // The proof: the modifiers read back from the operation graphs this plan runs equal the
+    // request as cuDNN can hold it (proof.hpp).
+    info.lowered_hash = proof.lowered_hash;
+    info.description += fmt::format("; plan proof: {} (forward: {})",
+                                    forward.modifiers->to_string(), forward.readback_counts);
     info.signature = problem.signature();
     lowered.plan =
         std::make_unique<CudnnPlan>(std::move(info), problem, runtime_,
@@ -322,6 +354,7 @@ class CudnnEngine final : public Engine {
       prepared.graph = kind == GraphKind::kForward
                            ? build_forward_graph(library, problem, modifiers)
                            : build_backward_graph(library, problem, modifiers);
+      prepared.modifiers = read_back(prepared.graph, kind, prepared.readback_counts);
       cuda::ContextScope scope(*runtime_->driver());
       prepared.operation_graph = prepared.graph.builder->build(runtime_->handle());
       candidates = engine_candidates(library, *prepared.operation_graph);
@@ -407,6 +440,52 @@ Support check_cudnn_graphs_without_device(const Problem& problem, std::string& s
     return Support::no(fmt::format("cuDNN rejected a descriptor: {}", error.what()));
   }
   return Support::yes();
+}
+
+CudnnGraphProof prove_cudnn_graphs_without_device(const Problem& problem,
+                                                  CudnnLoweringFault fault) {
+  using namespace cudnn;
+  CudnnGraphProof result;
+  const std::shared_ptr<const Library> library = Library::open();
+  if (!library->availability()) {
+    result.proof = library->availability();
+    return result;
+  }
+  // The forward part of the lowering, then the derivative as lower_modifiers plans it, also for
+  // the backward classes the engine refuses (their graphs are still proven).
+  ProblemDesc forward_desc = problem.desc();
+  forward_desc.direction = Direction::kForward;
+  ModifierLowering modifiers;
+  if (Support s = check_lowering(Problem(forward_desc), modifiers); !s) {
+    result.proof = s;
+    return result;
+  }
+  if (problem.wants_backward()) {
+    const Graph derivative = derivative_wrt_score(problem.score_mod());
+    if (Support s = plan_lowering(derivative, problem, modifiers.derivative); !s) {
+      result.proof = s;
+      return result;
+    }
+    modifiers.has_derivative =
+        !modifiers.derivative.root_is_constant() ||
+        modifiers.derivative.nodes[static_cast<std::size_t>(derivative.root())].constant != 1.0;
+  }
+  std::string counts;
+  const SdpaGraph forward = build_forward_graph(library, problem, modifiers, fault);
+  const ReadBackModifiers forward_read = read_back(forward, GraphKind::kForward, counts);
+  result.fault_applied = forward.fault_applied;
+  result.read_back = forward_read.to_string();
+  std::optional<ReadBackModifiers> backward_read;
+  if (problem.wants_backward()) {
+    const SdpaGraph backward = build_backward_graph(library, problem, modifiers, fault);
+    backward_read = read_back(backward, GraphKind::kBackward, counts);
+    result.fault_applied = result.fault_applied || backward.fault_applied;
+    result.read_back += "; backward: " + backward_read->to_string();
+  }
+  result.read_back += "; " + counts;
+  const Proof proof = prove(forward_read, backward_read, problem);
+  result.proof = proof.holds ? Support::yes() : Support::no(proof.mismatch);
+  return result;
 }
 
 }  // namespace flexattn

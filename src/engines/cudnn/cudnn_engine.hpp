@@ -7,6 +7,7 @@
 #include <string>
 #include <vector>
 
+#include "engines/cudnn/fault.hpp"
 #include "flexattn/engine.hpp"
 
 namespace flexattn {
@@ -33,5 +34,17 @@ Support check_cudnn_lowering(const Problem& problem);
 // not built. For tests on machines with cuDNN installed and no GPU; `summary` describes the
 // graphs built.
 Support check_cudnn_graphs_without_device(const Problem& problem, std::string& summary);
+
+// The plan proof on machines with cuDNN installed and no GPU: builds the descriptors of the
+// forward (and backward) graph of `problem` with `fault` emitted into them, reads the modifiers
+// back from the descriptors (proof.hpp) and proves them against the problem. The derivative is
+// lowered also for the backward classes the engine refuses, so their graphs' proof is tested.
+struct CudnnGraphProof {
+  Support proof = Support::no("not proven");
+  bool fault_applied = false;  // whether `fault` found something to break
+  std::string read_back;       // the modifiers read back
+};
+CudnnGraphProof prove_cudnn_graphs_without_device(
+    const Problem& problem, CudnnLoweringFault fault = CudnnLoweringFault::kNone);
 
 }  // namespace flexattn

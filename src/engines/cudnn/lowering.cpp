@@ -393,6 +393,23 @@ TensorId constant_tensor(GraphBuilder& builder, Type type, double value, const s
   return builder.scalar_f32(static_cast<float>(value), name);
 }
 
+// The fault hook of the plan proof's tests: the first finite constant moves (a bool flips).
+double faulty_constant(EmitContext& context, double value) {
+  if (context.fault != CudnnLoweringFault::kChangeConstant || context.fault_applied ||
+      !std::isfinite(value)) {
+    return value;
+  }
+  context.fault_applied = true;
+  return value == 0.0 || value == 1.0 ? 1.0 - value : value * 2.0 + 1.0;
+}
+
+bool is_commutative_mode(cudnnPointwiseMode_t mode) {
+  return mode == CUDNN_POINTWISE_ADD || mode == CUDNN_POINTWISE_MUL ||
+         mode == CUDNN_POINTWISE_MIN || mode == CUDNN_POINTWISE_MAX ||
+         mode == CUDNN_POINTWISE_CMP_EQ || mode == CUDNN_POINTWISE_CMP_NEQ ||
+         mode == CUDNN_POINTWISE_LOGICAL_AND || mode == CUDNN_POINTWISE_LOGICAL_OR;
+}
+
 std::string binding_key(const LoadBinding& binding) {
   return fmt::format("{}:{}:{}", binding.tensor, fmt::join(binding.dims, ","),
                      fmt::join(binding.strides, ","));
@@ -413,8 +430,8 @@ TensorId emit_lowering(const GraphLowering& lowering, EmitContext& context,
       if (plan.kind != NodePlan::Kind::kConstant) {
         throw_internal("cudnn: a modifier node is used before it is computed");
       }
-      value =
-          constant_tensor(builder, plan.type, plan.constant, fmt::format("{}.c{}", prefix, index));
+      value = constant_tensor(builder, plan.type, faulty_constant(context, plan.constant),
+                              fmt::format("{}.c{}", prefix, index));
     }
     return *value;
   };
@@ -470,10 +487,22 @@ TensorId emit_lowering(const GraphLowering& lowering, EmitContext& context,
                 inputs.push_back(outputs[operand.index]);
                 break;
               case Operand::Kind::kConstant:
-                inputs.push_back(builder.scalar_f32(static_cast<float>(operand.value),
-                                                    fmt::format("{}.n{}k{}", prefix, i, s)));
+                inputs.push_back(
+                    builder.scalar_f32(static_cast<float>(faulty_constant(context, operand.value)),
+                                       fmt::format("{}.n{}k{}", prefix, i, s)));
                 break;
             }
+          }
+          if (context.fault == CudnnLoweringFault::kDropOperation && !context.fault_applied &&
+              builder.spec(inputs.front()).type == cudnn_type(step.result)) {
+            context.fault_applied = true;
+            outputs.push_back(inputs.front());
+            continue;
+          }
+          if (context.fault == CudnnLoweringFault::kSwapOperands && !context.fault_applied &&
+              inputs.size() >= 2 && inputs[0] != inputs[1] && !is_commutative_mode(step.mode)) {
+            context.fault_applied = true;
+            std::swap(inputs[0], inputs[1]);
           }
           outputs.push_back(builder.pointwise(step.mode, step.compute, inputs,
                                               cudnn_type(step.result),

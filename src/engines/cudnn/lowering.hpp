@@ -13,6 +13,7 @@
 #include <vector>
 
 #include "engines/cudnn/backend.hpp"
+#include "engines/cudnn/fault.hpp"
 #include "flexattn/engine.hpp"
 #include "flexattn/graph.hpp"
 #include "flexattn/problem.hpp"
@@ -73,6 +74,8 @@ struct EmitContext {
   std::map<std::string, TensorId> inputs;                      // tensors read, by binding key
   std::vector<std::pair<std::int64_t, std::string>> bindings;  // (uid, tensor name)
   std::map<std::int64_t, TensorId> indices;                    // GEN_INDEX outputs by axis
+  CudnnLoweringFault fault = CudnnLoweringFault::kNone;        // tests of the plan proof only
+  bool fault_applied = false;
 };
 
 // Adds the planned operations; returns the tensor holding the root's value (a by-value scalar for

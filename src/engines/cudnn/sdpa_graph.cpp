@@ -100,6 +100,10 @@ ModifiedScore emit_modifier(const ModifierLowering& lowering, EmitContext& conte
   if (lowering.has_score_mod) result.score = emit_lowering(lowering.score, context, "mod");
   if (lowering.has_mask) {
     result.keep = emit_lowering(lowering.mask, context, "mask");
+    if (context.fault == CudnnLoweringFault::kDropMaskSelect) {
+      context.fault_applied = true;
+      return result;
+    }
     const TensorId masked_value =
         builder.scalar_f32(-std::numeric_limits<float>::infinity(), "mask.fill");
     // BINARY_SELECT(X, B, T) = T ? X : B: kept scores stay, the rest become -inf.
@@ -111,6 +115,7 @@ ModifiedScore emit_modifier(const ModifierLowering& lowering, EmitContext& conte
 }
 
 void finish_bindings(SdpaGraph& graph, const EmitContext& context) {
+  graph.fault_applied = context.fault_applied;
   for (const auto& [uid, tensor] : context.bindings) {
     graph.bindings.push_back(Binding{Binding::Kind::kTensor, uid, tensor, nullptr, 0});
   }
@@ -199,7 +204,7 @@ Support lower_modifiers(const Problem& problem, ModifierLowering& lowering) {
 }
 
 SdpaGraph build_forward_graph(std::shared_ptr<const Library> library, const Problem& problem,
-                              const ModifierLowering& lowering) {
+                              const ModifierLowering& lowering, CudnnLoweringFault fault) {
   SdpaGraph graph;
   graph.builder = std::make_unique<GraphBuilder>(std::move(library));
   GraphBuilder& b = *graph.builder;
@@ -221,6 +226,7 @@ SdpaGraph build_forward_graph(std::shared_ptr<const Library> library, const Prob
   b.matmul(q, kt, s, "bmm1");
   EmitContext context;
   context.builder = &b;
+  context.fault = fault;
   context.score = b.pointwise(CUDNN_POINTWISE_MUL, CUDNN_DATA_FLOAT, {s, scale}, CUDNN_DATA_FLOAT,
                               "scaled_score");
   const TensorId modified = emit_modifier(lowering, context).score;
@@ -249,7 +255,7 @@ SdpaGraph build_forward_graph(std::shared_ptr<const Library> library, const Prob
 }
 
 SdpaGraph build_backward_graph(std::shared_ptr<const Library> library, const Problem& problem,
-                               const ModifierLowering& lowering) {
+                               const ModifierLowering& lowering, CudnnLoweringFault fault) {
   SdpaGraph graph;
   graph.builder = std::make_unique<GraphBuilder>(std::move(library));
   GraphBuilder& b = *graph.builder;
@@ -293,6 +299,7 @@ SdpaGraph build_backward_graph(std::shared_ptr<const Library> library, const Pro
   b.matmul(q, kt, s, "matmul_Q_KT");
   EmitContext context;
   context.builder = &b;
+  context.fault = fault;
   context.score = b.pointwise(CUDNN_POINTWISE_MUL, CUDNN_DATA_FLOAT, {s, scale}, CUDNN_DATA_FLOAT,
                               "scaled_score");
   const ModifiedScore modified = emit_modifier(lowering, context);
@@ -325,8 +332,12 @@ SdpaGraph build_backward_graph(std::shared_ptr<const Library> library, const Pro
   if (lowering.has_derivative) {
     // The bprop of the modifier, from the IR's own derivative (never cuDNN's identity default).
     const TensorId slope = emit_lowering(lowering.derivative, context, "dmod");
-    ds = b.pointwise(CUDNN_POINTWISE_MUL, CUDNN_DATA_FLOAT, {ds, slope}, CUDNN_DATA_FLOAT,
-                     "bprop_modifier");
+    if (fault == CudnnLoweringFault::kDropDerivativeMultiply) {
+      context.fault_applied = true;
+    } else {
+      ds = b.pointwise(CUDNN_POINTWISE_MUL, CUDNN_DATA_FLOAT, {ds, slope}, CUDNN_DATA_FLOAT,
+                       "bprop_modifier");
+    }
     if (modified.keep >= 0) {
       // Masked elements have P = 0; the select keeps a non-finite derivative there out of dS.
       const TensorId zero = b.scalar_f32(0.0F, "bprop.zero");

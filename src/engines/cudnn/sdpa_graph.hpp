@@ -45,11 +45,15 @@ struct SdpaGraph {
   std::size_t scratch_bytes = 0;         // fp32 tensors the engine places after cuDNN's workspace
   std::size_t stats_scratch_offset = 0;  // forward: where stats go when no lse is requested
   std::string summary;                   // "forward graph: 23 ops (modifier 3, mask 4)"
+  bool fault_applied = false;            // tests of the plan proof: the fault was emitted
 };
 
+// `fault` is for tests of the plan proof only.
 SdpaGraph build_forward_graph(std::shared_ptr<const Library> library, const Problem& problem,
-                              const ModifierLowering& lowering);
+                              const ModifierLowering& lowering,
+                              CudnnLoweringFault fault = CudnnLoweringFault::kNone);
 SdpaGraph build_backward_graph(std::shared_ptr<const Library> library, const Problem& problem,
-                               const ModifierLowering& lowering);
+                               const ModifierLowering& lowering,
+                               CudnnLoweringFault fault = CudnnLoweringFault::kNone);
 
 }  // namespace flexattn::cudnn
