@@ -4,10 +4,12 @@
 #include <omp.h>
 
 #include <algorithm>
+#include <optional>
 
 #include "engines/cpu/cpu.hpp"
 #include "engines/cpu/kernels.hpp"
 #include "engines/cpu/plan.hpp"
+#include "engines/cpu/tape_proof.hpp"
 #include "flexattn/error.hpp"
 
 namespace flexattn::cpu {
@@ -86,8 +88,16 @@ CpuPlan::CpuPlan(PlanInfo info, Problem problem, Lowering lowering, TileSizes ti
 
 namespace {
 
+// A fault the test-only engine applies to its tapes before the proof (tape_proof.hpp).
+struct PlantedFault {
+  TapeFault fault;
+  std::size_t site;
+};
+
 class CpuEngine final : public Engine {
  public:
+  CpuEngine() = default;
+  explicit CpuEngine(PlantedFault fault) : fault_(fault) {}
   std::string_view name() const override { return kEngineName; }
   Support available() const override { return Support::yes(); }
 
@@ -129,6 +139,10 @@ class CpuEngine final : public Engine {
       result.support = Support::no(fmt::format("cannot lower the modifier: {}", error.what()));
       return result;
     }
+    if (fault_ && !apply_fault(lowering, fault_->fault, fault_->site)) {
+      result.support = Support::no("test fault: no site");
+      return result;
+    }
     result.support = Support::yes();
     if (stage == Stage::kCheck) return result;
 
@@ -144,19 +158,24 @@ class CpuEngine final : public Engine {
         lowering.score_tape.instructions().size(), lowering.mask_tape.instructions().size(),
         count_tiles(grids, TileClass::kAllFalse), count_tiles(grids, TileClass::kAllTrue),
         count_tiles(grids, TileClass::kMixed));
-    info.lowered_hash = modifier_hash(lowering.score_mod, lowering.mask_mod, problem.scale());
-    if (problem.wants_backward()) {
-      info.lowered_backward_hash =
-          backward_hash(derivative_wrt_score(lowering.score_mod), lowering.load_derivatives);
-    }
+    const LoweringProof proof = prove_lowering(lowering, problem);
+    info.lowered_hash = proof.forward;
+    info.lowered_backward_hash = proof.backward;
     info.signature = problem.signature();
     result.plan = std::make_unique<CpuPlan>(std::move(info), problem, std::move(lowering), tiles,
                                             std::move(grids));
     return result;
   }
+
+ private:
+  std::optional<PlantedFault> fault_;
 };
 
 }  // namespace
+
+std::shared_ptr<const Engine> make_faulty_cpu_engine(TapeFault fault, std::size_t site) {
+  return std::make_shared<CpuEngine>(PlantedFault{fault, site});
+}
 
 }  // namespace flexattn::cpu
 

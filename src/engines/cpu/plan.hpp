@@ -34,7 +34,9 @@ inline constexpr std::int64_t kLanePadding = 16;
 
 // What lowering the problem produced; built once per plan.
 struct Lowering {
-  Graph score_mod, mask_mod;  // the graphs the tapes were built from (their hash is the proof)
+  // The graphs the tapes were built from (tile classification and the tensor gradients' windows
+  // read them; the proof lifts the tapes themselves, tape_proof.hpp).
+  Graph score_mod, mask_mod;
   bool identity_score = false;
   bool keep_all = false;  // the mask is the literal `true`
   Tape score_tape;        // outputs: score_mod

@@ -72,6 +72,7 @@ class Tape {
 
  private:
   friend class TapeBuilder;
+  friend class TapeMutator;  // the test-only faults of tape_proof.cpp
   std::vector<Instruction> instructions_;
   std::vector<TapeLoad> loads_;
   std::vector<Slot> outputs_;
