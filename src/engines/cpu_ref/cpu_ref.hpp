@@ -16,7 +16,8 @@ enum class ScoreDerivative {
 };
 
 // Test-only: cpu_ref with the given score derivative. With kReplacedByOne the plan records the
-// request's modifier hash (it lowered the right modifier) yet its backward computes dQ, dK and the
+// request's modifier hash (it lowered the right modifier) and claims the request's derivatives
+// (the score derivative graph it holds, unevaluated) yet its backward computes dQ, dK and the
 // tensor gradients as if d score_mod / d score were 1; the forward is unchanged. Conformance uses
 // it to prove a case discriminates a wrong derivative, and tests use it as an engine that passes
 // the plan proof but computes the wrong gradients. Not in the engine registry, so selection never
