@@ -66,6 +66,20 @@ __device__ __forceinline__ float probability_log2(float logit2, float lse2) {
   return fast_exp2(logit2 - lse2);
 }
 
+// The backward's mask on mixed and boundary tiles: the mask and the key bound (masked_logit), and
+// the rows whose lse2 is +inf: a query row past the sequence (padding of the last q block) or a
+// row that kept no key. Their P must be 0, but a padding row's logit is the modifier at a dummy
+// score (1 / score is inf at score 0) and exp2(inf - inf) is NaN, which dK, dV and the tensor
+// gradients would sum. So they are masked like any other element; the callers treat a q block
+// that crosses the end of the queries as a boundary tile.
+template <class Modifier>
+__device__ __forceinline__ float backward_masked_logit(
+    float logit2, float lse2, const ForwardParams& p,
+    const typename Modifier::Invariants& invariants, const Coordinates& at, int q, int kv) {
+  return lse2 == positive_infinity() ? negative_infinity()
+                                     : masked_logit<Modifier>(logit2, p, invariants, at, q, kv);
+}
+
 // unmasked_then_masked: the tensor-core kernels compute every element of a tile with the same
 // code, the modifier on the unmasked logit (kv clamped into the sequence, a no-op inside it), then
 // the mask as a select on mixed and boundary tiles, and the derivative unconditionally with a

@@ -192,7 +192,10 @@ __device__ __forceinline__ void dkdv_elements_with(
       // Straight-line element code (see unmasked_then_masked in backward_common.cuh).
       float logit2 =
           element_logit<Modifier, false, true, kSmall>(dot, p, invariants, at, q_inside, kv_inside);
-      if (check) logit2 = masked_logit<Modifier>(logit2, p, invariants, at, q_inside, kv);
+      if (check) {
+        logit2 = backward_masked_logit<Modifier>(logit2, lse2_stage[column], p, invariants, at,
+                                                 q_inside, kv);
+      }
       // lse2: +inf past the queries (stage_row_float) and in empty rows.
       const float probability = probability_log2(logit2, lse2_stage[column]);
       const float dlogit = probability * (dpt[j][e] - delta_stage[column]);
@@ -339,9 +342,10 @@ __device__ __forceinline__ void backward_dkdv_mma(const BackwardParams& bp) {
     product_a_bt<Tag, Config::kStepsV>(dpt, v_tile, v_a, do_tile, do_n);
 
     // Element pipeline: st becomes P^T, dpt becomes dS^T.
+    const bool q_boundary = q_start + Config::kBlockQ > span.q_len;
     dkdv_elements<Modifier>(st, dpt, p, invariants, at, span, kv_row, q_start,
-                            entry_is_mixed(entry) || kv_boundary, lse2_stage, delta_stage,
-                            quad_lane);
+                            entry_is_mixed(entry) || kv_boundary || q_boundary, lse2_stage,
+                            delta_stage, quad_lane);
 
     // dV += P^T dO and dK += dS^T Q (k = the 64 queries).
 #pragma unroll
@@ -372,16 +376,19 @@ __device__ __forceinline__ void backward_dkdv_mma(const BackwardParams& bp) {
 
 // The dQ kernels' element pipeline on one warp's (16 queries x 8 kTilesKv keys) accumulator
 // tiles of S and dP, straight-line (see unmasked_then_masked in backward_common.cuh). `check`:
-// the tile is mixed or crosses the end of the keys. dq_logit: one element's log2-domain logit.
+// the tile is mixed or crosses the end of the keys or of the queries. dq_logit: one element's
+// log2-domain logit (`lse2`: its row's).
 template <class Modifier, bool kSmall, int kTilesKv>
 __device__ __forceinline__ float dq_logit(const float (&s)[kTilesKv][4], int j, int e,
                                           const ForwardParams& p,
                                           const typename Modifier::Invariants& invariants,
                                           const Coordinates& at, const int (&query)[2], int kv,
-                                          int kv_inside, bool check) {
+                                          int kv_inside, float lse2, bool check) {
   float logit2 = element_logit<Modifier, false, true, kSmall>(s[j][e], p, invariants, at,
                                                               query[e / 2], kv_inside);
-  if (check) logit2 = masked_logit<Modifier>(logit2, p, invariants, at, query[e / 2], kv);
+  if (check) {
+    logit2 = backward_masked_logit<Modifier>(logit2, lse2, p, invariants, at, query[e / 2], kv);
+  }
   return logit2;
 }
 
@@ -434,7 +441,8 @@ __device__ __forceinline__ void dq_delta_elements_with(
       const int kv = kv_start + j * 8 + 2 * quad_lane + e % 2;
       const float probability =
           probability_log2(dq_logit<Modifier, kSmall>(s, j, e, p, invariants, at, query, kv,
-                                                      ir_min(kv, span.kv_len - 1), check),
+                                                      ir_min(kv, span.kv_len - 1), lse2[e / 2],
+                                                      check),
                            lse2[e / 2]);
       row_pdp[e / 2] += probability * dp[j][e];
       row_p[e / 2] += probability;
@@ -477,7 +485,8 @@ __device__ __forceinline__ void dq_gradient_elements_with(
       const int kv = kv_start + j * 8 + 2 * quad_lane + e % 2;
       const int kv_inside = ir_min(kv, span.kv_len - 1);
       const float probability = probability_log2(
-          dq_logit<Modifier, kSmall>(s, j, e, p, invariants, at, query, kv, kv_inside, check),
+          dq_logit<Modifier, kSmall>(s, j, e, p, invariants, at, query, kv, kv_inside, lse2[half],
+                                     check),
           lse2[half]);
       const float dlogit = probability * (dp[j][e] - delta[half]);
       const float dscore = score_gradient_from_dot<Modifier, kSmall>(
@@ -544,6 +553,7 @@ __device__ __forceinline__ void backward_dq_mma(const BackwardParams& bp) {
 
   const EntryRange entries = visited_tiles(p, q_start, Config::kBlockKv, span.kv_len);
   const int q_rows_valid = span.q_len - q_start;
+  const bool q_boundary = q_rows_valid < Config::kBlockQ;  // every tile masks the padding rows
   load_tile_async<64, Config::kChunksQk, Config::kLoadedChunksQk, kThreads>(
       q_tile, view_row<const unsigned short>(p.q, batch, span.q_offset + q_start, head),
       p.q.token_stride, q_rows_valid, Config::kRealChunksQk, thread);
@@ -621,7 +631,8 @@ __device__ __forceinline__ void backward_dq_mma(const BackwardParams& bp) {
       float dp[kTilesKv][4];
       product_a_bt<Tag, Config::kStepsV>(dp, do_tile, do_a, v_tile, v_n);
 
-      const bool check = entry_is_mixed(entry) || kv_start + Config::kBlockKv > span.kv_len;
+      const bool check = entry_is_mixed(entry) || kv_start + Config::kBlockKv > span.kv_len ||
+                         q_boundary;
       // The pass (exact delta or gradients) and whether tensor gradients are scattered are
       // decided per tile, outside the element loop: a branch per element would split the loop's
       // straight-line code (unmasked_then_masked).

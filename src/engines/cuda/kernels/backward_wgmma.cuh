@@ -305,9 +305,11 @@ __device__ __forceinline__ void backward_dkdv_wgmma(const BackwardParams& bp) {
       prepared_head = head;
     }
     const float* lse2_stage = row_floats + stage * 2 * kBlockQ;
-    dkdv_elements<Modifier>(st, dpt, p, invariants, at, span, kv_row, (entry >> 1) * kBlockQ,
-                            entry_is_mixed(entry) || kv_boundary, lse2_stage, lse2_stage + kBlockQ,
-                            quad_lane);
+    const int q_start = (entry >> 1) * kBlockQ;
+    const bool q_boundary = q_start + kBlockQ > span.q_len;
+    dkdv_elements<Modifier>(st, dpt, p, invariants, at, span, kv_row, q_start,
+                            entry_is_mixed(entry) || kv_boundary || q_boundary, lse2_stage,
+                            lse2_stage + kBlockQ, quad_lane);
 #pragma unroll
     for (int step = 0; step < Config::kStepsQ; ++step) {
       pack_fragment<Tag>(pa[step], st, step);
@@ -574,6 +576,7 @@ __device__ __forceinline__ void backward_dq_wgmma(const BackwardParams& bp) {
 
   const EntryRange entries = visited_tiles(p, q_start, kBlockKv, span.kv_len);
   const int q_rows_valid = span.q_len - q_start;
+  const bool q_boundary = q_rows_valid < kBlockQ;  // every tile masks the padding rows
   load_rows_async<kBlockQ, typename Config::DqQLayout, Config::kChunksQk, kThreads>(
       q_tile, view_row<const unsigned short>(p.q, batch, span.q_offset + q_start, head),
       p.q.token_stride, q_rows_valid, Config::kChunksQk, thread);
@@ -659,7 +662,8 @@ __device__ __forceinline__ void backward_dq_wgmma(const BackwardParams& bp) {
           if (iteration < 0 || iteration >= count) continue;
           const int entry = p.tile_entries[entries.begin + iteration];
           const int kv_start = entry_kv_tile(entry) * kBlockKv;
-          const bool check = entry_is_mixed(entry) || kv_start + kBlockKv > span.kv_len;
+          const bool check =
+              entry_is_mixed(entry) || kv_start + kBlockKv > span.kv_len || q_boundary;
           if (delta_pass) {
             dq_delta_elements<Modifier>(s, dp, p, invariants, at, span, query, lse2, kv_start,
                                         check, quad_lane, row_pdp, row_p);
