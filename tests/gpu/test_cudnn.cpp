@@ -206,6 +206,7 @@ TEST(CudnnConformance, QuickTier) {
   }
   report("quick tier", tally);
   EXPECT_GT(tally.passed, 0);
+  EXPECT_EQ(tally.failed, 0);
 }
 
 Case make_case(const Shape& shape, DType dtype, const std::string& modifier,
@@ -246,6 +247,7 @@ TEST(CudnnConformance, EveryModifierAndMaskInBf16) {
   }
   report("bf16 matrix", tally);
   EXPECT_GT(tally.passed, 0);
+  EXPECT_EQ(tally.failed, 0);
 }
 
 // Sequence lengths that fill cuDNN's tiles, head dim 128, GQA and MQA, fp16 and bf16, and more
@@ -273,6 +275,7 @@ TEST(CudnnConformance, LargerShapes) {
   }
   report("larger shapes", tally);
   EXPECT_GT(tally.passed, 0);
+  EXPECT_EQ(tally.failed, 0);
 }
 
 // ---- graph construction without a device ------------------------------------------------------

@@ -120,24 +120,29 @@ TEST(CudnnLowering, RefusesTheBackwardClassesCudnnGotWrong) {
   }
 }
 
-// The first device run verified eng2 (forward) and eng6 (backward) on cuDNN 9.19; another
-// release, another engine or the other graph kind is not verified.
-TEST(CudnnGuards, VerifiedEnginesAreScopedToKindAndRelease) {
+// The first device run verified eng2_k24=7 (forward) and eng6_k24=26 (backward) on cuDNN 9.19.0
+// and sm_90; another patch level, another knob, another architecture, another engine or the other
+// graph kind is not verified.
+TEST(CudnnGuards, VerifiedEnginesAreScopedToKindKnobsReleaseAndArchitecture) {
   using cudnn::EngineChoice;
   using cudnn::GraphKind;
   constexpr std::size_t k9190 = 91900, k9193 = 91903, k9140 = 91400, k9200 = 92000;
+  constexpr int kHopper = 90, kAmpere = 80, kBlackwell = 100;
   const EngineChoice eng2{2, {{24, 7}}};
   const EngineChoice eng6{6, {{24, 26}}};
-  EXPECT_TRUE(cudnn::is_verified(GraphKind::kForward, eng2, k9190));
-  EXPECT_TRUE(cudnn::is_verified(GraphKind::kForward, eng2, k9193));
-  EXPECT_TRUE(cudnn::is_verified(GraphKind::kBackward, eng6, k9190));
-  EXPECT_FALSE(cudnn::is_verified(GraphKind::kBackward, eng2, k9190));
-  EXPECT_FALSE(cudnn::is_verified(GraphKind::kForward, eng6, k9190));
-  EXPECT_FALSE(cudnn::is_verified(GraphKind::kForward, eng2, k9140));
-  EXPECT_FALSE(cudnn::is_verified(GraphKind::kForward, eng2, k9200));
-  EXPECT_FALSE(cudnn::is_verified(GraphKind::kForward, EngineChoice{5, {}}, k9190));
-  EXPECT_EQ(cudnn::verified_engines(GraphKind::kForward), "eng2 on cuDNN 9.19");
-  EXPECT_EQ(cudnn::verified_engines(GraphKind::kBackward), "eng6 on cuDNN 9.19");
+  EXPECT_TRUE(cudnn::is_verified(GraphKind::kForward, eng2, k9190, kHopper));
+  EXPECT_TRUE(cudnn::is_verified(GraphKind::kBackward, eng6, k9190, kHopper));
+  EXPECT_FALSE(cudnn::is_verified(GraphKind::kForward, eng2, k9193, kHopper));
+  EXPECT_FALSE(cudnn::is_verified(GraphKind::kForward, eng2, k9190, kAmpere));
+  EXPECT_FALSE(cudnn::is_verified(GraphKind::kForward, eng2, k9190, kBlackwell));
+  EXPECT_FALSE(cudnn::is_verified(GraphKind::kForward, EngineChoice{2, {{24, 8}}}, k9190, kHopper));
+  EXPECT_FALSE(cudnn::is_verified(GraphKind::kForward, EngineChoice{2, {}}, k9190, kHopper));
+  EXPECT_FALSE(cudnn::is_verified(GraphKind::kBackward, eng2, k9190, kHopper));
+  EXPECT_FALSE(cudnn::is_verified(GraphKind::kForward, eng6, k9190, kHopper));
+  EXPECT_FALSE(cudnn::is_verified(GraphKind::kForward, eng2, k9140, kHopper));
+  EXPECT_FALSE(cudnn::is_verified(GraphKind::kForward, eng2, k9200, kHopper));
+  EXPECT_EQ(cudnn::verified_engines(GraphKind::kForward), "eng2_k24=7 on cuDNN 9.19.0 sm_90");
+  EXPECT_EQ(cudnn::verified_engines(GraphKind::kBackward), "eng6_k24=26 on cuDNN 9.19.0 sm_90");
 }
 
 // ---- the plan proof: modifiers read back from the graph descriptors ---------------------------

@@ -261,6 +261,9 @@ class CudnnEngine final : public Engine {
     policy_.allow_unverified = options.allow_unverified_engines;
     policy_.release = runtime_->library()->version();
     policy_.release_text = runtime_->library()->version_text();
+    if (runtime_->availability()) {
+      policy_.compute_capability = runtime_->driver()->compute_capability();
+    }
   }
 
   std::string_view name() const override { return kEngineName; }

@@ -37,27 +37,19 @@ constexpr KnownBadRelease kKnownBadReleases[] = {
      "refuses these releases)"},
 };
 
-// Engines a device run of test_cudnn verified (docs/engines.md, section cudnn), by global index
-// and cuDNN minor release: an engine is added once the conformance matrix passed on it. A global
-// index names a different kernel in another release, so each release is qualified by its own run;
-// until then its engines are refused ("not verified").
+// Engines a device run of the conformance matrix verified (docs/engines.md, section cudnn): a
+// global index names a different kernel in another release, its knobs a different variant of it,
+// and a kernel may behave differently on another architecture, so an entry holds for exactly one
+// engine tag, cuDNN release (patch level included) and compute capability.
 struct VerifiedEngine {
   GraphKind kind;
-  std::int64_t global_index;
-  std::size_t major;  // cuDNN release major.minor, any patch level
-  std::size_t minor;
+  const char* tag;      // EngineChoice::tag(): global index and knobs
+  std::size_t release;  // cudnnGetVersion()
+  int compute_capability;
 };
-// The first device run, 2026-12-02 (cuDNN 9.19.0, NVIDIA H200, driver 580; the log is
-// docs/gpu-runs/2026-12-02-cudnn-first-run.txt): every plan cuDNN finalized ran eng2 (eng2_k24=7)
-// forward and eng6 (eng6_k24=26) backward. On them every conformance case passed against cpu_ref
-// (forward: none, causal, bottom-right causal with empty rows, bias, ALiBi, piecewise; backward:
-// none, causal, bottom-right causal; fp16 and bf16, GQA and MQA, head dims 64 to 256, seq_len up
-// to 640), and the golden cases it ran matched FlexAttention in bhsd. Only the softcap cases
-// failed, by their LSE, and the error was cuDNN's tanh (lowering.cpp now refuses tanh).
-constexpr std::array<VerifiedEngine, 2> kVerifiedEngines{{
-    {GraphKind::kForward, 2, 9, 19},
-    {GraphKind::kBackward, 6, 9, 19},
-}};
+constexpr VerifiedEngine kVerifiedEngines[] = {
+#include "engines/cudnn/verified_engines.inc"
+};
 
 constexpr int kMinimumCapability = 80;
 constexpr int kHopperCapability = 90;
@@ -107,12 +99,11 @@ std::string ExclusionList::match(const EngineChoice& choice) const {
   return {};
 }
 
-bool is_verified(GraphKind kind, const EngineChoice& choice, std::size_t release) {
-  const std::size_t major = release / kVersionMajorUnit;
-  const std::size_t minor = (release % kVersionMajorUnit) / kVersionMinorUnit;
+bool is_verified(GraphKind kind, const EngineChoice& choice, std::size_t release,
+                 int compute_capability) {
   for (const VerifiedEngine& engine : kVerifiedEngines) {
-    if (engine.kind == kind && engine.global_index == choice.global_index &&
-        engine.major == major && engine.minor == minor) {
+    if (engine.kind == kind && choice.tag() == engine.tag && engine.release == release &&
+        engine.compute_capability == compute_capability) {
       return true;
     }
   }
@@ -124,7 +115,10 @@ std::string verified_engines(GraphKind kind) {
   for (const VerifiedEngine& engine : kVerifiedEngines) {
     if (engine.kind != kind) continue;
     if (!list.empty()) list += ", ";
-    list += fmt::format("eng{} on cuDNN {}.{}", engine.global_index, engine.major, engine.minor);
+    list +=
+        fmt::format("{} on cuDNN {}.{}.{} sm_{}", engine.tag, engine.release / kVersionMajorUnit,
+                    (engine.release % kVersionMajorUnit) / kVersionMinorUnit,
+                    engine.release % kVersionMinorUnit, engine.compute_capability);
   }
   return list.empty() ? std::string("none yet") : list;
 }

@@ -35,10 +35,12 @@ struct ExclusionList {
   std::string match(const EngineChoice& choice) const;
 };
 
-// Engines a device run of the conformance matrix has verified for a kind of graph on a cuDNN
-// release (`release` is a cudnnGetVersion() value; the patch level does not matter).
-bool is_verified(GraphKind kind, const EngineChoice& choice, std::size_t release);
-std::string verified_engines(GraphKind kind);  // "eng2 on cuDNN 9.19"
+// Engines a device run of the conformance matrix has verified for a kind of graph: the engine tag
+// (global index and knobs), the cuDNN release (a cudnnGetVersion() value, patch level included)
+// and the compute capability must all match (verified_engines.inc).
+bool is_verified(GraphKind kind, const EngineChoice& choice, std::size_t release,
+                 int compute_capability);
+std::string verified_engines(GraphKind kind);  // "eng2_k24=7 on cuDNN 9.19.0 sm_90"
 
 // The release table. `modifier_graph` is whether the graph carries a score modifier or a mask.
 Support check_release(std::size_t version, const std::string& version_text, const Problem& problem,

@@ -94,10 +94,11 @@ std::vector<Candidate> screen(std::vector<Candidate> candidates, GraphKind kind,
           fmt::format("{} excluded (pattern '{}')", candidate.choice.tag(), pattern));
       continue;
     }
-    if (!policy.allow_unverified && !is_verified(kind, candidate.choice, policy.release)) {
-      rejected.push_back(fmt::format("{} not verified for {} graphs on cuDNN {} (verified: {})",
-                                     candidate.choice.tag(), to_string(kind), policy.release_text,
-                                     verified_engines(kind)));
+    if (!policy.allow_unverified &&
+        !is_verified(kind, candidate.choice, policy.release, policy.compute_capability)) {
+      rejected.push_back(fmt::format(
+          "{} not verified for {} graphs on cuDNN {} sm_{} (verified: {})", candidate.choice.tag(),
+          to_string(kind), policy.release_text, policy.compute_capability, verified_engines(kind)));
       continue;
     }
     kept.push_back(std::move(candidate));
@@ -149,7 +150,8 @@ std::optional<FinalizedPlan> finalize_plan(const std::shared_ptr<const Library>&
                               "'{}' (asked for {})",
                               to_string(kind), chosen.tag(), pattern, candidate.choice.tag()));
     }
-    if (!policy.allow_unverified && !is_verified(kind, chosen, policy.release)) {
+    if (!policy.allow_unverified &&
+        !is_verified(kind, chosen, policy.release, policy.compute_capability)) {
       throw Error(ErrorCode::kCudnn,
                   fmt::format("cudnn: the finalized {} plan runs engine {}, which no device run "
                               "has verified on cuDNN {} (verified: {}; asked for {})",

@@ -29,8 +29,9 @@ EngineChoice read_choice(const Descriptor& engine_config);
 struct ScreeningPolicy {
   ExclusionList exclusions;
   bool allow_unverified = false;
-  std::size_t release = 0;   // the loaded cuDNN, as cudnnGetVersion() gives it
-  std::string release_text;  // "9.19.0"
+  std::size_t release = 0;     // the loaded cuDNN, as cudnnGetVersion() gives it
+  std::string release_text;    // "9.19.0"
+  int compute_capability = 0;  // of the device the plans run on
 };
 
 // Keeps the candidates the policy allows; `rejected` gets one line per refused one.
