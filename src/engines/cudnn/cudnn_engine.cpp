@@ -336,6 +336,7 @@ class CudnnEngine final : public Engine {
     // The proof: the modifiers read back from the operation graphs this plan runs equal the
     // request as cuDNN can hold it (proof.hpp).
     info.lowered_hash = proof.lowered_hash;
+    info.lowered_backward_hash = proof.lowered_backward_hash;
     info.description += fmt::format("; plan proof: {} (forward: {})",
                                     forward.modifiers->to_string(), forward.readback_counts);
     info.signature = problem.signature();

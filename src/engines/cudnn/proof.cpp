@@ -522,6 +522,9 @@ Proof prove(const ReadBackModifiers& forward, const std::optional<ReadBackModifi
   }
   proof.holds = true;
   proof.lowered_hash = problem.modifier_hash();
+  // The backward reads no float tensor's gradient (guards.cpp refuses those), so what it proves
+  // is d score_mod / d score alone.
+  if (problem.wants_backward()) proof.lowered_backward_hash = problem.backward_hash();
   return proof;
 }
 

@@ -51,6 +51,7 @@ struct Proof {
   // The problem's modifier_hash (and backward hash) when it holds; the hash of what was read back
   // otherwise, which the request's cannot equal.
   std::uint64_t lowered_hash = 0;
+  std::uint64_t lowered_backward_hash = 0;  // Problem::backward_hash when it holds, else 0
   std::uint64_t read_back_hash = 0;
 };
 
