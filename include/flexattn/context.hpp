@@ -58,12 +58,23 @@ enum class LogLevel { kOff, kInfo, kDebug };
 // Error(kInvalidArgument).
 LogLevel log_level_from_environment();
 
+// FLEXATTN_CANARY=0 switches the plan canary off (unset, empty or 1: on); another value is
+// Error(kInvalidArgument). See ContextOptions::canary for what it guards and the risk of turning
+// it off.
+bool canary_from_environment();
+
 struct ContextOptions {
   Policy policy = Policy::from_environment();
   LogLevel log_level = log_level_from_environment();
   std::ostream* log_stream = nullptr;  // default std::cerr
   // Extra engines appended after the built-in list (tests, the planted faulty engines).
   std::vector<std::shared_ptr<const Engine>> extra_engines;
+  // The plan canary (docs/engines.md, "Plan canary"): before a new plan of any engine other than
+  // cpu_ref is cached, select() runs it once on synthetic, discriminating inputs and compares
+  // sampled rows with cpu_ref; a plan that computes something else (e.g. holds the right
+  // modifier and ignores it, which the plan proof cannot see) is refused. Off, such a plan is
+  // used unchecked.
+  bool canary = canary_from_environment();
 };
 
 struct Verdict {
@@ -88,7 +99,10 @@ class Context {
   // cache when present. Verifies the plan's lowered hash and signature equal the problem's and
   // throws Error(kInternal) otherwise; such a plan is never cached, and selection does not fall
   // through to the next engine (an engine that claims support and builds something else is a
-  // bug to surface, not to route around). When nothing can run, throws Error(kUnsupported):
+  // bug to surface, not to route around). Then, with ContextOptions::canary, a new plan of an
+  // engine other than cpu_ref runs the canary once before it is cached; a plan it refuses makes a
+  // forced engine throw Error(kUnsupported) with the canary's one-line reason, and auto selection
+  // move on to the next engine. When nothing can run, throws Error(kUnsupported):
   // "no engine can run this problem (<summary>)", then one line per engine "  <name>: <reason>".
   // Thread-safe.
   std::shared_ptr<const Plan> select(const Problem& problem);
@@ -98,12 +112,15 @@ class Context {
 
   const ContextOptions& options() const { return options_; }
   std::size_t cached_plans() const;
+  // How many times select() ran the plan canary (once per new plan of a checked engine).
+  std::size_t canary_runs() const;
 
  private:
   ContextOptions options_;
   std::vector<std::shared_ptr<const Engine>> engines_;
   mutable std::mutex mutex_;
   std::map<std::string, std::shared_ptr<const Plan>> plan_cache_;
+  std::size_t canary_runs_ = 0;
 };
 
 // A one-line summary of a problem for messages and logs: direction, layout, dtype, device, sizes

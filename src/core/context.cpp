@@ -9,6 +9,7 @@
 #include <map>
 #include <set>
 
+#include "core/canary.hpp"
 #include "flexattn/error.hpp"
 
 namespace flexattn {
@@ -17,7 +18,10 @@ namespace {
 
 constexpr std::string_view kEnvironmentPolicy = "FLEXATTN_ENGINES";
 constexpr std::string_view kEnvironmentLog = "FLEXATTN_LOG";
+constexpr std::string_view kEnvironmentCanary = "FLEXATTN_CANARY";
 constexpr std::string_view kLogPrefix = "flexattn: ";
+// The oracle the canary compares with; its own plans need no canary.
+constexpr std::string_view kReferenceEngine = "cpu_ref";
 
 std::string_view trim(std::string_view text) {
   const auto is_space = [](char c) { return c == ' ' || c == '\t' || c == '\n' || c == '\r'; };
@@ -168,6 +172,15 @@ LogLevel log_level_from_environment() {
   throw_invalid(fmt::format("{}='{}': expected off, info or debug", kEnvironmentLog, value));
 }
 
+bool canary_from_environment() {
+  const char* text = std::getenv(std::string(kEnvironmentCanary).c_str());
+  if (text == nullptr) return true;
+  const std::string_view value = trim(text);
+  if (value.empty() || value == "1") return true;
+  if (value == "0") return false;
+  throw_invalid(fmt::format("{}='{}': expected 1 (on) or 0 (off)", kEnvironmentCanary, value));
+}
+
 std::string problem_summary(const Problem& problem) {
   std::string summary =
       fmt::format("{} {} {} {}, batch {}, heads {}/{}, seq {}/{}, head_dim {}/{}",
@@ -230,6 +243,11 @@ std::size_t Context::cached_plans() const {
   return plan_cache_.size();
 }
 
+std::size_t Context::canary_runs() const {
+  const std::lock_guard lock(mutex_);
+  return canary_runs_;
+}
+
 std::shared_ptr<const Plan> Context::select(const Problem& problem) {
   const Policy& policy = options_.policy;
   std::ostream& log = options_.log_stream != nullptr ? *options_.log_stream : std::cerr;
@@ -268,6 +286,8 @@ std::shared_ptr<const Plan> Context::select(const Problem& problem) {
   // Engines that said yes to supports() but declined while planning (e.g. cuDNN's heuristics
   // offering no engine for the graph): their reasons, for the final error.
   std::map<std::string, std::string, std::less<>> declined;
+  // Engines whose plan the canary refused: the canary's one-line reasons.
+  std::map<std::string, std::string, std::less<>> refused;
   for (const auto& engine : engines_) {
     if (!policy.allows(engine->name())) continue;
     const Support support = engine->supports(problem);
@@ -293,6 +313,34 @@ std::shared_ptr<const Plan> Context::select(const Problem& problem) {
       continue;
     }
     verify_plan(*plan, problem);
+    if (options_.canary && engine->name() != kReferenceEngine) {
+      const detail::CanaryResult canary = detail::run_canary(*engine, *plan);
+      {
+        const std::lock_guard lock(mutex_);
+        ++canary_runs_;
+      }
+      if (log_info) {
+        log << kLogPrefix << "canary for " << engine->name() << ": "
+            << (canary.passed
+                    ? fmt::format("passed ({:.3g} of the tolerance", canary.largest_error_ratio)
+                    : canary.reason)
+            << (canary.passed ? fmt::format("; q scaled by {}, {:.3g} s, {} bytes of arguments)",
+                                            canary.input_scale, canary.seconds, canary.bytes)
+                              : "")
+            << '\n';
+        if (!canary.note.empty()) {
+          log << kLogPrefix << "canary for " << engine->name() << ": " << canary.note << '\n';
+        }
+      }
+      if (!canary.passed) {
+        if (!policy.force.empty()) {
+          throw_unsupported(fmt::format("forced engine {} refused ({}): {}", engine->name(),
+                                        problem_summary(problem), canary.reason));
+        }
+        refused.emplace(engine->name(), canary.reason);
+        continue;
+      }
+    }
     {
       const std::lock_guard lock(mutex_);
       // Another thread may have planned the same problem meanwhile; keep the first plan.
@@ -311,6 +359,9 @@ std::shared_ptr<const Plan> Context::select(const Problem& problem) {
     std::string reason = policy.refusal(engine->name());
     if (const auto found = declined.find(engine->name()); reason.empty() && found != declined.end()) {
       reason = "declined while planning: " + found->second;
+    }
+    if (const auto found = refused.find(engine->name()); reason.empty() && found != refused.end()) {
+      reason = "refused by the canary: " + found->second;
     }
     if (reason.empty()) reason = engine->supports(problem).reason();
     message += fmt::format("\n  {}: {}", engine->name(), reason);

@@ -286,6 +286,8 @@ ContextOptions declining_options(Policy policy) {
   options.policy = std::move(policy);
   options.log_level = LogLevel::kOff;
   options.extra_engines = {std::make_shared<DecliningEngine>(), testing::make_lying_engine()};
+  // The lying engine stands for any engine that plans; the canary would refuse it (test_canary).
+  options.canary = false;
   return options;
 }
 
@@ -444,7 +446,10 @@ TEST(PlanProof, AcceptsTheDroppingEngineForTheIdentityModifier) {
 // The lying engine passes the proof (it claims the requested hash); only comparing its output
 // with cpu_ref catches it, by a wide margin on the TE softcap case.
 TEST(PlanProof, LyingEngineIsCaughtByComparisonWithTheReference) {
-  Context context(faulty_options(forced("faulty_lying_hash")));
+  // Without the canary (which refuses it at selection, test_canary), only a comparison sees it.
+  ContextOptions options = faulty_options(forced("faulty_lying_hash"));
+  options.canary = false;
+  Context context(options);
   const Problem problem = softcap_problem(kSmallCap);
   const auto plan = context.select(problem);
   const test::Inputs inputs = test::random_inputs(problem, kSeed, kValueStddev);

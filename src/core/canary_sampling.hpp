@@ -1,0 +1,75 @@
+// Internal to the plan canary (canary.hpp): the sampled rows, the canary inputs, and the float64
+// reference on the sampled rows only.
+#pragma once
+
+#include <cstdint>
+#include <map>
+#include <string>
+#include <vector>
+
+#include "flexattn/engine.hpp"
+
+namespace flexattn::detail {
+
+// One sampled (batch, query head) pair and its sampled query rows (ascending).
+struct SampledPair {
+  std::int64_t b = 0, h = 0, h_kv = 0, q_len = 0, kv_len = 0;
+  std::vector<std::int64_t> rows;
+};
+
+// A (batch, kv head) whose dK and dV rows are compared: every kv row of it.
+struct SampledKvHead {
+  std::int64_t b = 0, h_kv = 0, kv_len = 0;
+};
+
+struct Sample {
+  std::vector<SampledPair> pairs;
+  std::vector<SampledKvHead> kv_heads;  // of the pairs, in order of first appearance
+};
+Sample sample_rows(const Problem& problem);
+
+// The compared values of one output, row by row, in an order shared by the plan's result and
+// every reference.
+struct OutputRows {
+  std::string output;              // "out", "lse", "dq", "dk", "dv", "d<tensor>"
+  std::vector<std::string> where;  // "batch 1, head 3, row 127"
+  std::vector<std::vector<double>> rows;
+};
+using SampledOutputs = std::vector<OutputRows>;
+
+// The synthetic inputs on the host, in the problem's layout, strides and storage dtype. dout is
+// zero outside the sampled rows.
+struct CanaryInputs {
+  HostTensor q, k, v, dout;  // flat buffers covering the strided views below
+  TensorView q_view, k_view, v_view, dout_view;
+  std::map<std::string, HostTensor> tensors;  // every tensor the problem declares
+};
+CanaryInputs make_canary_inputs(const Problem& problem, const Sample& sample, double q_scale,
+                                bool zero_queries);
+
+// A flat host buffer covering the strided view `expected` (its data pointer set).
+HostTensor buffer_for(const TensorView& expected, TensorView& view);
+
+// Element offset of row `s` of (b, head) in a Q/K/V/O-like view of the problem; kv-side views
+// (k, v, dk, dv) use the kv offsets in thd.
+std::int64_t row_offset(const Problem& problem, const TensorView& view, bool kv_side,
+                        std::int64_t b, std::int64_t head, std::int64_t s);
+std::int64_t lse_offset(const Problem& problem, const TensorView& lse, std::int64_t b,
+                        std::int64_t h, std::int64_t q);
+
+// The function the reference computes: the request or one of its mutants.
+enum class Variant { kRequest, kScoreModDropped, kMaskDropped, kDerivativeReplacedByOne };
+std::string_view to_string(Variant variant);
+
+// cpu_ref (float64) on the sampled rows, for `variant`.
+SampledOutputs reference_outputs(const Problem& problem, const CanaryInputs& inputs,
+                                 const Sample& sample, Variant variant);
+
+// Per sampled query row (the pairs' rows in order): how large the row's modified scores and their
+// rounding can be, max over its kept keys of max(|score_mod(s)|, |d score_mod / d score| x
+// scale x sum_i |q_i k_i|); the second term is the rounding of the raw score's accumulation carried
+// through the modifier (large where the modifier is steep, e.g. 1 / score near 0).
+std::vector<double> score_sizes(const Problem& problem, const CanaryInputs& inputs,
+                                const Sample& sample);
+
+}  // namespace flexattn::detail
