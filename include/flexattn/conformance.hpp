@@ -33,9 +33,13 @@ struct Case {
   // IR text used as the score modifier when `modifier` is "custom" (the fuzz test); it may read
   // `bias[h, q, kv]` (f32) and `slopes[h]` (f32).
   std::string custom_score_mod;
+  // Whether run_case first proves the case discriminating (see run_case). Catalogue cases do;
+  // custom_case turns it off: a random expression (the fuzz test) may legitimately be close to
+  // the identity, and the fuzz test checks the engine, not the case.
+  bool prove_discriminating = true;
 };
 
-// A case with a custom score modifier (see Case::custom_score_mod).
+// A case with a custom score modifier (see Case::custom_score_mod), not proven discriminating.
 Case custom_case(const Shape& shape, Layout layout, DType dtype, std::string score_mod,
                  std::string mask, bool backward);
 
@@ -47,15 +51,28 @@ std::vector<Case> cases(Tier tier);
 struct Instance {
   ProblemDesc desc;
   std::map<std::string, HostTensor> tensors;
+  // Standard deviation of the normal q and k entries (v and dO: 1): scores have about this
+  // squared, so a case sets it where the score modifier must bite (softcap 30 on scores of ~1
+  // changes them by ~1e-4, invisible in bf16).
+  double query_key_stddev = 1.0;
+  // Mean of the q and k entries (scores bounded away from 0 for a modifier singular there).
+  double query_key_mean = 0.0;
 };
 Instance instantiate(const Case& test_case, Device device, std::uint64_t seed);
 
+// One output judged per element: element i passes when |engine_i - ref_i| <= atol + rtol *
+// |ref_i| (ref the float64 reference; atol and rtol twice the plain same-precision
+// implementation's, plus rounding floors). NaN against a finite reference fails; both NaN, or the
+// same infinity, agree.
 struct OutputCheck {
-  std::string output;               // "out", "lse", "dq", "dk", "dv", "d<tensor>"
-  double max_error = 0.0;           // max |engine - float64 reference|
-  double allowed = 0.0;             // 2 x plain same-precision error + rounding floor
-  double fraction_outside = 0.0;    // elements with error > allowed (NaN counts as outside)
-  bool guard_intact = true;         // sentinel regions around the buffer untouched
+  std::string output;             // "out", "lse", "dq", "dk", "dv", "d<tensor>"
+  double max_error = 0.0;         // |engine - reference| at the worst element
+  double allowed = 0.0;           // atol + rtol * |reference| at the worst element
+  double fraction_outside = 0.0;  // elements with error > allowed (NaN counts as outside)
+  bool guard_intact = true;       // sentinel regions around the buffer untouched
+  // The worst element: largest error / allowed (flat index in the output's own layout; -1: none).
+  std::int64_t worst_index = -1;
+  double atol = 0.0, rtol = 0.0;
   bool passed() const { return guard_intact && max_error <= allowed; }
 };
 
@@ -74,8 +91,11 @@ struct Outcome {
 };
 
 // Runs the case on `engine` and on cpu_ref (float64) with the same inputs, plus the plain
-// same-precision implementation that sets the tolerance. Never throws for an engine failure:
-// an exception from the engine is a kFail with its message.
+// same-precision implementation that sets the tolerance. First proves the case discriminating:
+// the float64 reference without the score modifier, without the mask and (backward) with
+// d score_mod / d score replaced by 1 must each fail the tolerance of every output it changes; a
+// case that cannot tell one from the request is a kFail whose reason starts with "catalogue:".
+// Never throws for an engine failure: an exception from the engine is a kFail with its message.
 Outcome run_case(const Engine& engine, const Case& test_case, std::uint64_t seed = 1);
 
 }  // namespace flexattn::conformance

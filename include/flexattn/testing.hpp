@@ -10,11 +10,13 @@
 
 namespace flexattn::testing {
 
-// "faulty_drop_mod": drops the score modifier and honestly reports the hash of what it lowered
-// (the identity), so the plan proof must refuse it.
+// Both compute on the CPU, forward and backward, in float64, the requested problem without its
+// score modifier (tensor gradients zero), storing in the problem's dtypes.
+// "faulty_drop_mod": drops the score modifier and honestly reports the hashes of what it lowered
+// (the identity and its derivatives), so the plan proof must refuse it.
 std::shared_ptr<const Engine> make_dropping_engine();
-// "faulty_lying_hash": drops the score modifier but claims the requested hash; only comparing
-// its output with cpu_ref catches it.
+// "faulty_lying_hash": drops the score modifier but claims the requested hashes; only comparing
+// its outputs with cpu_ref catches it.
 std::shared_ptr<const Engine> make_lying_engine();
 
 std::vector<std::shared_ptr<const Engine>> planted_faulty_engines();

@@ -2,7 +2,11 @@
 #pragma once
 
 #include <cstdint>
+#include <map>
+#include <string>
+#include <vector>
 
+#include "flexattn/conformance.hpp"
 #include "flexattn/engine.hpp"
 #include "flexattn/problem.hpp"
 
@@ -29,5 +33,66 @@ class LayoutIndex {
 // and writes host views of any dtype; LSE and tensor gradients are fp32.
 void plain_forward(const Problem& problem, const ForwardArgs& args);
 void plain_backward(const Problem& problem, const BackwardArgs& args);
+
+// The tolerance of one output: element i passes when |got_i - ref_i| <= atol + rtol * |ref_i|.
+struct Tolerance {
+  double atol = 0.0;
+  double rtol = 0.0;
+  double allowed(double reference) const;  // 0 where the reference is infinite or NaN
+};
+
+// |value - reference|, with agreement: both NaN, or equal (also equal infinities), give 0; NaN on
+// one side only gives +inf.
+double element_error(double value, double reference);
+
+// The tolerance of an output from the plain same-precision implementation of the same case: the
+// line atol + rtol * |ref| that bounds every plain element's error and is lowest at the mean
+// magnitude, times 2, plus rounding floors (rtol: one rounding in `rounding_dtype`; atol: one
+// float32 rounding of the largest |ref|).
+Tolerance derive_tolerance(const TensorView& plain, const TensorView& reference,
+                           DType rounding_dtype);
+
+// Every element of `got` against `reference` under `tolerance` (host views, same shape).
+OutputCheck compare(std::string name, const TensorView& got, const TensorView& reference,
+                    const Tolerance& tolerance, bool guard_intact);
+
+// The float64 reference of a case: outputs of cpu_ref (or its variants) on float64 inputs.
+struct ReferenceOutputs {
+  HostTensor out, lse, dq, dk, dv;
+  std::map<std::string, HostTensor> tensor_grads;  // gradients of the float tensors
+};
+
+struct ReferenceInputs {
+  HostTensor q, k, v, dout;                   // float64
+  std::map<std::string, HostTensor> tensors;  // float tensors in float64, integer ones as they are
+};
+
+// What the float64 reference computes: the request, or a wrong function a conformance case must
+// tell apart from it (DESIGN.md section 5).
+enum class ReferenceVariant {
+  kExact,
+  kWithoutScoreModifier,  // score_mod dropped (the identity)
+  kWithoutMask,           // mask_mod dropped (every key kept)
+  kScoreDerivativeOne,    // backward with d score_mod / d score replaced by 1
+};
+
+// Runs cpu_ref on `desc` (a float64 problem on the CPU) as `variant` says; backward when the
+// problem wants it, with the gradients of `float_tensors`.
+ReferenceOutputs run_reference(const ProblemDesc& desc, const ReferenceInputs& inputs,
+                               const std::vector<std::string>& float_tensors,
+                               ReferenceVariant variant);
+
+// An output of a case with its float64 reference and its tolerance.
+struct ToleratedOutput {
+  std::string name;
+  const HostTensor* reference;
+  Tolerance tolerance;
+};
+
+// Empty when every variant that changes the function (on these inputs) fails the tolerance of
+// every output it changes; otherwise why the case cannot tell the variant from the request.
+std::string discrimination_failure(const ProblemDesc& desc, const ReferenceInputs& inputs,
+                                   const std::vector<std::string>& float_tensors,
+                                   const std::vector<ToleratedOutput>& outputs);
 
 }  // namespace flexattn::conformance::detail

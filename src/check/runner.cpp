@@ -1,6 +1,7 @@
 // Runs one conformance case on an engine: same inputs through the engine, through cpu_ref in
-// float64 and through the plain same-precision implementation; every output checked against the
-// float64 result with the tolerance rule, and every output buffer fenced by sentinel regions.
+// float64 and through the plain same-precision implementation; the case first proven
+// discriminating, then every output checked against the float64 result per element with the
+// tolerance rule (tolerance.cpp), and every output buffer fenced by sentinel regions.
 #include <fmt/format.h>
 
 #include <algorithm>
@@ -11,7 +12,6 @@
 #include <vector>
 
 #include "check/check_internal.hpp"
-#include "engines/cpu_ref/cpu_ref.hpp"
 #include "flexattn/conformance.hpp"
 #include "flexattn/error.hpp"
 
@@ -112,59 +112,15 @@ class DeviceInput {
   void* device_ = nullptr;
 };
 
-double machine_epsilon(DType dtype) {
-  switch (dtype) {
-    case DType::kF64:
-      return std::numeric_limits<double>::epsilon();
-    case DType::kF32:
-    case DType::kI32:
-    case DType::kI64:
-      return std::numeric_limits<float>::epsilon();
-    case DType::kF16:
-      return 0x1p-10;  // 10 fraction bits
-    case DType::kBF16:
-      return 0x1p-7;  // 7 fraction bits
-  }
-  return 0.0;
-}
-
-double element_error(double value, double reference) {
-  if (std::isnan(value) || std::isnan(reference)) return std::numeric_limits<double>::infinity();
-  if (value == reference) return 0.0;  // also equal infinities (LSE of empty rows)
-  return std::fabs(value - reference);
-}
-
-// Compares the engine's and the plain implementation's outputs with the float64 reference.
-OutputCheck compare(std::string name, const TensorView& engine, const TensorView& plain,
-                    const TensorView& reference, DType rounding_dtype, bool guard_intact) {
-  OutputCheck check;
-  check.output = std::move(name);
-  check.guard_intact = guard_intact;
-  const std::int64_t count = reference.numel();
-  double plain_error = 0.0;
-  double magnitude = 0.0;
-  std::vector<double> errors(static_cast<std::size_t>(count));
-  for (std::int64_t i = 0; i < count; ++i) {
-    const double r = reference.load(i);
-    if (std::isfinite(r)) magnitude = std::max(magnitude, std::fabs(r));
-    plain_error = std::max(plain_error, element_error(plain.load(i), r));
-    errors[static_cast<std::size_t>(i)] = element_error(engine.load(i), r);
-  }
-  // One rounding of the largest output in the output's precision: the error floor.
-  const double floor = machine_epsilon(rounding_dtype) * std::max(1.0, magnitude);
-  check.allowed = 2.0 * plain_error + floor;
-  std::int64_t outside = 0;
-  for (double e : errors) {
-    check.max_error = std::max(check.max_error, e);
-    if (!(e <= check.allowed)) ++outside;
-  }
-  check.fraction_outside = count == 0 ? 0.0 : static_cast<double>(outside) / static_cast<double>(count);
-  return check;
-}
-
-HostTensor random_input(const TensorView& expected, DType dtype, std::uint64_t seed) {
+// N(mean, stddev^2) entries, rounded to `dtype`.
+HostTensor random_input(const TensorView& expected, DType dtype, std::uint64_t seed,
+                        double mean = 0.0, double stddev = 1.0) {
   HostTensor tensor(dtype, expected.shape);
   tensor.fill_normal(seed);
+  if (mean != 0.0 || stddev != 1.0) {
+    const TensorView view = tensor.view();
+    for (std::int64_t e = 0; e < view.numel(); ++e) view.store(e, mean + stddev * view.load(e));
+  }
   return tensor;
 }
 
@@ -178,7 +134,7 @@ const OutputCheck* Outcome::worst() const {
   const OutputCheck* worst_check = nullptr;
   double worst_ratio = -1.0;
   for (const OutputCheck& check : checks) {
-    const double ratio = check.allowed > 0.0 ? check.max_error / check.allowed
+    const double ratio = check.allowed > 0.0     ? check.max_error / check.allowed
                          : check.max_error > 0.0 ? std::numeric_limits<double>::infinity()
                                                  : 0.0;
     if (ratio > worst_ratio) {
@@ -222,21 +178,24 @@ Outcome run_case(const Engine& engine, const Case& test_case, std::uint64_t seed
   const DType stats_dtype = DType::kF32;
 
   // The same inputs for all three, in the storage dtype; float64 copies for the reference.
-  const HostTensor q = random_input(problem.expected("q"), dtype, seed * 4 + 0);
-  const HostTensor k = random_input(problem.expected("k"), dtype, seed * 4 + 1);
+  const HostTensor q = random_input(problem.expected("q"), dtype, seed * 4 + 0,
+                                    instance.query_key_mean, instance.query_key_stddev);
+  const HostTensor k = random_input(problem.expected("k"), dtype, seed * 4 + 1,
+                                    instance.query_key_mean, instance.query_key_stddev);
   const HostTensor v = random_input(problem.expected("v"), dtype, seed * 4 + 2);
   const HostTensor dout = random_input(problem.expected("o"), dtype, seed * 4 + 3);
 
   ProblemDesc reference_desc = instance.desc;
   reference_desc.dtype = DType::kF64;
   reference_desc.device = Device::kCpu;
-  std::map<std::string, HostTensor> reference_tensors;
+  detail::ReferenceInputs reference_inputs{
+      q.to(DType::kF64), k.to(DType::kF64), v.to(DType::kF64), dout.to(DType::kF64), {}};
   for (auto& [name, tensor] : instance.tensors) {
     const bool is_float = is_floating(tensor.dtype());
-    reference_tensors.emplace(name, is_float ? tensor.to(DType::kF64) : tensor.to(tensor.dtype()));
+    reference_inputs.tensors.emplace(name,
+                                     is_float ? tensor.to(DType::kF64) : tensor.to(tensor.dtype()));
     if (is_float) reference_desc.tensors[name].dtype = DType::kF64;
   }
-  const Problem reference_problem(reference_desc);
   const std::vector<std::string> float_tensors = [&] {
     std::vector<std::string> names;
     for (const std::string& name : problem.score_mod().tensors()) {
@@ -246,33 +205,8 @@ Outcome run_case(const Engine& engine, const Case& test_case, std::uint64_t seed
   }();
 
   // Float64 reference.
-  const HostTensor q64 = q.to(DType::kF64), k64 = k.to(DType::kF64), v64 = v.to(DType::kF64);
-  const HostTensor dout64 = dout.to(DType::kF64);
-  HostTensor out64 = host_output(reference_problem.expected("o"), DType::kF64);
-  HostTensor lse64 = host_output(reference_problem.expected("lse"), DType::kF64);
-  HostTensor dq64, dk64, dv64;
-  std::map<std::string, HostTensor> dtensor64;
-  {
-    const std::unique_ptr<Plan> plan = make_cpu_ref_engine()->plan(reference_problem);
-    ForwardArgs args{q64.view(), k64.view(), v64.view(), out64.view(), lse64.view(), {}, nullptr};
-    for (auto& [name, tensor] : reference_tensors) args.tensors[name] = tensor.view();
-    plan->forward(args);
-    if (test_case.backward) {
-      dq64 = HostTensor(DType::kF64, q.shape());
-      dk64 = HostTensor(DType::kF64, k.shape());
-      dv64 = HostTensor(DType::kF64, v.shape());
-      BackwardArgs bargs;
-      bargs.q = q64.view(), bargs.k = k64.view(), bargs.v = v64.view();
-      bargs.out = out64.view(), bargs.lse = lse64.view(), bargs.dout = dout64.view();
-      bargs.dq = dq64.view(), bargs.dk = dk64.view(), bargs.dv = dv64.view();
-      bargs.tensors = args.tensors;
-      for (const std::string& name : float_tensors) {
-        dtensor64.emplace(name, HostTensor(DType::kF64, instance.tensors.at(name).shape()));
-        bargs.tensor_grads[name] = dtensor64.at(name).view();
-      }
-      plan->backward(bargs);
-    }
-  }
+  const detail::ReferenceOutputs reference = detail::run_reference(
+      reference_desc, reference_inputs, float_tensors, detail::ReferenceVariant::kExact);
 
   // Plain same-precision implementation (the tolerance).
   HostTensor plain_out = host_output(problem.expected("o"), dtype);
@@ -300,6 +234,46 @@ Outcome run_case(const Engine& engine, const Case& test_case, std::uint64_t seed
     }
   }
 
+  // Every output with its float64 reference and its tolerance, in the order they are reported.
+  std::vector<detail::ToleratedOutput> outputs;
+  const auto add_output = [&](std::string name, const HostTensor& plain,
+                              const HostTensor& reference_output, DType rounding_dtype) {
+    outputs.push_back(
+        {std::move(name), &reference_output,
+         detail::derive_tolerance(plain.view(), reference_output.view(), rounding_dtype)});
+  };
+  add_output("out", plain_out, reference.out, dtype);
+  add_output("lse", plain_lse, reference.lse, stats_dtype);
+  if (test_case.backward) {
+    add_output("dq", plain_dq, reference.dq, dtype);
+    add_output("dk", plain_dk, reference.dk, dtype);
+    add_output("dv", plain_dv, reference.dv, dtype);
+    for (const std::string& name : float_tensors) {
+      add_output("d" + name, plain_dtensor.at(name), reference.tensor_grads.at(name), stats_dtype);
+    }
+  }
+  const auto output_named = [&](const std::string& name) -> const detail::ToleratedOutput& {
+    for (const detail::ToleratedOutput& output : outputs) {
+      if (output.name == name) return output;
+    }
+    throw_internal(fmt::format("conformance: no output '{}'", name));
+  };
+  const auto reference_of = [&](const std::string& name) {
+    return output_named(name).reference->view();
+  };
+  const auto tolerance_of = [&](const std::string& name) { return output_named(name).tolerance; };
+
+  // The case must tell the request from the wrong functions an engine might compute.
+  if (test_case.prove_discriminating) {
+    const std::string failure =
+        detail::discrimination_failure(reference_desc, reference_inputs, float_tensors, outputs);
+    if (!failure.empty()) {
+      outcome.status = Status::kFail;
+      outcome.reason = "catalogue: the case does not discriminate: " + failure;
+      return outcome;
+    }
+  }
+
   // The engine, with every input on its device and every output fenced.
   try {
     const std::unique_ptr<Plan> plan = engine.plan(problem);
@@ -316,16 +290,16 @@ Outcome run_case(const Engine& engine, const Case& test_case, std::uint64_t seed
     }
     GuardedBuffer out(problem.expected("o"), memory);
     GuardedBuffer lse(problem.expected("lse"), memory);
-    ForwardArgs args{q_in.view(), k_in.view(), v_in.view(), out.engine_view(),
-                     lse.engine_view(), {}, nullptr};
+    ForwardArgs args{q_in.view(),       k_in.view(), v_in.view(), out.engine_view(),
+                     lse.engine_view(), {},          nullptr};
     for (auto& [name, input] : tensor_inputs) args.tensors[name] = input->view();
     plan->forward(args);
     const bool out_guard = out.fetch();
     const bool lse_guard = lse.fetch();
-    outcome.checks.push_back(compare("out", out.host_view(), plain_out.view(), out64.view(),
-                                     dtype, out_guard));
-    outcome.checks.push_back(compare("lse", lse.host_view(), plain_lse.view(), lse64.view(),
-                                     stats_dtype, lse_guard));
+    outcome.checks.push_back(detail::compare("out", out.host_view(), reference_of("out"),
+                                             tolerance_of("out"), out_guard));
+    outcome.checks.push_back(detail::compare("lse", lse.host_view(), reference_of("lse"),
+                                             tolerance_of("lse"), lse_guard));
     if (test_case.backward) {
       GuardedBuffer dq(problem.expected("q"), memory), dk(problem.expected("k"), memory),
           dv(problem.expected("v"), memory);
@@ -345,16 +319,16 @@ Outcome run_case(const Engine& engine, const Case& test_case, std::uint64_t seed
       plan->backward(bargs);
       const bool dq_guard = dq.fetch(), dk_guard = dk.fetch(), dv_guard = dv.fetch();
       outcome.checks.push_back(
-          compare("dq", dq.host_view(), plain_dq.view(), dq64.view(), dtype, dq_guard));
+          detail::compare("dq", dq.host_view(), reference_of("dq"), tolerance_of("dq"), dq_guard));
       outcome.checks.push_back(
-          compare("dk", dk.host_view(), plain_dk.view(), dk64.view(), dtype, dk_guard));
+          detail::compare("dk", dk.host_view(), reference_of("dk"), tolerance_of("dk"), dk_guard));
       outcome.checks.push_back(
-          compare("dv", dv.host_view(), plain_dv.view(), dv64.view(), dtype, dv_guard));
+          detail::compare("dv", dv.host_view(), reference_of("dv"), tolerance_of("dv"), dv_guard));
       for (const std::string& name : float_tensors) {
         const bool guard = dtensors.at(name)->fetch();
-        outcome.checks.push_back(compare("d" + name, dtensors.at(name)->host_view(),
-                                         plain_dtensor.at(name).view(), dtensor64.at(name).view(),
-                                         stats_dtype, guard));
+        outcome.checks.push_back(detail::compare("d" + name, dtensors.at(name)->host_view(),
+                                                 reference_of("d" + name), tolerance_of("d" + name),
+                                                 guard));
       }
     }
   } catch (const Error& error) {
@@ -368,12 +342,12 @@ Outcome run_case(const Engine& engine, const Case& test_case, std::uint64_t seed
     if (check.passed()) continue;
     outcome.status = Status::kFail;
     if (!outcome.reason.empty()) outcome.reason += "; ";
-    outcome.reason += !check.guard_intact
-                          ? fmt::format("{}: write outside the buffer (sentinel overwritten)",
-                                        check.output)
-                          : fmt::format("{}: max error {:.3g} > allowed {:.3g} ({:.1f}% outside)",
-                                        check.output, check.max_error, check.allowed,
-                                        100.0 * check.fraction_outside);
+    outcome.reason +=
+        !check.guard_intact
+            ? fmt::format("{}: write outside the buffer (sentinel overwritten)", check.output)
+            : fmt::format("{}: error {:.3g} > allowed {:.3g} at element {} ({:.1f}% outside)",
+                          check.output, check.max_error, check.allowed, check.worst_index,
+                          100.0 * check.fraction_outside);
   }
   return outcome;
 }

@@ -61,7 +61,7 @@ void register_matrix() {
 }
 
 // The planted faulty engines must fail the matrix on a modifier they drop: the dropping one by
-// the plan proof, the lying one by a large fraction of elements outside tolerance.
+// the plan proof, the lying one by the comparison with cpu_ref.
 TEST(PlantedFaults, DroppingEngineFailsThePlanProof) {
   const Case softcap = [] {
     for (const Case& c : cases(Tier::kQuick)) {
@@ -74,21 +74,44 @@ TEST(PlantedFaults, DroppingEngineFailsThePlanProof) {
   EXPECT_NE(outcome.reason.find("plan proof"), std::string::npos) << outcome.reason;
 }
 
-TEST(PlantedFaults, LyingEngineFailsOnMostElements) {
-  int failed = 0;
+// The lying engine computes the request without its score modifier and claims the requested
+// hashes: every quick case whose modifier matters must fail, in every dtype, forward and
+// backward, on out, the LSE and each gradient separately (dq, dk, dv, the tensors'). A row with
+// one key has P = 1 whatever the modifier (and ALiBi adds 0 there), so cases with seq_len_kv 1
+// are left out.
+TEST(PlantedFaults, LyingEngineFailsEveryModifierCaseOnEveryOutput) {
+  std::set<DType> dtypes;
+  int backward_cases = 0;
   for (const Case& c : cases(Tier::kQuick)) {
-    if (c.backward || c.dtype != DType::kF32 || c.mask != "none") continue;
     const Outcome outcome = run_case(*testing::make_lying_engine(), c);
     if (c.modifier == "none") {
       EXPECT_EQ(outcome.status, Status::kPass) << c.name << ": " << outcome.reason;
       continue;
     }
-    if (c.modifier == "softcap30") continue;  // scores of N(0,1) inputs hardly reach the cap
-    EXPECT_EQ(outcome.status, Status::kFail) << c.name;
-    EXPECT_GT(outcome.fraction_outside(), 0.2) << c.name;
-    ++failed;
+    if (c.shape.seq_len_kv == 1) continue;
+    ASSERT_EQ(outcome.status, Status::kFail) << c.name;
+    EXPECT_EQ(outcome.reason.find("catalogue"), std::string::npos) << c.name << outcome.reason;
+    ASSERT_GE(outcome.checks.size(), c.backward ? 5u : 2u) << c.name;  // every output compared
+    for (const OutputCheck& check : outcome.checks) {
+      EXPECT_FALSE(check.passed()) << c.name << ": " << check.output << " passed, error "
+                                   << check.max_error << " <= " << check.allowed;
+    }
+    dtypes.insert(c.dtype);
+    backward_cases += c.backward ? 1 : 0;
   }
-  EXPECT_GE(failed, 6);
+  EXPECT_EQ(dtypes.size(), 3u);
+  EXPECT_GE(backward_cases, 30);
+}
+
+// The dropping engine reports the hashes of what it lowered: the plan proof refuses it before any
+// output is compared, backward cases included.
+TEST(PlantedFaults, DroppingEngineFailsThePlanProofBackwardToo) {
+  for (const Case& c : cases(Tier::kQuick)) {
+    if (c.modifier != "softcap5" || !c.backward) continue;
+    const Outcome outcome = run_case(*testing::make_dropping_engine(), c);
+    EXPECT_EQ(outcome.status, Status::kFail) << c.name;
+    EXPECT_NE(outcome.reason.find("plan proof"), std::string::npos) << outcome.reason;
+  }
 }
 
 // The table's "max err" and "allowed" must describe the same output: a large but tolerated error

@@ -1,15 +1,17 @@
-// The planted faulty engines (testing.hpp): plain float64 attention that honours the mask but
-// ignores the score modifier, exactly the failure of DESIGN.md section 1. They differ only in the
-// hash they report: the dropping engine reports the hash of what it lowered (so the plan proof
-// refuses it), the lying one reports the requested hash (so only a comparison catches it).
-// Test fixtures: a straightforward loop, forward only.
+// The planted faulty engines (testing.hpp): float64 attention that honours the mask but ignores
+// the score modifier, forward and backward, exactly the failure of DESIGN.md section 1. They
+// compute with cpu_ref on the problem without its score modifier (so the fault is the only
+// difference from the oracle), and differ only in the proof they report: the dropping engine
+// reports the hashes of what it lowered (so the plan proof refuses it), the lying one the
+// requested hashes (so only a comparison of outputs catches it).
 #include <fmt/format.h>
 
 #include <algorithm>
-#include <cmath>
-#include <limits>
+#include <memory>
+#include <string>
 #include <vector>
 
+#include "engines/cpu_ref/cpu_ref.hpp"
 #include "flexattn/analysis.hpp"
 #include "flexattn/error.hpp"
 #include "flexattn/testing.hpp"
@@ -18,102 +20,43 @@ namespace flexattn::testing {
 
 namespace {
 
-constexpr double kNegativeInfinity = -std::numeric_limits<double>::infinity();
-
 enum class Claim { kHonest, kLying };
 
-// Element offset of row (b, h, s) of a Q/K/V/O-like view in `layout`.
-std::int64_t row_offset(const TensorView& view, Layout layout,
-                        const std::vector<std::int64_t>& offsets, std::int64_t b, std::int64_t h,
-                        std::int64_t s) {
-  const std::vector<std::int64_t>& st = view.strides;
-  switch (layout) {
-    case Layout::kBSHD:
-      return b * st[0] + s * st[1] + h * st[2];
-    case Layout::kSBHD:
-      return s * st[0] + b * st[1] + h * st[2];
-    case Layout::kBHSD:
-      return b * st[0] + h * st[1] + s * st[2];
-    case Layout::kTHD:
-      return (offsets[static_cast<std::size_t>(b)] + s) * st[0] + h * st[1];
-  }
-  return 0;
+// The fault: the request with its score modifier dropped (the identity).
+Problem without_score_modifier(const Problem& problem) {
+  ProblemDesc desc = problem.desc();
+  desc.score_mod.reset();
+  return Problem(desc);
 }
 
 class FaultyPlan final : public Plan {
  public:
-  FaultyPlan(PlanInfo info, Problem problem)
-      : Plan(std::move(info)), problem_(std::move(problem)) {}
+  FaultyPlan(PlanInfo info, Problem problem, std::unique_ptr<Plan> dropped)
+      : Plan(std::move(info)), problem_(std::move(problem)), dropped_(std::move(dropped)) {}
   const Problem& problem() const override { return problem_; }
 
  protected:
-  void run_forward(const ForwardArgs& args) const override;
-  void run_backward(const BackwardArgs&) const override {
-    throw_unsupported(fmt::format("{}: forward only", info().engine));
-  }
+  void run_forward(const ForwardArgs& args) const override { dropped_->forward(args); }
+  void run_backward(const BackwardArgs& args) const override;
 
  private:
   Problem problem_;
+  std::unique_ptr<Plan> dropped_;  // cpu_ref's plan of the problem without the score modifier
 };
 
-void FaultyPlan::run_forward(const ForwardArgs& args) const {
-  const ProblemDesc& d = problem_.desc();
-  Bindings bindings;
-  bindings.params = d.params;
-  bindings.tensors = args.tensors;
-  const Graph& mask = problem_.mask_mod();
-  const std::int64_t group = d.heads_q / d.heads_kv;
-  std::vector<double> scores;
-  for (std::int64_t b = 0; b < d.batch; ++b) {
-    const std::int64_t q_len = problem_.seq_len_q_of(b);
-    const std::int64_t kv_len = problem_.seq_len_kv_of(b);
-    for (std::int64_t h = 0; h < d.heads_q; ++h) {
-      const std::int64_t h_kv = h / group;
-      for (std::int64_t q = 0; q < q_len; ++q) {
-        const std::int64_t q_row = row_offset(args.q, d.layout, d.cu_seqlens_q, b, h, q);
-        scores.assign(static_cast<std::size_t>(kv_len), kNegativeInfinity);
-        double max = kNegativeInfinity;
-        for (std::int64_t kv = 0; kv < kv_len; ++kv) {
-          EvalPoint at{0.0, b, h, q, kv, q_len, kv_len};
-          if (evaluate(mask, at, bindings) == 0.0) continue;
-          const std::int64_t k_row = row_offset(args.k, d.layout, d.cu_seqlens_kv, b, h_kv, kv);
-          double dot = 0.0;
-          for (std::int64_t i = 0; i < d.head_dim_qk; ++i) {
-            dot += args.q.load(q_row + i) * args.k.load(k_row + i);
-          }
-          // The fault: the score modifier is never applied.
-          scores[static_cast<std::size_t>(kv)] = problem_.scale() * dot;
-          max = std::max(max, scores[static_cast<std::size_t>(kv)]);
-        }
-        double sum = 0.0;
-        std::vector<double> out(static_cast<std::size_t>(d.head_dim_v), 0.0);
-        if (max != kNegativeInfinity) {
-          for (std::int64_t kv = 0; kv < kv_len; ++kv) {
-            const double weight = std::exp(scores[static_cast<std::size_t>(kv)] - max);
-            if (weight == 0.0) continue;
-            sum += weight;
-            const std::int64_t v_row = row_offset(args.v, d.layout, d.cu_seqlens_kv, b, h_kv, kv);
-            for (std::int64_t i = 0; i < d.head_dim_v; ++i) {
-              out[static_cast<std::size_t>(i)] += weight * args.v.load(v_row + i);
-            }
-          }
-        }
-        const std::int64_t o_row = row_offset(args.out, d.layout, d.cu_seqlens_q, b, h, q);
-        for (std::int64_t i = 0; i < d.head_dim_v; ++i) {
-          args.out.store(o_row + i, sum > 0.0 ? out[static_cast<std::size_t>(i)] / sum : 0.0);
-        }
-        if (!args.lse.empty()) {
-          const double lse = sum > 0.0 ? max + std::log(sum) : kNegativeInfinity;
-          const std::int64_t offset =
-              d.layout == Layout::kTHD
-                  ? h * args.lse.strides[0] +
-                        (d.cu_seqlens_q[static_cast<std::size_t>(b)] + q) * args.lse.strides[1]
-                  : b * args.lse.strides[0] + h * args.lse.strides[1] + q * args.lse.strides[2];
-          args.lse.store(offset, lse);
-        }
-      }
+void FaultyPlan::run_backward(const BackwardArgs& args) const {
+  // Without the modifier no tensor is read by a score, so every tensor gradient is zero.
+  BackwardArgs dropped_args = args;
+  dropped_args.tensor_grads.clear();
+  const std::vector<std::string> read = dropped_->problem().score_mod().tensors();
+  for (const auto& [name, gradient] : args.tensor_grads) {
+    if (std::find(read.begin(), read.end(), name) != read.end()) {
+      dropped_args.tensor_grads[name] = gradient;
+      continue;
     }
+    for (std::int64_t i = 0; i < gradient.numel(); ++i) gradient.store(i, 0.0);
   }
+  dropped_->backward(dropped_args);
 }
 
 class FaultyEngine final : public Engine {
@@ -125,25 +68,26 @@ class FaultyEngine final : public Engine {
  protected:
   Lowered lower(const Problem& problem, Stage stage) const override {
     Lowered result;
-    if (problem.wants_backward()) {
-      result.support = Support::no("forward only");
+    if (problem.device() != Device::kCpu) {
+      result.support = Support::no("computes on the CPU only");
       return result;
     }
     result.support = Support::yes();
     if (stage == Stage::kCheck) return result;
+    const Problem dropped = without_score_modifier(problem);
     PlanInfo info;
     info.engine = name_;
-    // What it really lowered: the identity score modifier and the problem's mask.
-    const std::uint64_t lowered =
-        modifier_hash(Graph::identity_score(), problem.mask_mod(), problem.scale());
-    info.lowered_hash = claim_ == Claim::kHonest ? lowered : problem.modifier_hash();
-    info.description = claim_ == Claim::kHonest
-                           ? "test fixture: plain float64 attention that drops the score "
-                             "modifier and reports the hash of what it lowered"
-                           : "test fixture: plain float64 attention that drops the score "
-                             "modifier and claims the requested hash";
+    // What it really lowered: the identity score modifier, its derivatives and the problem's mask.
+    const bool honest = claim_ == Claim::kHonest;
+    info.lowered_hash = honest ? dropped.modifier_hash() : problem.modifier_hash();
+    info.lowered_backward_hash = honest ? dropped.backward_hash() : problem.backward_hash();
+    info.description = honest ? "test fixture: float64 attention that drops the score modifier "
+                                "and reports the hashes of what it lowered"
+                              : "test fixture: float64 attention that drops the score modifier "
+                                "and claims the requested hashes";
     info.signature = problem.signature();
-    result.plan = std::make_unique<FaultyPlan>(std::move(info), problem);
+    std::unique_ptr<Plan> dropped_plan = make_cpu_ref_engine()->plan(dropped);
+    result.plan = std::make_unique<FaultyPlan>(std::move(info), problem, std::move(dropped_plan));
     return result;
   }
 
