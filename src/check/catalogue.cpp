@@ -37,6 +37,17 @@ constexpr ModifierSpec kScoreMods[] = {
     {"gate", "score * sigmoid(gate[h])"},
     {"piecewise", "where(score > 0, score * 0.5, score * 2 + 0.25 * float(kv % 3))"},
     {"neginf", "where(kv % 5 == 3, -inf, score)"},
+    // Parameters computed from indices, non-linear score terms, tensor gradients whose derivative
+    // is a leaf (the score itself, the literal 1) and products of two loads.
+    {"alibihead", "score + float(kv - q) * exp2(-float(h + 1))"},
+    {"logindex", "score + log(float(kv + 1)) * sqrt(float(h + 1)) * 0.5"},
+    {"square", "score * score * 0.25"},
+    {"swish", "score * sigmoid(score)"},
+    {"reciprocal", "1 / score"},  // q and k shifted so every score is about 8 (query_key_mean)
+    {"gain", "score * g[h]"},
+    {"keybias", "score + gk[h, kv]"},
+    {"keyonly", "gk[h, kv]"},
+    {"twoloads", "score + bias[h, q, kv] * gk[h, kv]"},
 };
 
 // Masks: none, the common structured ones, one from integer tensors, and one that empties rows.
@@ -196,6 +207,25 @@ std::vector<Case> cases(Tier tier) {
       }
     }
   }
+  // 4. The gradient catalogue: every score modifier above whose derivative or loads are
+  //    non-trivial, forward and backward, at odd lengths (1, 17, 33, 129: padding rows and
+  //    columns in every tile size) and at a tile multiple (128).
+  const std::vector<std::pair<Shape, DType>> gradient_shapes = {
+      {{1, 4, 2, 17, 33, 64, 64}, DType::kBF16},   {{1, 4, 2, 17, 33, 64, 64}, DType::kF32},
+      {{1, 2, 2, 129, 129, 64, 64}, DType::kBF16}, {{1, 2, 1, 1, 33, 64, 64}, DType::kBF16},
+      {{1, 2, 2, 128, 128, 64, 64}, DType::kF16},
+  };
+  for (const char* modifier : {"alibihead", "logindex", "square", "swish", "reciprocal", "gain",
+                               "keybias", "keyonly", "twoloads"}) {
+    for (const auto& [shape, dtype] : gradient_shapes) {
+      if (tier == Tier::kQuick && dtype == DType::kF16 && std::string_view(modifier) != "square") {
+        continue;
+      }
+      for (bool backward : {false, true}) {
+        result.push_back(make_case(shape, Layout::kBSHD, dtype, modifier, "none", backward));
+      }
+    }
+  }
   return result;
 }
 
@@ -203,7 +233,7 @@ namespace {
 
 std::vector<TensorSpec> tensors_of(std::string_view modifier, std::string_view mask) {
   std::vector<TensorSpec> tensors;
-  if (modifier == "bias" || modifier == "custom") {
+  if (modifier == "bias" || modifier == "custom" || modifier == "twoloads") {
     tensors.push_back({"bias", TensorSpec::Contents::kNormal});
   }
   if (modifier == "alibi" || modifier == "custom") {
@@ -211,6 +241,10 @@ std::vector<TensorSpec> tensors_of(std::string_view modifier, std::string_view m
   }
   if (modifier == "relbias") tensors.push_back({"rel", TensorSpec::Contents::kNormal});
   if (modifier == "gate") tensors.push_back({"gate", TensorSpec::Contents::kNormal});
+  if (modifier == "gain") tensors.push_back({"g", TensorSpec::Contents::kNormal});
+  if (modifier == "keybias" || modifier == "keyonly" || modifier == "twoloads") {
+    tensors.push_back({"gk", TensorSpec::Contents::kNormal});
+  }
   if (mask == "document") {
     tensors.push_back({"docq", TensorSpec::Contents::kDocumentsOfQuery});
     tensors.push_back({"dockv", TensorSpec::Contents::kDocumentsOfKey});
@@ -220,7 +254,8 @@ std::vector<TensorSpec> tensors_of(std::string_view modifier, std::string_view m
 
 std::vector<std::int64_t> tensor_shape(std::string_view name, const Shape& s) {
   if (name == "bias") return {s.heads_q, s.seq_len_q, s.seq_len_kv};
-  if (name == "slopes" || name == "gate") return {s.heads_q};
+  if (name == "slopes" || name == "gate" || name == "g") return {s.heads_q};
+  if (name == "gk") return {s.heads_q, s.seq_len_kv};
   if (name == "rel") return {s.heads_q, 129};  // 129 buckets: clamp(kv - q + 64, 0, 128)
   if (name == "docq") return {s.seq_len_q};
   if (name == "dockv") return {s.seq_len_kv};
@@ -295,6 +330,12 @@ Instance instantiate(const Case& c, Device device, std::uint64_t seed) {
     desc.score_mod = ir::parse(modifier.text, scope);
   }
   if (*mask.text != '\0') desc.mask_mod = ir::parse(mask.text, scope);
+  // 1 / score on scores bounded away from 0: q and k entries about 1, so a score at head dim 64
+  // is about 8 (the padding rows' dummy score 0 is where the modifier is infinite).
+  if (c.modifier == "reciprocal") {
+    instance.query_key_mean = 1.0;
+    instance.query_key_stddev = 0.5;
+  }
   // Softcap 30 on scores of about 1 moves them by ~1e-4, invisible in bf16 (the case would not
   // discriminate): q and k entries of standard deviation 4 give scores of about 16, where
   // 30 * tanh(score / 30) is far from the identity and its derivative far from 1.

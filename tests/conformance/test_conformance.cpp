@@ -145,11 +145,13 @@ TEST(Catalogue, QuickTierCoversEveryFeature) {
     unequal_head_dims |= c.shape.head_dim_qk != c.shape.head_dim_v;
     backward |= c.backward;
   }
-  EXPECT_EQ(modifiers.size(), 10u);
+  EXPECT_EQ(modifiers.size(), 19u);
   EXPECT_EQ(masks.size(), 7u);
   EXPECT_EQ(layouts.size(), 4u);
   EXPECT_EQ(dtypes.size(), 3u);
-  for (std::int64_t length : {1, 17, 100, 577}) EXPECT_TRUE(lengths.count(length)) << length;
+  for (std::int64_t length : {1, 17, 33, 100, 128, 129, 577}) {
+    EXPECT_TRUE(lengths.count(length)) << length;
+  }
   for (std::int64_t dim : {64, 80, 128, 256}) EXPECT_TRUE(head_dims.count(dim)) << dim;
   for (std::int64_t ratio : {0, 1, 4}) EXPECT_TRUE(ratios.count(ratio)) << ratio;
   EXPECT_TRUE(unequal_lengths);
