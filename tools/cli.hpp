@@ -98,7 +98,8 @@ Outputs run_plan(const Selection& selection, const Inputs& inputs, int repeat);
 // The float64 reference of the same problem on the CPU (cpu_ref on fp64 copies of the inputs).
 Outputs run_reference(const Problem& problem, const Inputs& inputs);
 
-// max |a - b| over all elements (equal infinities count as 0; NaN propagates).
+// max |a - b| over all elements (equal infinities, and NaN against NaN, agree: 0; a NaN on one
+// side only gives NaN).
 double max_abs_error(const HostTensor& a, const HostTensor& b);
 double max_abs_value(const HostTensor& tensor);
 

@@ -9,11 +9,15 @@
 #include <set>
 
 #include "cli.hpp"
+#include "flexattn/conformance.hpp"
 
 namespace flexattn::cli {
 
 namespace {
 
+// Exit code of `run --check` when an output disagrees with cpu_ref (beyond tolerance, or NaN
+// where the reference is finite); distinct from 1 (failure), 2 (invalid input), 3 (unsupported).
+constexpr int kExitCheckFailed = 4;
 constexpr double kSecondsToMilliseconds = 1e3;
 constexpr double kFlopsToGiga = 1e-9;
 
@@ -97,6 +101,61 @@ void check_flag_combinations(const ProblemFlags& problem, const RunFlags& flags)
   }
 }
 
+// Every output against cpu_ref under the conformance rule (per element, the tolerance from the
+// plain same-precision implementation run on the same inputs).
+std::vector<conformance::OutputCheck> check_outputs(const Problem& problem, const Inputs& inputs,
+                                                    const std::vector<NamedOutput>& named) {
+  ProblemDesc desc = problem.desc();
+  desc.device = Device::kCpu;
+  desc.q_strides = desc.k_strides = desc.v_strides = desc.o_strides = std::nullopt;
+  const Problem plain_problem(desc);
+  const DType dtype = problem.dtype();
+  const DType stats_dtype = DType::kF32;
+  Outputs plain;
+  plain.out = HostTensor(dtype, plain_problem.expected("o").shape);
+  plain.lse = HostTensor(stats_dtype, plain_problem.expected("lse").shape);
+  ForwardArgs forward{inputs.q.view(),  inputs.k.view(),  inputs.v.view(),
+                      plain.out.view(), plain.lse.view(), {},
+                      nullptr};
+  for (const auto& [name, tensor] : inputs.tensors) forward.tensors[name] = tensor.view();
+  conformance::plain_forward(plain_problem, forward);
+  if (problem.wants_backward()) {
+    plain.dq = HostTensor(dtype, inputs.q.shape());
+    plain.dk = HostTensor(dtype, inputs.k.shape());
+    plain.dv = HostTensor(dtype, inputs.v.shape());
+    BackwardArgs backward;
+    backward.q = forward.q, backward.k = forward.k, backward.v = forward.v;
+    backward.out = plain.out.view(), backward.lse = plain.lse.view();
+    backward.dout = inputs.dout.view();
+    backward.dq = plain.dq.view(), backward.dk = plain.dk.view(), backward.dv = plain.dv.view();
+    backward.tensors = forward.tensors;
+    for (const NamedOutput& output : named) {
+      if (output.name.size() < 2 || !inputs.tensors.contains(output.name.substr(1))) continue;
+      const std::string tensor = output.name.substr(1);
+      plain.tensor_grads.emplace(tensor,
+                                 HostTensor(stats_dtype, inputs.tensors.at(tensor).shape()));
+      backward.tensor_grads[tensor] = plain.tensor_grads.at(tensor).view();
+    }
+    conformance::plain_backward(plain_problem, backward);
+  }
+  std::vector<conformance::OutputCheck> checks;
+  for (const NamedOutput& output : named) {
+    const bool storage =
+        output.name == "out" || output.name == "dq" || output.name == "dk" || output.name == "dv";
+    const HostTensor& plain_output = output.name == "out"   ? plain.out
+                                     : output.name == "lse" ? plain.lse
+                                     : output.name == "dq"  ? plain.dq
+                                     : output.name == "dk"  ? plain.dk
+                                     : output.name == "dv"
+                                         ? plain.dv
+                                         : plain.tensor_grads.at(output.name.substr(1));
+    checks.push_back(conformance::compare_output(output.name, output.tensor->view(),
+                                                 plain_output.view(), output.reference->view(),
+                                                 storage ? dtype : stats_dtype));
+  }
+  return checks;
+}
+
 }  // namespace
 
 void add_run_command(CLI::App& app, ProblemFlags& problem, RunFlags& flags) {
@@ -111,7 +170,9 @@ void add_run_command(CLI::App& app, ProblemFlags& problem, RunFlags& flags) {
   run->add_option("--dv", flags.dv_file, "backward: dV .npy");
   run->add_option("--dtensor", flags.dtensor_files,
                   "backward: gradient of a tensor the score modifier reads, NAME=FILE.npy");
-  run->add_flag("--check", flags.check, "compare every output with cpu_ref in float64");
+  run->add_flag("--check", flags.check,
+                "compare every output with cpu_ref in float64, per element within the conformance "
+                "tolerance; on a disagreement exit 4 and write no output file");
   run->add_flag("--json", flags.json, "print a machine-readable summary");
   run->add_option("--repeat", flags.repeat, "runs to time (median; default 1)");
 }
@@ -131,13 +192,32 @@ int run_command(const ProblemFlags& problem_flags, const RunFlags& flags) {
 
   const std::vector<NamedOutput> named =
       named_outputs(flags, problem, outputs, reference ? &*reference : nullptr, dtensors);
+  std::vector<conformance::OutputCheck> checks;
+  if (reference) checks = check_outputs(problem, inputs, named);
+  const bool check_passed = std::all_of(
+      checks.begin(), checks.end(), [](const conformance::OutputCheck& c) { return c.passed(); });
+  // Outputs are written only when everything succeeded, the check included.
   const DType file_dtype = problem.dtype() == DType::kF64 ? DType::kF64 : DType::kF32;
   std::vector<std::string> written;
   for (const NamedOutput& output : named) {
-    if (output.path.empty()) continue;
+    if (output.path.empty() || !check_passed) continue;
     write_npy(output.path, output.tensor->to(file_dtype));
     written.push_back(output.path);
   }
+  std::string check_failure;
+  for (const conformance::OutputCheck& check : checks) {
+    if (check.passed()) continue;
+    check_failure += fmt::format("{}{}: error {:.3g} > allowed {:.3g} at element {}",
+                                 check_failure.empty() ? "" : "; ", check.output, check.max_error,
+                                 check.allowed, check.worst_index);
+  }
+  const auto finish = [&]() {
+    if (check_passed) return 0;
+    std::fflush(stdout);
+    fmt::print(stderr, "error: check against cpu_ref failed ({}); no output written\n",
+               check_failure);
+    return kExitCheckFailed;
+  };
 
   const double kept = kept_fraction(problem);
   const double seconds = outputs.forward_seconds + outputs.backward_seconds;
@@ -168,12 +248,14 @@ int run_command(const ProblemFlags& problem_flags, const RunFlags& flags) {
     if (reference) {
       nlohmann::ordered_json by_output = nlohmann::ordered_json::object();
       for (const auto& [name, error] : errors) by_output[name] = error;
-      summary["check"] = {
-          {"reference", "cpu_ref"}, {"max_abs_error", by_output}, {"max_error", worst}};
+      summary["check"] = {{"reference", "cpu_ref"},
+                          {"max_abs_error", by_output},
+                          {"max_error", worst},
+                          {"passed", check_passed}};
     }
     summary["outputs"] = written;
     fmt::print("{}\n", summary.dump(2));
-    return 0;
+    return finish();
   }
   fmt::print("engine    {}\nplan      {}\nproblem   {}\n", info.engine, info.description,
              problem_summary(problem));
@@ -185,10 +267,11 @@ int run_command(const ProblemFlags& problem_flags, const RunFlags& flags) {
   if (reference) {
     std::vector<std::string> parts;
     for (const auto& [name, error] : errors) parts.push_back(fmt::format("{} {:.3g}", name, error));
-    fmt::print("check     max abs error vs cpu_ref (float64): {}\n", fmt::join(parts, ", "));
+    fmt::print("check     max abs error vs cpu_ref (float64): {}: {}\n", fmt::join(parts, ", "),
+               check_passed ? "ok" : "FAILED");
   }
   if (!written.empty()) fmt::print("wrote     {}\n", fmt::join(written, ", "));
-  return 0;
+  return finish();
 }
 
 }  // namespace flexattn::cli

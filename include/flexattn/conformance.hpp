@@ -98,4 +98,13 @@ struct Outcome {
 // Never throws for an engine failure: an exception from the engine is a kFail with its message.
 Outcome run_case(const Engine& engine, const Case& test_case, std::uint64_t seed = 1);
 
+// run_case's rule for outputs computed elsewhere (`flexattn run --check`). The plain
+// same-precision implementation that sets the tolerance, on host views of a CPU problem (LSE and
+// tensor gradients fp32), and the per-element comparison of `got` with the float64 `reference`
+// under the tolerance derived from `plain` (rounding_dtype: the output's storage dtype).
+void plain_forward(const Problem& problem, const ForwardArgs& args);
+void plain_backward(const Problem& problem, const BackwardArgs& args);
+OutputCheck compare_output(std::string name, const TensorView& got, const TensorView& plain,
+                           const TensorView& reference, DType rounding_dtype);
+
 }  // namespace flexattn::conformance

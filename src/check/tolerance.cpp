@@ -154,3 +154,21 @@ OutputCheck compare(std::string name, const TensorView& got, const TensorView& r
 }
 
 }  // namespace flexattn::conformance::detail
+
+namespace flexattn::conformance {
+
+void plain_forward(const Problem& problem, const ForwardArgs& args) {
+  detail::plain_forward(problem, args);
+}
+
+void plain_backward(const Problem& problem, const BackwardArgs& args) {
+  detail::plain_backward(problem, args);
+}
+
+OutputCheck compare_output(std::string name, const TensorView& got, const TensorView& plain,
+                           const TensorView& reference, DType rounding_dtype) {
+  const detail::Tolerance tolerance = detail::derive_tolerance(plain, reference, rounding_dtype);
+  return detail::compare(std::move(name), got, reference, tolerance, true);
+}
+
+}  // namespace flexattn::conformance

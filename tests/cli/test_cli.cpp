@@ -424,5 +424,37 @@ TEST_F(Cli, OutputFolderMissing) {
   expect_failure(run({"run", "--out", "missing/out.npy"}), kExitInvalidInput, "missing");
 }
 
+// `run --check` with an engine that drops the modifier (the canary switched off so the planted
+// engine is selected): exit 4, the reason on stderr, "passed": false, and no output file.
+TEST_F(Cli, RunCheckFailureExitsFourAndWritesNothing) {
+  const CliResult result = run({"run", "--with-planted-faults", "--engine", "faulty_lying_hash",
+                                "--heads-q", "2", "--seq-len-q", "64", "--dtype", "bf16",
+                                "--score-mod", "3 * tanh(score / 3)", "--backward", "--check",
+                                "--json", "--out", "out.npy", "--dq", "dq.npy"},
+                               {"FLEXATTN_CANARY=0"});
+  EXPECT_EQ(result.exit_code, 4) << result.err;
+  EXPECT_NE(result.err.find("error: check against cpu_ref failed"), std::string::npos)
+      << result.err;
+  EXPECT_NE(result.err.find("dq: error"), std::string::npos) << result.err;
+  EXPECT_FALSE(exists("out.npy"));
+  EXPECT_FALSE(exists("dq.npy"));
+  const nlohmann::json summary = nlohmann::json::parse(result.out);
+  EXPECT_FALSE(summary.at("check").at("passed").get<bool>());
+  EXPECT_TRUE(summary.at("outputs").empty());
+}
+
+// NaN on both sides (log of negative scores, through the reference itself) agrees: error 0, not
+// nan, and the check passes.
+TEST_F(Cli, RunCheckCountsAgreeingNanAsZero) {
+  const CliResult result = run({"run", "--engine", "cpu_ref", "--seq-len-q", "4", "--score-mod",
+                                "log(score)", "--check", "--json", "--out", "out.npy"});
+  ASSERT_EQ(result.exit_code, 0) << result.err;
+  const nlohmann::json summary = nlohmann::json::parse(result.out);
+  EXPECT_EQ(summary.at("check").at("max_abs_error").at("out").get<double>(), 0.0);
+  EXPECT_EQ(summary.at("check").at("max_abs_error").at("lse").get<double>(), 0.0);
+  EXPECT_TRUE(summary.at("check").at("passed").get<bool>());
+  EXPECT_TRUE(exists("out.npy"));
+}
+
 }  // namespace
 }  // namespace flexattn
