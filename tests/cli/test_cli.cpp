@@ -411,6 +411,17 @@ TEST_F(Cli, PlantedFaultIsRefusedByThePlanProof) {
   EXPECT_NE(result.err.find("faulty_drop_mod"), std::string::npos) << result.err;
 }
 
+// The lying engine passes the plan proof; the plan canary refuses it (exit 3, one line).
+TEST_F(Cli, LyingEngineIsRefusedByTheCanary) {
+  const CliResult run_result =
+      run({"run", "--with-planted-faults", "--engine", "faulty_lying_hash", "--score-mod",
+           "30*tanh(score/30)", "--mask-mod", "q >= kv", "--out", "out.npy"});
+  expect_failure(run_result, kExitUnsupported, "canary: engine faulty_lying_hash computed");
+  const CliResult demo = run({"demo", "--with-planted-faults", "--engine", "faulty_lying_hash"});
+  expect_failure(demo, kExitUnsupported, "canary: engine faulty_lying_hash computed");
+  EXPECT_NE(demo.err.find("is allowed"), std::string::npos) << demo.err;
+}
+
 TEST_F(Cli, GradientOutputWithoutBackward) {
   expect_failure(run({"run", "--dq", "dq.npy"}), kExitInvalidInput, "--backward");
 }
