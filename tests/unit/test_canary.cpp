@@ -197,6 +197,7 @@ TEST(Canary, QuickTierCpuPassesAndMutantsAreRefused) {
   const auto cpu = test::builtin_engine("cpu");
   const auto lying = testing::make_lying_engine();
   const auto wrong_derivative = make_cpu_ref_engine(ScoreDerivative::kReplacedByOne);
+  const MaskDroppingEngine mask_dropping;
   int compared = 0;
   for (const conformance::Case& c : conformance::cases(conformance::Tier::kQuick)) {
     const conformance::Instance instance = conformance::instantiate(c, Device::kCpu, 1);
@@ -214,14 +215,16 @@ TEST(Canary, QuickTierCpuPassesAndMutantsAreRefused) {
     }
     ++compared;
 
-    const bool has_score_mod = !problem.score_mod().is_identity_score();
-    if (has_score_mod && lying->supports(problem)) {
-      EXPECT_FALSE(detail::run_canary(*lying, *lying->plan(problem)).passed) << c.name;
-    }
+    // Each mutant engine must be refused wherever its fault changes the function.
     for (const detail::CanaryVariant& variant : result.variants) {
-      if (variant.name != "derivative replaced by 1") continue;
-      EXPECT_FALSE(detail::run_canary(*wrong_derivative, *wrong_derivative->plan(problem)).passed)
-          << c.name;
+      if (variant.ratio < detail::kDiscriminationFactor) continue;  // the same function here
+      const Engine* mutant = variant.name == "score_mod dropped"          ? lying.get()
+                             : variant.name == "mask dropped"             ? &mask_dropping
+                             : variant.name == "derivative replaced by 1" ? wrong_derivative.get()
+                                                                          : nullptr;
+      if (mutant == nullptr || !mutant->supports(problem)) continue;
+      EXPECT_FALSE(detail::run_canary(*mutant, *mutant->plan(problem)).passed)
+          << c.name << " " << variant.name;
     }
   }
   EXPECT_GT(compared, 100);
