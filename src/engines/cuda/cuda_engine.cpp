@@ -16,6 +16,7 @@
 #include "engines/cuda/driver.hpp"
 #include "engines/cuda/kernel_cache.hpp"
 #include "engines/cuda/kernels/params.cuh"
+#include "engines/cuda/source_proof.hpp"
 #include "engines/cuda/tile_plan.hpp"
 #include "flexattn/error.hpp"
 
@@ -168,6 +169,17 @@ Support lower_problem(const Problem& problem, Lowering& lowering, int capability
     lowering.unstaged_choice = unstaged;
   }
   return Support::yes();
+}
+
+// The plan proof of every source the plan can compile: the forward with its staged tensor and,
+// where there is one, its unstaged fallback.
+SourceProof prove_lowering(const Problem& problem, const Lowering& lowering) {
+  SourceProof proof = prove_modifier_source(problem, lowering.bindings, lowering.source);
+  if (proof.proven && lowering.unstaged_choice) {
+    proof = prove_modifier_source(problem, lowering.bindings, lowering.unstaged_source);
+    if (!proof.proven) proof.failure = "the unstaged forward: " + proof.failure;
+  }
+  return proof;
 }
 
 // The architecture suffix the module needs ("a": sm_90a) when any of its kernels uses wgmma.
@@ -748,11 +760,13 @@ class CudaEngine final : public Engine {
         backward_text, kernel.key.substr(0, 16), driver_->device_name(),
         driver_->compute_capability(), architecture_suffix(lowering), kernel.origin,
         kernel.seconds);
-    info.lowered_hash = modifier_hash(problem.score_mod(), problem.mask_mod(), problem.scale());
-    if (lowering.backward) {
-      info.lowered_backward_hash =
-          backward_hash(lowering.backward->score_derivative, lowering.backward->load_derivatives);
-    }
+    // The plan proof: the generated source it compiles, lifted and proven equal to the request
+    // by evaluation (source_proof.hpp); 0, which matches no problem, when it is not.
+    const SourceProof proof = prove_lowering(problem, lowering);
+    const ProofHashes hashes = proof_hashes(problem, proof);
+    info.lowered_hash = hashes.lowered_hash;
+    info.lowered_backward_hash = hashes.lowered_backward_hash;
+    if (!proof.proven) info.description += "; not proven: " + proof.failure;
     info.signature = problem.signature();
     result.plan = std::make_unique<CudaPlan>(
         std::move(info), problem, driver_, lowering, std::move(kernel), tiles,
@@ -770,6 +784,13 @@ class CudaEngine final : public Engine {
 };
 
 }  // namespace
+
+ProofHashes plan_proof_hashes(const Problem& problem, int capability) {
+  Lowering lowering;
+  if (!lower_problem(problem, lowering, capability)) return {};
+  return proof_hashes(problem, prove_lowering(problem, lowering));
+}
+
 }  // namespace cuda
 
 std::shared_ptr<const Engine> make_cuda_engine() { return std::make_shared<cuda::CudaEngine>(); }
