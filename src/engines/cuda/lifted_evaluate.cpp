@@ -79,7 +79,31 @@ bool same_dtype(const std::string& loader, DType dtype) {
   return false;
 }
 
+// Element `offset` of a contiguous tensor: its synthetic value.
+double element_at(const SyntheticTensor& tensor, std::int64_t offset, const char* what) {
+  std::int64_t elements = 1;
+  for (std::int64_t extent : tensor.shape) elements *= extent;
+  if (offset < 0 || offset >= elements) {
+    fail(fmt::format("{} offset {} outside its tensor of {} elements", what, offset, elements));
+  }
+  std::vector<std::int64_t> indices(tensor.shape.size());
+  for (std::size_t k = tensor.shape.size(); k-- > 0;) {
+    indices[k] = offset % tensor.shape[k];
+    offset /= tensor.shape[k];
+  }
+  return synthetic_element(tensor, indices);
+}
+
 }  // namespace
+
+double synthetic_element(const SyntheticTensor& tensor, const std::vector<std::int64_t>& indices) {
+  std::int64_t hash = tensor.salt;
+  for (std::int64_t index : indices) {
+    hash = (hash * kElementHashBase + index % kElementHashPrime) % kElementHashPrime;
+  }
+  if (!is_floating(tensor.dtype)) return static_cast<double>(hash % kElementIds);
+  return static_cast<double>(hash % kElementLevels - kElementLevels / 2) * kElementStep;
+}
 
 void LiftedEvaluator::prepare(const LiftedPoint& point) {
   invariants_.clear();
@@ -395,20 +419,14 @@ LiftedValue LiftedEvaluator::load(const LiftedNode& node) {
   if (node.slot < 0 || static_cast<std::size_t>(node.slot) >= environment_.tensors.size()) {
     fail(fmt::format("p.tensors[{}] is no tensor slot", node.slot));
   }
-  const HostTensor& tensor = *environment_.tensors[static_cast<std::size_t>(node.slot)];
-  if (!same_dtype(node.name, tensor.dtype())) {
+  const SyntheticTensor& tensor = environment_.tensors[static_cast<std::size_t>(node.slot)];
+  if (!same_dtype(node.name, tensor.dtype)) {
     fail(fmt::format("{} reads tensor slot {} of another dtype", node.name, node.slot));
   }
   if (offset.ambiguous) return {0.0, 0.0, true};
-  const auto element = static_cast<std::int64_t>(offset.value);
-  if (element < 0 || element >= tensor.numel()) {
-    fail(fmt::format("offset {} outside tensor slot {} ({} elements)", element, node.slot,
-                     tensor.numel()));
-  }
-  const double value = tensor.at(element);
-  // fp64 tensors arrive rounded to float.
-  const double single = static_cast<float>(value);
-  return {single, tensor.dtype() == DType::kF64 ? std::fabs(single - value) : 0.0, false};
+  // Every synthetic value is exact in float (and in the storage dtype).
+  return {element_at(tensor, static_cast<std::int64_t>(offset.value), node.name.c_str()), 0.0,
+          false};
 }
 
 // The staged element: forward_wgmma stages row q of the tensor's [q, kv] plane from
@@ -426,15 +444,12 @@ LiftedValue LiftedEvaluator::staged_element(const LiftedNode& node) {
   const LiftedValue start = evaluate(origin->second.value);
   const double offset = start.value + static_cast<double>(point_->q) * stride->second +
                         static_cast<double>(point_->kv);
-  const HostTensor& tensor = *environment_.tensors[static_cast<std::size_t>(slot->second)];
-  if (!same_dtype(node.name, tensor.dtype())) {
+  const SyntheticTensor& tensor = environment_.tensors[static_cast<std::size_t>(slot->second)];
+  if (!same_dtype(node.name, tensor.dtype)) {
     fail(fmt::format("{} reads a staged tensor of another dtype", node.name));
   }
-  const auto element = static_cast<std::int64_t>(offset);
-  if (element < 0 || element >= tensor.numel()) {
-    fail(fmt::format("staged offset {} outside its tensor", element));
-  }
-  return {tensor.at(element), 0.0, start.ambiguous};
+  return {element_at(tensor, static_cast<std::int64_t>(offset), node.name.c_str()), 0.0,
+          start.ambiguous};
 }
 
 }  // namespace flexattn::cuda

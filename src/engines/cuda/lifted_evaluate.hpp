@@ -39,12 +39,30 @@ struct LiftedPoint {
   bool staged = false;  // whether `staged` points to the staged element
 };
 
+// The synthetic contents of an extra tensor, computed from the element's indices rather than
+// stored (a [batch, heads, seq_len_q, seq_len_kv] bias is not copied at plan time): a hash of the
+// indices (Horner's rule, base kElementHashBase, modulo the prime kElementHashPrime, starting
+// from the tensor's salt), then for float tensors (hash % 255 - 127) / 32, exact in every
+// storage dtype, and for integer tensors hash % 4 (document ids that match often). The request's
+// loads are rewritten into the same function of their index expressions (source_proof.cpp).
+inline constexpr std::int64_t kElementHashBase = 31;
+inline constexpr std::int64_t kElementHashPrime = 65521;
+inline constexpr std::int64_t kElementLevels = 255;
+inline constexpr double kElementStep = 1.0 / 32.0;
+inline constexpr std::int64_t kElementIds = 4;
+struct SyntheticTensor {
+  DType dtype = DType::kF32;
+  std::vector<std::int64_t> shape;
+  std::int64_t salt = 0;
+};
+double synthetic_element(const SyntheticTensor& tensor, const std::vector<std::int64_t>& indices);
+
 // What the kernel arguments hold: the scale and parameters (as float, as the engine passes
 // them) and the extra tensors by slot (contiguous, as the kernels require).
 struct LiftedEnvironment {
   double scale = 1.0;
   std::vector<double> params;
-  std::vector<const HostTensor*> tensors;
+  std::vector<SyntheticTensor> tensors;
 };
 
 // Thrown for what the device could not compute meaningfully (an offset outside its tensor, a

@@ -63,31 +63,26 @@ class Prover {
     environment_.scale = problem.scale();
     for (const std::string& name : bindings.params) {
       environment_.params.push_back(problem.desc().params.at(name));
-      request_bindings_.params[name] = problem.desc().params.at(name);
+      request_params_[name] = problem.desc().params.at(name);
     }
-    tensors_.reserve(bindings.tensors.size());
-    std::mt19937_64 generator(kSeed);
-    for (const std::string& name : bindings.tensors) {
-      const TensorDecl& decl = problem.desc().tensors.at(name);
-      HostTensor tensor(decl.dtype, decl.shape);
-      if (is_floating(decl.dtype)) {
-        tensor.fill_normal(generator(), 2.0);
-      } else {
-        // Small integers, so document ids and the like match often.
-        std::uniform_int_distribution<int> small(0, 3);
-        for (std::int64_t i = 0; i < tensor.numel(); ++i) tensor.set(i, small(generator));
-      }
-      tensors_.push_back(std::move(tensor));
+    for (std::size_t slot = 0; slot < bindings.tensors.size(); ++slot) {
+      const TensorDecl& decl = problem.desc().tensors.at(bindings.tensors[slot]);
+      tensors_[bindings.tensors[slot]] = {decl.dtype, decl.shape,
+                                          static_cast<std::int64_t>(slot) + 1};
+      environment_.tensors.push_back(tensors_[bindings.tensors[slot]]);
     }
-    for (std::size_t i = 0; i < tensors_.size(); ++i) {
-      environment_.tensors.push_back(&tensors_[i]);
-      request_bindings_.tensors[bindings.tensors[i]] = tensors_[i].view();
-    }
+    score_mod_ = synthetic_loads(problem.score_mod());
+    literal_sources_.push_back(&problem.score_mod());
+    mask_mod_ = synthetic_loads(problem.mask_mod());
     if (problem.wants_backward()) {
       derivative_ = derivative_wrt_score(problem.score_mod());
+      literal_sources_.push_back(&derivative_);
+      derivative_ = synthetic_loads(derivative_);
       for (LoadDerivative& load : derivatives_wrt_tensors(problem.score_mod())) {
         const auto decl = problem.desc().tensors.find(load.tensor);
         if (decl != problem.desc().tensors.end() && is_floating(decl->second.dtype)) {
+          for (Graph& index : load.indices) index = synthetic_loads(index);
+          load.derivative = synthetic_loads(load.derivative);
           load_derivatives_.push_back(std::move(load));
         }
       }
@@ -124,6 +119,37 @@ class Prover {
   }
 
  private:
+  // `graph` with each load replaced by the synthetic element function of its indices
+  // (synthetic_element), so the request reads what the lifted loads read, with no buffer.
+  Graph synthetic_loads(const Graph& graph) const {
+    std::map<const ir::ExprNode*, ir::Expr> done;
+    return Graph(rewrite(graph.to_expr(), done));
+  }
+  ir::Expr rewrite(const ir::Expr& expr, std::map<const ir::ExprNode*, ir::Expr>& done) const {
+    if (const auto found = done.find(expr.pointer().get()); found != done.end())
+      return found->second;
+    const ir::ExprNode& node = expr.node();
+    std::vector<ir::Expr> args;
+    for (const ir::Expr& arg : node.args) args.push_back(rewrite(arg, done));
+    ir::Expr result = expr;
+    if (node.op == Op::kLoad) {
+      const SyntheticTensor& tensor = tensors_.at(node.name);
+      const ir::Expr prime = ir::literal_i32(kElementHashPrime);
+      ir::Expr hash = ir::literal_i32(tensor.salt);
+      for (const ir::Expr& index : args) {
+        hash = (hash * ir::literal_i32(kElementHashBase) + index % prime) % prime;
+      }
+      result = is_floating(tensor.dtype) ? ir::to_float(hash % ir::literal_i32(kElementLevels) -
+                                                        ir::literal_i32(kElementLevels / 2)) *
+                                               ir::literal_f32(kElementStep)
+                                         : hash % ir::literal_i32(kElementIds);
+    } else if (!args.empty()) {
+      result = ir::make(node.op, std::move(args));
+    }
+    done.emplace(expr.pointer().get(), result);
+    return result;
+  }
+
   bool flag(const std::string& name) const {
     const auto found = modifier_.flags.find(name);
     if (found == modifier_.flags.end()) fail(fmt::format("the constant {} is missing", name));
@@ -149,7 +175,7 @@ class Prover {
       scores.push_back(-magnitude);
     }
     std::set<double> literals;
-    for (const Graph* graph : {&problem_.score_mod(), &derivative_}) {
+    for (const Graph* graph : literal_sources_) {
       for (const GraphNode& node : graph->nodes()) {
         if (node.op == Op::kLiteral && node.type == Type::kF32 && std::isfinite(node.literal)) {
           literals.insert(node.literal);
@@ -209,7 +235,7 @@ class Prover {
     at.key = point.kv;
     at.query_length = point.q_len;
     at.key_length = point.kv_len;
-    return evaluate(graph, at, request_bindings_);
+    return evaluate(graph, at, Bindings{request_params_, {}});
   }
 
   void check(const std::string& name, const LiftedValue& lifted, double expected,
@@ -254,10 +280,9 @@ class Prover {
     // With kIdentityScore the kernels compute `dot * scale` themselves and call no score
     // function; score_mod is proven all the same (it is generated for every problem).
     const bool identity = flag("kIdentityScore");
-    const double score = request(problem_.score_mod(), point, point.score);
+    const double score = request(score_mod_, point, point.score);
     check("score_mod", evaluator_.function("score_mod", point), score, point);
-    const double expected_log2 =
-        kLog2e * request(problem_.score_mod(), point, problem_.scale() * point.dot);
+    const double expected_log2 = kLog2e * request(score_mod_, point, problem_.scale() * point.dot);
     if (identity) {
       // The kernels' own `dot * p.scale_log2`, one rounding of the scale and one of the product.
       const double logit = point.dot * static_cast<float>(problem_.scale() * kLog2e);
@@ -277,7 +302,7 @@ class Prover {
                          expected_log2, problem_.scale() * point.dot));
       }
     }
-    const double keep = request(problem_.mask_mod(), point, point.score);
+    const double keep = request(mask_mod_, point, point.score);
     check("mask_mod",
           flag("kHasMask") ? evaluator_.function("mask_mod", point) : LiftedValue{1.0, 0.0, false},
           keep, point);
@@ -363,9 +388,13 @@ class Prover {
   const LiftedModifier& modifier_;
   LiftedEnvironment environment_;
   LiftedEvaluator evaluator_;
-  std::vector<HostTensor> tensors_;
-  Bindings request_bindings_;
+  std::map<std::string, SyntheticTensor> tensors_;
+  std::map<std::string, double> request_params_;
+  // The request's graphs with synthetic loads, and the graphs whose literals are scores to visit.
+  Graph score_mod_;
+  Graph mask_mod_;
   Graph derivative_;
+  std::vector<const Graph*> literal_sources_;
   std::vector<LoadDerivative> load_derivatives_;
   std::map<std::string, Tally> tallies_;
 };
