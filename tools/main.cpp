@@ -3,7 +3,9 @@
 // bad flags), 3 when no engine can run the problem, 1 for anything else.
 #include <fmt/format.h>
 
+#include <cerrno>
 #include <cstdio>
+#include <cstring>
 #include <exception>
 #include <new>
 #include <sstream>
@@ -36,6 +38,16 @@ int fail(int code, const std::string& message) {
   std::fflush(stdout);
   fmt::print(stderr, "error: {}\n", one_line(message));
   return code;
+}
+
+// A subcommand's result stands only if its output reached stdout: a full disk or a closed pipe
+// turns exit 0 into exit 1, with the reason on stderr.
+int flushed(int code) {
+  if (std::fflush(stdout) == 0 && std::ferror(stdout) == 0) return code;
+  const int error = errno;
+  std::clearerr(stdout);
+  fmt::print(stderr, "error: cannot write to standard output: {}\n", std::strerror(error));
+  return code == 0 ? kExitFailure : code;
 }
 
 int exit_code(flexattn::ErrorCode code) {
@@ -95,12 +107,14 @@ int main(int argc, char** argv) {
   }
 
   try {
-    if (app.got_subcommand("demo")) return demo_command(demo);
-    if (app.got_subcommand("engines")) return engines_command(engines_json, engines_planted);
-    if (app.got_subcommand("explain")) return explain_command(explain_problem, explain);
-    if (app.got_subcommand("run")) return run_command(run_problem, run);
-    if (app.got_subcommand("check")) return check_command(check);
-    if (app.got_subcommand("bench")) return bench_command(bench_problem, bench);
+    if (app.got_subcommand("demo")) return flushed(demo_command(demo));
+    if (app.got_subcommand("engines")) {
+      return flushed(engines_command(engines_json, engines_planted));
+    }
+    if (app.got_subcommand("explain")) return flushed(explain_command(explain_problem, explain));
+    if (app.got_subcommand("run")) return flushed(run_command(run_problem, run));
+    if (app.got_subcommand("check")) return flushed(check_command(check));
+    if (app.got_subcommand("bench")) return flushed(bench_command(bench_problem, bench));
     return fail(kExitInvalidInput, "no subcommand (see flexattn --help)");
   } catch (const flexattn::Error& error) {
     return fail(exit_code(error.code()), error.what());

@@ -4,6 +4,9 @@
 #include <fmt/format.h>
 
 #include <cctype>
+#include <charconv>
+#include <cmath>
+#include <limits>
 #include <set>
 
 #include "cli.hpp"
@@ -80,6 +83,62 @@ bool is_identifier(const std::string& name) {
   return true;
 }
 
+// CLI11 reads integers with strtoll/strtoull, which clamp past int64 (and wrap "-1" for unsigned)
+// and take "010" as octal; these validators run first and let through only decimal integers in
+// range, so a value outside int64 is refused, never clamped. They are transforms (CLI11 hands
+// checks a copy) so that "010" reaches the conversion as "10".
+// On success `text` is rewritten in canonical decimal (so "010" reaches CLI11 as "10").
+template <typename Integer>
+std::string decimal_error(std::string& text, Integer& value) {
+  const char* const end = text.data() + text.size();
+  const auto [stop, error] = std::from_chars(text.data(), end, value);
+  if (error == std::errc::result_out_of_range && stop == end) {
+    return fmt::format("{} is outside the range [{}, {}]", text,
+                       std::numeric_limits<Integer>::min(), std::numeric_limits<Integer>::max());
+  }
+  if (text.empty() || error != std::errc() || stop != end) {
+    return fmt::format("'{}' is not a decimal integer", text);
+  }
+  text = std::to_string(value);
+  return {};
+}
+
+// A size flag given explicitly: 0 is refused, not read as "the default" (which is the flag left
+// out), and so are negative values.
+const CLI::Validator kPositiveSize(
+    [](std::string& text) {
+      std::int64_t value = 0;
+      std::string error = decimal_error(text, value);
+      if (error.empty() && value < 1) error = fmt::format("{} is not a size (at least 1)", text);
+      return error;
+    },
+    "SIZE");
+
+// Any int64 (the thd offsets; the problem checks their order).
+const CLI::Validator kInt64(
+    [](std::string& text) {
+      std::int64_t value = 0;
+      return decimal_error(text, value);
+    },
+    "INT64");
+
+const CLI::Validator kUint64(
+    [](std::string& text) {
+      std::uint64_t value = 0;
+      return decimal_error(text, value);
+    },
+    "UINT64");
+
+// Text flags given explicitly must say something: an empty --score-mod, --dtype or --q is a
+// mistake, not "none".
+const CLI::Validator kNotEmpty(
+    [](std::string& text) {
+      return text.find_first_not_of(" \t\r\n") == std::string::npos
+                 ? std::string("an empty value (leave the flag out for its default)")
+                 : std::string();
+    },
+    "TEXT");
+
 double parse_number(const std::string& text, const std::string& flag, const std::string& whole) {
   std::size_t used = 0;
   double value = 0.0;
@@ -90,6 +149,9 @@ double parse_number(const std::string& text, const std::string& flag, const std:
   }
   if (used == 0 || used != text.size()) {
     throw_invalid(fmt::format("{} '{}': '{}' is not a number", flag, whole, text));
+  }
+  if (!std::isfinite(value)) {
+    throw_invalid(fmt::format("{} '{}': {} is not a finite number", flag, whole, text));
   }
   return value;
 }
@@ -195,36 +257,51 @@ ir::Expr parse_flag(const std::string& text, const ProblemDesc& desc, const char
 }  // namespace
 
 void add_problem_flags(CLI::App& app, ProblemFlags& flags) {
-  app.add_option("--batch", flags.batch, "batch size (default 1, or from --q)");
-  app.add_option("--heads-q", flags.heads_q, "query heads (default 4, or from --q)");
-  app.add_option("--heads-kv", flags.heads_kv, "key/value heads (default: heads-q; GQA/MQA)");
-  app.add_option("--seq-len-q", flags.seq_len_q, "query length (default 128, or from --q)");
-  app.add_option("--seq-len-kv", flags.seq_len_kv, "key/value length (default: seq-len-q)");
-  app.add_option("--head-dim", flags.head_dim, "head dim of q and k (default 64)");
-  app.add_option("--head-dim-v", flags.head_dim_v, "head dim of v and out (default: head-dim)");
-  app.add_option("--layout", flags.layout, "bshd, sbhd, bhsd or thd (default bshd)");
-  app.add_option("--dtype", flags.dtype, "fp64, fp32, fp16 or bf16 (default: --q's, or fp32)");
+  app.add_option("--batch", flags.batch, "batch size (default 1, or from --q)")
+      ->transform(kPositiveSize);
+  app.add_option("--heads-q", flags.heads_q, "query heads (default 4, or from --q)")
+      ->transform(kPositiveSize);
+  app.add_option("--heads-kv", flags.heads_kv, "key/value heads (default: heads-q; GQA/MQA)")
+      ->transform(kPositiveSize);
+  app.add_option("--seq-len-q", flags.seq_len_q, "query length (default 128, or from --q)")
+      ->transform(kPositiveSize);
+  app.add_option("--seq-len-kv", flags.seq_len_kv, "key/value length (default: seq-len-q)")
+      ->transform(kPositiveSize);
+  app.add_option("--head-dim", flags.head_dim, "head dim of q and k (default 64)")
+      ->transform(kPositiveSize);
+  app.add_option("--head-dim-v", flags.head_dim_v, "head dim of v and out (default: head-dim)")
+      ->transform(kPositiveSize);
+  app.add_option("--layout", flags.layout, "bshd, sbhd, bhsd or thd (default bshd)")
+      ->check(kNotEmpty);
+  app.add_option("--dtype", flags.dtype, "fp64, fp32, fp16 or bf16 (default: --q's, or fp32)")
+      ->check(kNotEmpty);
   app.add_option_function<double>(
       "--scale", [&flags](const double& scale) { flags.scale = scale; },
       "score scale (default 1/sqrt(head-dim))");
   app.add_option("--score-mod", flags.score_mod,
-                 "score modifier in IR text, e.g. '30 * tanh(score / 30)'");
-  app.add_option("--mask-mod", flags.mask_mod, "mask in IR text, e.g. 'q >= kv'");
+                 "score modifier in IR text, e.g. '30 * tanh(score / 30)'")
+      ->check(kNotEmpty);
+  app.add_option("--mask-mod", flags.mask_mod, "mask in IR text, e.g. 'q >= kv'")->check(kNotEmpty);
   app.add_option("--modifier", flags.modifiers,
-                 "catalogue modifier by name (softcap, alibi, causal, ...; repeatable)");
+                 "catalogue modifier by name (softcap, alibi, causal, ...; repeatable)")
+      ->check(kNotEmpty);
   app.add_option("--param", flags.params, "scalar parameter NAME=VALUE (repeatable)");
   app.add_option("--tensor", flags.tensors,
                  "tensor the modifiers read, NAME=FILE.npy (float32/64, int32/64; repeatable)");
   app.add_option("--cu-seqlens-q", flags.cu_seqlens_q, "thd: query offsets, batch + 1 values")
-      ->delimiter(',');
+      ->delimiter(',')
+      ->transform(kInt64);
   app.add_option("--cu-seqlens-kv", flags.cu_seqlens_kv, "thd: key offsets (default: query's)")
-      ->delimiter(',');
-  app.add_option("--q", flags.q_file, "queries .npy in the layout (gives the shapes)");
-  app.add_option("--k", flags.k_file, "keys .npy in the layout");
-  app.add_option("--v", flags.v_file, "values .npy in the layout");
-  app.add_option("--engine", flags.engine, "engine to force, or auto (default auto)");
+      ->delimiter(',')
+      ->transform(kInt64);
+  app.add_option("--q", flags.q_file, "queries .npy in the layout (gives the shapes)")
+      ->check(kNotEmpty);
+  app.add_option("--k", flags.k_file, "keys .npy in the layout")->check(kNotEmpty);
+  app.add_option("--v", flags.v_file, "values .npy in the layout")->check(kNotEmpty);
+  app.add_option("--engine", flags.engine, "engine to force, or auto (default auto)")
+      ->check(kNotEmpty);
   app.add_flag("--backward", flags.backward, "forward and backward");
-  app.add_option("--seed", flags.seed, "seed of the random inputs (default 0)");
+  app.add_option("--seed", flags.seed, "seed of the random inputs (default 0)")->transform(kUint64);
   app.add_flag("--with-planted-faults", flags.planted_faults,
                "add the deliberately faulty test engines")
       ->group("");

@@ -5,6 +5,7 @@
 #include <fmt/ranges.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cctype>
 #include <cstdio>
 #include <filesystem>
@@ -13,6 +14,7 @@
 #include <optional>
 #include <string_view>
 
+#include "core/checked_size.hpp"
 #include "flexattn/error.hpp"
 
 namespace flexattn {
@@ -28,6 +30,8 @@ constexpr std::size_t kLongLengthBytes = 4;
 constexpr std::size_t kPreambleAlignment = 64;
 // A header past this is not something NumPy writes; refuse it rather than allocate blindly.
 constexpr std::size_t kMaxHeaderLength = 1u << 20;
+// Streams are read in pieces of this size (a read's count is a std::streamsize).
+constexpr std::size_t kReadChunkBytes = std::size_t{1} << 24;
 
 [[noreturn]] void fail(const std::string& path, const std::string& problem) {
   throw_invalid(fmt::format("npy file '{}': {}", path, problem));
@@ -180,20 +184,38 @@ std::string shape_tuple(const std::vector<std::int64_t>& shape) {
   return fmt::format("({})", fmt::join(shape, ", "));
 }
 
+// Reads up to `count` bytes (fewer only at the end of the stream); never seeks, so pipes, FIFOs
+// and /dev/stdin read like files.
+std::size_t read_up_to(std::istream& stream, char* destination, std::size_t count) {
+  std::size_t done = 0;
+  while (done < count && stream) {
+    const std::size_t chunk = std::min(count - done, kReadChunkBytes);
+    stream.read(destination + done, static_cast<std::streamsize>(chunk));
+    done += static_cast<std::size_t>(stream.gcount());
+  }
+  return done;
+}
+
 }  // namespace
 
 HostTensor read_npy(const std::string& path) {
   std::ifstream file(path, std::ios::binary);
   if (!file) fail(path, "cannot open for reading");
-  file.seekg(0, std::ios::end);
-  const auto file_size = static_cast<std::size_t>(file.tellg());
-  file.seekg(0, std::ios::beg);
+  // A regular file's size is known before its data is allocated; a stream's is checked as it
+  // ends (reading one byte past the data finds trailing bytes).
+  std::error_code error;
+  std::optional<std::uintmax_t> file_size;
+  if (std::filesystem::is_regular_file(path, error)) {
+    const std::uintmax_t size = std::filesystem::file_size(path, error);
+    if (!error) file_size = size;
+  }
 
   unsigned char preamble[kMagic.size() + kVersionBytes + kLongLengthBytes] = {};
+  char* const preamble_bytes = reinterpret_cast<char*>(preamble);
   const std::size_t fixed = kMagic.size() + kVersionBytes;
-  if (file_size < fixed + kShortLengthBytes) fail(path, "truncated (no complete .npy preamble)");
-  file.read(reinterpret_cast<char*>(preamble), static_cast<std::streamsize>(fixed));
-  if (std::string_view(reinterpret_cast<const char*>(preamble), kMagic.size()) != kMagic) {
+  const std::size_t got = read_up_to(file, preamble_bytes, fixed + kShortLengthBytes);
+  if (got < fixed + kShortLengthBytes) fail(path, "truncated (no complete .npy preamble)");
+  if (std::string_view(preamble_bytes, kMagic.size()) != kMagic) {
     fail(path, "not a .npy file (bad magic)");
   }
   const int major = preamble[kMagic.size()];
@@ -205,15 +227,16 @@ HostTensor read_npy(const std::string& path) {
   } else {
     fail(path, fmt::format("unsupported .npy format version {}", major));
   }
-  if (file_size < fixed + length_bytes) fail(path, "truncated preamble");
-  file.read(reinterpret_cast<char*>(preamble + fixed), static_cast<std::streamsize>(length_bytes));
+  const std::size_t rest = length_bytes - kShortLengthBytes;
+  if (read_up_to(file, preamble_bytes + got, rest) != rest) fail(path, "truncated preamble");
   const std::size_t header_length = little_endian(preamble + fixed, length_bytes);
-  const std::size_t data_offset = fixed + length_bytes + header_length;
   if (header_length > kMaxHeaderLength) fail(path, "header too long");
-  if (data_offset > file_size) fail(path, "truncated header");
+  const std::size_t data_offset = fixed + length_bytes + header_length;
+  if (file_size && data_offset > *file_size) fail(path, "truncated header");
   std::string header_text(header_length, '\0');
-  file.read(header_text.data(), static_cast<std::streamsize>(header_length));
-  if (!file) fail(path, "cannot read header");
+  if (read_up_to(file, header_text.data(), header_length) != header_length) {
+    fail(path, "truncated header");
+  }
 
   const HeaderParser::Header header = HeaderParser(header_text, path).parse();
   if (header.fortran_order) {
@@ -227,22 +250,30 @@ HostTensor read_npy(const std::string& path) {
     fail(path,
          fmt::format("unsupported dtype '{}' (expected <f8, <f4, <f2, <i4 or <i8)", header.descr));
   }
-  std::size_t expected_bytes = size_of(*dtype);
+  std::optional<std::int64_t> expected = static_cast<std::int64_t>(size_of(*dtype));
   for (std::int64_t extent : header.shape) {
-    const auto unsigned_extent = static_cast<std::size_t>(extent);
-    if (unsigned_extent != 0 && expected_bytes > file_size / unsigned_extent) {
-      fail(path, "data size does not match the shape (file too short)");
-    }
-    expected_bytes *= unsigned_extent;
+    if (expected) expected = checked_multiply(*expected, extent);
   }
-  const std::size_t actual_bytes = file_size - data_offset;
-  if (actual_bytes != expected_bytes) {
+  if (!expected || *expected > kMaxTensorBytes) {
+    fail(path, fmt::format("data size does not match the shape: ({}) of {} holds more than 2^48 "
+                           "bytes",
+                           fmt::join(header.shape, ", "), header.descr));
+  }
+  const auto expected_bytes = static_cast<std::size_t>(*expected);
+  if (file_size && *file_size - data_offset != expected_bytes) {
     fail(path, fmt::format("data size does not match the shape: {} bytes for {} expected",
-                           actual_bytes, expected_bytes));
+                           *file_size - data_offset, expected_bytes));
   }
   HostTensor tensor(*dtype, header.shape);
-  file.read(static_cast<char*>(tensor.data()), static_cast<std::streamsize>(expected_bytes));
-  if (!file) fail(path, "cannot read data");
+  const std::size_t data_bytes =
+      read_up_to(file, static_cast<char*>(tensor.data()), expected_bytes);
+  char extra = 0;
+  if (data_bytes != expected_bytes || read_up_to(file, &extra, 1) != 0) {
+    fail(path,
+         fmt::format("data size does not match the shape: {}{} bytes for {} expected", data_bytes,
+                     data_bytes == expected_bytes ? " or more" : "", expected_bytes));
+  }
+  if (file.bad()) fail(path, "cannot read data");
   return tensor;
 }
 

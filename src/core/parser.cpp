@@ -2,6 +2,7 @@
 // through ir::make, so parsed and built expressions are type-checked by the same rules.
 #include <fmt/format.h>
 
+#include <algorithm>
 #include <charconv>
 #include <cstdint>
 #include <limits>
@@ -9,6 +10,7 @@
 #include <string>
 #include <string_view>
 #include <system_error>
+#include <unordered_map>
 #include <utility>
 #include <vector>
 
@@ -140,10 +142,25 @@ std::vector<Token> tokenize(std::string_view text, const std::string& context) {
   return tokens;
 }
 
+// The deepest expression parse() accepts, in nested operators, calls and parentheses, and in the
+// height of the tree it builds. Real modifiers are a few levels deep; the limit keeps every
+// recursive walk of the IR (canonicalisation, printing, derivatives, interval analysis, engines'
+// lowerings) far from the end of the stack.
+constexpr int kMaxParseDepth = 256;
+
+// Error messages quote the text, shortened past this many characters (a hostile expression can
+// be megabytes long; the column still locates the error).
+constexpr std::size_t kQuotedTextLength = 120;
+
+std::string quoted(std::string_view text) {
+  if (text.size() <= kQuotedTextLength) return fmt::format("\"{}\"", text);
+  return fmt::format("\"{}...\" ({} characters)", text.substr(0, kQuotedTextLength), text.size());
+}
+
 class Parser {
  public:
   Parser(std::string_view text, const Scope& scope)
-      : context_(fmt::format("\"{}\"", text)), scope_(scope), tokens_(tokenize(text, context_)) {}
+      : context_(quoted(text)), scope_(scope), tokens_(tokenize(text, context_)) {}
 
   Expr parse_all() {
     if (peek().kind == TokenKind::kEnd) fail("empty expression", peek());
@@ -172,13 +189,51 @@ class Parser {
     next();
   }
 
-  // Builds through ir::make; a type error gets the operator's position.
-  Expr build(Op op, std::vector<Expr> args, const Token& at) const {
-    try {
-      return make(op, std::move(args));
-    } catch (const Error& error) {
-      fail(error.what(), at);
+  // Counts the parser's own recursion (parentheses, unary operators and function calls nest it
+  // even where the tree stays flat, as in "((((score))))").
+  class Nesting {
+   public:
+    Nesting(Parser& parser, const Token& at) : parser_(parser) {
+      if (++parser_.nesting_ > kMaxParseDepth) {
+        parser_.fail(fmt::format("expression nested deeper than {} levels", kMaxParseDepth), at);
+      }
     }
+    ~Nesting() { --parser_.nesting_; }
+    Nesting(const Nesting&) = delete;
+    Nesting& operator=(const Nesting&) = delete;
+
+   private:
+    Parser& parser_;
+  };
+
+  // The height of a parsed node: leaves are 1 (absent from heights_).
+  int height(const Expr& expr) const {
+    const auto found = heights_.find(expr.pointer().get());
+    return found == heights_.end() ? 1 : found->second;
+  }
+
+  // Records `built`'s height; a chain such as "score + 1 + 1 + ..." grows the tree without
+  // nesting the parser, so the tree's height has its own check.
+  Expr with_height(Expr built, const Token& at) {
+    int tallest = 0;
+    for (const Expr& arg : built.node().args) tallest = std::max(tallest, height(arg));
+    if (tallest + 1 > kMaxParseDepth) {
+      fail(fmt::format("expression nested deeper than {} levels", kMaxParseDepth), at);
+    }
+    heights_[built.pointer().get()] = tallest + 1;
+    return built;
+  }
+
+  // Builds through ir::make; a type error gets the operator's position.
+  Expr build(Op op, std::vector<Expr> args, const Token& at) {
+    Expr built = [&] {
+      try {
+        return make(op, std::move(args));
+      } catch (const Error& error) {
+        fail(error.what(), at);
+      }
+    }();
+    return with_height(std::move(built), at);
   }
 
   const BinaryOperator* binary_operator() const {
@@ -201,6 +256,7 @@ class Parser {
   }
 
   Expr parse_unary() {
+    const Nesting nesting(*this, peek());
     if (at_symbol("-")) {
       const Token token = next();
       // A minus directly before a number is part of the literal (so -2147483648 is an i32).
@@ -306,11 +362,14 @@ class Parser {
                          indices.size(), indices.size() == 1 ? "ex" : "ices"),
              token);
       }
-      try {
-        return load(name, tensor->second.element_type, std::move(indices));
-      } catch (const Error& error) {
-        fail(error.what(), token);
-      }
+      Expr loaded = [&] {
+        try {
+          return load(name, tensor->second.element_type, std::move(indices));
+        } catch (const Error& error) {
+          fail(error.what(), token);
+        }
+      }();
+      return with_height(std::move(loaded), token);
     }
     for (const std::string& param_name : scope_.params) {
       if (param_name == name) return param(name);
@@ -322,6 +381,8 @@ class Parser {
   const Scope& scope_;
   std::vector<Token> tokens_;
   std::size_t position_ = 0;
+  int nesting_ = 0;
+  std::unordered_map<const ExprNode*, int> heights_;  // every node built here, but leaves
 };
 
 }  // namespace

@@ -177,12 +177,18 @@ std::string format_literal(const ExprNode& node, bool weak) {
   return text;
 }
 
+// Text is for people (messages, explain, comments in generated code). A graph shares nodes that
+// its text repeats, so the text of a small graph can be exponentially long (the derivative of 40
+// nested abs() is 2^40 characters): printing stops past this length.
+constexpr std::size_t kMaxPrintedLength = std::size_t{1} << 16;
+
 class Printer {
  public:
   std::string text;
 
   // Prints `node`; `weak` allows an implicitly promotable f32 operand to print as i32 text.
   void emit(const ExprNode& node, bool weak) {
+    if (text.size() > kMaxPrintedLength) return;
     if (weak && node.op == Op::kToFloat && node.args[0].type() == Type::kI32) {
       emit(node.args[0].node(), false);
       return;
@@ -322,6 +328,11 @@ class Printer {
 std::string print(const ExprNode& node) {
   Printer printer;
   printer.emit(node, false);
+  if (printer.text.size() > kMaxPrintedLength) {
+    printer.text.resize(kMaxPrintedLength);
+    printer.text += " ... (the rest of a text longer than " + std::to_string(kMaxPrintedLength) +
+                    " characters)";
+  }
   return printer.text;
 }
 

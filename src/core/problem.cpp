@@ -8,7 +8,9 @@
 #include <array>
 #include <bit>
 #include <cmath>
+#include <limits>
 
+#include "core/checked_size.hpp"
 #include "flexattn/error.hpp"
 
 namespace flexattn {
@@ -94,6 +96,103 @@ void check_names(const Graph& graph, const ProblemDesc& desc, const char* which)
       throw_invalid(fmt::format("{} loads '{}' as {} but it is declared {}", which, node.name,
                                 to_string(node.type), to_string(decl.dtype)));
     }
+  }
+}
+
+// The IR reads b, h, q, kv, Q_LEN and KV_LEN as i32, so the dimensions they index fit in it.
+void require_index_range(std::int64_t value, const char* name) {
+  constexpr std::int64_t kMaxIndexExtent = std::numeric_limits<std::int32_t>::max();
+  if (value > kMaxIndexExtent) {
+    throw_invalid(fmt::format("{} ({}) is past the modifiers' i32 indices (at most {})", name,
+                              value, kMaxIndexExtent));
+  }
+}
+
+// The bytes one of q, k, v, o holds, or its strided span where strides are given; Error naming
+// the dimensions when past kMaxTensorBytes. `tokens` is thd's total token count.
+std::int64_t sequence_tensor_bytes(const ProblemDesc& d, const char* which, const char* heads_name,
+                                   std::int64_t heads, const char* seq_name, std::int64_t seq_len,
+                                   std::int64_t tokens, const char* dim_name, std::int64_t head_dim,
+                                   const std::optional<std::vector<std::int64_t>>& strides) {
+  const std::size_t element_bytes = size_of(d.dtype);
+  const std::vector<NamedExtent> extents =
+      d.layout == Layout::kTHD
+          ? std::vector<NamedExtent>{{"tokens", tokens}, {heads_name, heads}, {dim_name, head_dim}}
+          : std::vector<NamedExtent>{
+                {"batch", d.batch}, {seq_name, seq_len}, {heads_name, heads}, {dim_name, head_dim}};
+  const std::int64_t bytes = checked_tensor_bytes(which, extents, element_bytes);
+  if (!strides) return bytes;
+  // The span of a strided view: 1 + sum over axes of (extent - 1) * stride elements. Extents
+  // are in the layout's order; the stride of each axis pairs with it (check_strides: same rank).
+  std::vector<std::int64_t> shape;
+  switch (d.layout) {
+    case Layout::kBSHD:
+      shape = {d.batch, seq_len, heads, head_dim};
+      break;
+    case Layout::kSBHD:
+      shape = {seq_len, d.batch, heads, head_dim};
+      break;
+    case Layout::kBHSD:
+      shape = {d.batch, heads, seq_len, head_dim};
+      break;
+    case Layout::kTHD:
+      shape = {tokens, heads, head_dim};
+      break;
+  }
+  std::optional<std::int64_t> span = 1;
+  for (std::size_t axis = 0; axis < shape.size() && span; ++axis) {
+    const std::optional<std::int64_t> reach = checked_multiply(shape[axis] - 1, (*strides)[axis]);
+    span = reach ? checked_add(*span, *reach) : std::nullopt;
+  }
+  if (span) span = checked_multiply(*span, static_cast<std::int64_t>(element_bytes));
+  if (!span || *span > kMaxTensorBytes) {
+    throw_invalid(
+        fmt::format("{} strides [{}] span more than 2^48 bytes", which, fmt::join(*strides, ", ")));
+  }
+  return std::max(bytes, *span);
+}
+
+// Every tensor of the problem stays under kMaxTensorBytes; on the CPU, all of them together fit
+// the host's memory. Runs before anything multiplies the sizes unchecked.
+void check_sizes(const ProblemDesc& d) {
+  for (const auto& [value, name] :
+       {std::pair{d.batch, "batch"}, std::pair{d.heads_q, "heads_q"},
+        std::pair{d.seq_len_q, "seq_len_q"}, std::pair{d.seq_len_kv, "seq_len_kv"}}) {
+    require_index_range(value, name);
+  }
+  const bool thd = d.layout == Layout::kTHD;
+  const std::int64_t tokens_q = thd ? d.cu_seqlens_q.back() : 0;
+  const std::int64_t tokens_kv = thd ? d.cu_seqlens_kv.back() : 0;
+  const std::int64_t q =
+      sequence_tensor_bytes(d, "q", "heads_q", d.heads_q, "seq_len_q", d.seq_len_q, tokens_q,
+                            "head_dim_qk", d.head_dim_qk, d.q_strides);
+  const std::int64_t k =
+      sequence_tensor_bytes(d, "k", "heads_kv", d.heads_kv, "seq_len_kv", d.seq_len_kv, tokens_kv,
+                            "head_dim_qk", d.head_dim_qk, d.k_strides);
+  const std::int64_t v =
+      sequence_tensor_bytes(d, "v", "heads_kv", d.heads_kv, "seq_len_kv", d.seq_len_kv, tokens_kv,
+                            "head_dim_v", d.head_dim_v, d.v_strides);
+  const std::int64_t o =
+      sequence_tensor_bytes(d, "o", "heads_q", d.heads_q, "seq_len_q", d.seq_len_q, tokens_q,
+                            "head_dim_v", d.head_dim_v, d.o_strides);
+  const std::size_t lse_element_bytes = d.dtype == DType::kF64 ? sizeof(double) : sizeof(float);
+  const std::int64_t lse =
+      thd ? checked_tensor_bytes("lse", {{"heads_q", d.heads_q}, {"tokens", tokens_q}},
+                                 lse_element_bytes)
+          : checked_tensor_bytes(
+                "lse", {{"batch", d.batch}, {"heads_q", d.heads_q}, {"seq_len_q", d.seq_len_q}},
+                lse_element_bytes);
+  // Forward: q, k, v, o, lse. Backward adds dout, dq, dk, dv and a gradient per tensor.
+  const int passes = d.direction == Direction::kForward ? 1 : 2;
+  std::optional<std::int64_t> total = passes * (q + k + v + o) + lse;  // each below 2^48
+  for (const auto& [name, decl] : d.tensors) {
+    const std::int64_t bytes =
+        checked_tensor_bytes(fmt::format("tensor '{}'", name), decl.shape, size_of(decl.dtype));
+    if (total) total = checked_add(*total, passes * bytes);
+  }
+  if (d.device == Device::kCpu) {
+    require_host_memory("the problem's tensors",
+                        total.value_or(std::numeric_limits<std::int64_t>::max()));
   }
 }
 
@@ -201,6 +300,11 @@ Problem::Problem(ProblemDesc desc) : desc_(std::move(desc)) {
 
   if (!d.scale) d.scale = 1.0 / std::sqrt(static_cast<double>(d.head_dim_qk));
   if (!std::isfinite(*d.scale)) throw_invalid(fmt::format("scale ({}) must be finite", *d.scale));
+  for (const auto& [name, value] : d.params) {
+    if (!std::isfinite(value)) {
+      throw_invalid(fmt::format("parameter '{}' ({}) must be finite", name, value));
+    }
+  }
 
   for (const auto& [name, decl] : d.tensors) {
     for (std::int64_t extent : decl.shape) {
@@ -210,6 +314,7 @@ Problem::Problem(ProblemDesc desc) : desc_(std::move(desc)) {
       }
     }
   }
+  check_sizes(d);
 
   Graph score_graph;
   if (d.score_mod) {

@@ -10,6 +10,7 @@
 #include <limits>
 #include <numbers>
 
+#include "core/checked_size.hpp"
 #include "flexattn/error.hpp"
 
 namespace flexattn {
@@ -19,10 +20,17 @@ namespace {
 // Cache-line (and AVX-512 vector) alignment of host storage.
 constexpr std::size_t kHostAlignment = 64;
 
+// The element count; Error(kInvalidArgument) for a negative extent or a count past int64.
 std::int64_t product(const std::vector<std::int64_t>& shape) {
-  std::int64_t count = 1;
-  for (std::int64_t extent : shape) count *= extent;
-  return count;
+  std::optional<std::int64_t> count = 1;
+  for (std::int64_t extent : shape) {
+    if (count) count = checked_multiply(*count, extent);
+  }
+  if (!count) {
+    throw_invalid(
+        fmt::format("shape [{}]: negative, or more than 2^63 elements", fmt::join(shape, ", ")));
+  }
+  return *count;
 }
 
 void require_cpu(const TensorView& view, const char* what) {
@@ -169,9 +177,15 @@ HostTensor::HostTensor(DType dtype, std::vector<std::int64_t> shape)
     if (extent < 0)
       throw_invalid(fmt::format("HostTensor: negative extent in [{}]", fmt::join(shape_, ", ")));
   }
-  // aligned_alloc needs a size that is a multiple of the alignment (and never 0 here).
+  const std::string what =
+      fmt::format("HostTensor {}[{}]", to_string(dtype_), fmt::join(shape_, ", "));
+  const std::int64_t checked_bytes = checked_tensor_bytes(what, shape_, size_of(dtype_));
+  require_host_memory(what, checked_bytes);
+  // aligned_alloc needs a size that is a multiple of the alignment (and never 0 here); below
+  // kMaxTensorBytes the rounding cannot overflow.
   const std::size_t size =
-      std::max(kHostAlignment, (bytes() + kHostAlignment - 1) / kHostAlignment * kHostAlignment);
+      std::max(kHostAlignment, (static_cast<std::size_t>(checked_bytes) + kHostAlignment - 1) /
+                                   kHostAlignment * kHostAlignment);
   auto* memory = static_cast<std::byte*>(std::aligned_alloc(kHostAlignment, size));
   if (memory == nullptr) {
     throw_invalid(fmt::format("HostTensor: cannot allocate {} bytes", size));

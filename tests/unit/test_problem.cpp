@@ -3,7 +3,10 @@
 #include <gtest/gtest.h>
 
 #include <cmath>
+#include <cstdint>
+#include <limits>
 #include <string>
+#include <vector>
 
 #include "support/test_support.hpp"
 
@@ -73,6 +76,56 @@ TEST(ProblemValidation, RejectsBadSizes) {
   desc = small_desc();
   desc.scale = std::numeric_limits<double>::infinity();
   expect_invalid(desc, "scale (inf) must be finite");
+}
+
+// Every size product is checked before anything multiplies it unchecked: overflowing shapes,
+// shapes past 2^48 bytes and past the host's memory are refused naming their dimensions.
+TEST(ProblemValidation, RefusesSizeProductsPastTheLimit) {
+  ProblemDesc desc = small_desc();
+  desc.head_dim_qk = std::int64_t{1} << 62;  // 2 x 16 x 4 x 2^62 wraps to 0 unchecked
+  expect_invalid(desc,
+                 "q would hold batch 2 x seq_len_q 16 x heads_q 4 x head_dim_qk "
+                 "4611686018427387904 elements of 4 bytes: more than 2^48 bytes");
+  desc = small_desc();
+  desc.head_dim_v = std::numeric_limits<std::int64_t>::max();
+  expect_invalid(desc, "v would hold");
+  desc = small_desc();
+  desc.heads_q = desc.seq_len_q = desc.head_dim_qk = 3'000'000;  // 2^88 bytes, no wrap to 0
+  expect_invalid(desc, "heads_q 3000000");
+  desc = small_desc();
+  desc.seq_len_q = 3'000'000'000;  // q and kv are i32 in the IR
+  desc.head_dim_qk = 1;
+  expect_invalid(desc, "seq_len_q (3000000000) is past the modifiers' i32 indices");
+  desc = small_desc();
+  desc.layout = Layout::kTHD;
+  desc.batch = 1;
+  desc.seq_len_q = 0;
+  desc.cu_seqlens_q = {0, std::int64_t{1} << 30};
+  desc.head_dim_qk = std::int64_t{1} << 40;
+  expect_invalid(desc, "tokens 1073741824 x heads_q 4 x head_dim_qk 1099511627776");
+  desc = small_desc();
+  desc.tensors["bias"] = TensorDecl{DType::kF32, {1 << 30, 1 << 30, 1 << 30}};
+  expect_invalid(desc, "tensor 'bias' would hold axis 0 1073741824");
+  desc = small_desc();
+  desc.q_strides = std::vector<std::int64_t>{std::int64_t{1} << 61, 512, 64, 1};
+  expect_invalid(desc, "q strides [2305843009213693952, 512, 64, 1] span more than 2^48 bytes");
+  // 16 TB: below 2^48 bytes, past the memory of this machine on the CPU, fine on a device.
+  desc = small_desc();
+  desc.seq_len_q = 1'000'000'000;
+  desc.head_dim_qk = 1'000;
+  expect_invalid(desc, "the problem's tensors needs");
+  desc.device = Device::kCuda;
+  EXPECT_NO_THROW(Problem{desc});
+}
+
+TEST(ProblemValidation, RefusesNonFiniteParameters) {
+  for (const double value : {std::nan(""), std::numeric_limits<double>::infinity(),
+                             -std::numeric_limits<double>::infinity()}) {
+    ProblemDesc desc = small_desc();
+    desc.params["cap"] = value;
+    desc.score_mod = param("cap") * tanh(score() / param("cap"));
+    expect_invalid(desc, "parameter 'cap'");
+  }
 }
 
 TEST(ProblemValidation, AcceptsEveryFloatDTypeIncludingFp64) {

@@ -1,5 +1,6 @@
 // dtypes and 16-bit conversions, tensor views, host tensors, strided copies and .npy files.
 #include <gtest/gtest.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -7,8 +8,10 @@
 #include <cmath>
 #include <filesystem>
 #include <fstream>
+#include <iterator>
 #include <limits>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "support/test_support.hpp"
@@ -215,6 +218,30 @@ TEST(HostTensor, IsAlignedAndZeroFilled) {
   EXPECT_THROW(HostTensor(DType::kF32, {2, -1}), Error);
   EXPECT_THROW(scalar.at(1), Error);
   EXPECT_THROW(scalar.set(-1, 0.0), Error);
+}
+
+// Shapes whose element or byte counts overflow, or pass the host's memory, are refused before
+// anything is allocated, with the shape in the message.
+TEST(HostTensor, RefusesSizesPastTheLimit) {
+  const auto message_of = [](const std::vector<std::int64_t>& shape) {
+    try {
+      const HostTensor tensor(DType::kF32, shape);
+      ADD_FAILURE() << "no error";
+    } catch (const Error& error) {
+      EXPECT_EQ(error.code(), ErrorCode::kInvalidArgument);
+      return std::string(error.what());
+    }
+    return std::string();
+  };
+  // 4 x 2^62 elements wrap to 0 bytes unchecked.
+  EXPECT_NE(message_of({4, std::int64_t{1} << 62}).find("axis 1 4611686018427387904"),
+            std::string::npos);
+  EXPECT_NE(message_of({1 << 20, 1 << 20, 1 << 20}).find("more than 2^48 bytes"),
+            std::string::npos);
+  EXPECT_NE(message_of({std::int64_t{1} << 45}).find("host memory"), std::string::npos);
+  TensorView view;
+  view.shape = {std::int64_t{1} << 32, std::int64_t{1} << 32};
+  EXPECT_THROW(view.numel(), Error);
 }
 
 TEST(HostTensor, FillNormalIsDeterministicAndNormal) {
@@ -438,6 +465,33 @@ TEST_F(NpyTest, RejectsEveryMalformedFile) {
   expect_invalid("does_not_exist.npy", "cannot open");
   write_raw("ok.npy", npy_bytes(good, 24));
   EXPECT_EQ(read_npy(path("ok.npy")).shape(), (std::vector<std::int64_t>{2, 3}));
+}
+
+TEST_F(NpyTest, RefusesShapesPastTheLimit) {
+  // (2^62, 4) of <f4 is 2^66 bytes: wraps to 0 unchecked, and a 0-byte file would match it.
+  write_raw("wrapping.npy",
+            npy_bytes("{'descr': '<f4', 'fortran_order': False, 'shape': (4611686018427387904, "
+                      "4), }",
+                      0));
+  expect_invalid("wrapping.npy", "more than 2^48 bytes");
+}
+
+// Pipes and FIFOs are read as streams, without seeking.
+TEST_F(NpyTest, ReadsAFifo) {
+  HostTensor tensor(DType::kF64, {3, 5});
+  tensor.fill_normal(4);
+  write_npy(path("a.npy"), tensor);
+  std::ifstream source(path("a.npy"), std::ios::binary);
+  const std::string bytes((std::istreambuf_iterator<char>(source)), {});
+  ASSERT_EQ(::mkfifo(path("a.fifo").c_str(), 0600), 0);
+  std::thread writer([&] {
+    std::ofstream fifo(path("a.fifo"), std::ios::binary);
+    fifo.write(bytes.data(), static_cast<std::streamsize>(bytes.size()));
+  });
+  const HostTensor read = read_npy(path("a.fifo"));
+  writer.join();
+  EXPECT_EQ(read.shape(), tensor.shape());
+  for (std::int64_t i = 0; i < tensor.numel(); ++i) EXPECT_EQ(read.at(i), tensor.at(i));
 }
 
 TEST_F(NpyTest, FailedWritesLeaveNoTemporaryFile) {
