@@ -7,8 +7,8 @@
 #include <fmt/format.h>
 #include <gtest/gtest.h>
 
-#include <chrono>
-#include <cmath>
+#include <algorithm>
+#include <cctype>
 #include <cstdlib>
 #include <map>
 #include <optional>
@@ -20,7 +20,6 @@
 
 #if FLEXATTN_HAVE_CUDA
 #include "engines/cuda/codegen.hpp"
-#include "engines/cuda/source_lift.hpp"
 #include "engines/cuda/source_proof.hpp"
 #include "engines/cuda/tile_plan.hpp"
 #endif
@@ -266,8 +265,9 @@ std::vector<Mutant> mutants(const std::string& source) {
       while (std::isdigit(static_cast<unsigned char>(source[digits_end])) != 0) ++digits_end;
       const std::size_t line_start = source.rfind('\n', i) + 1;
       const std::string line = source.substr(line_start, source.find('\n', i) - line_start);
-      const bool expression =
-          line.find(" = ") != std::string::npos || line.find("return") != std::string::npos;
+      const bool expression = line.find(" = ") != std::string::npos ||
+                              line.find("return") != std::string::npos ||
+                              line.find("add_fixed(") != std::string::npos;
       if (expression && !is_name_char(source[digits_end]) && source[digits_end] != ']' &&
           line.find("static constexpr") == std::string::npos) {
         const long long value = std::stoll(source.substr(i, digits_end - i));
@@ -317,6 +317,14 @@ std::vector<Mutant> mutants(const std::string& source) {
     add(fmt::format("{} returns {}", function, value), statement, stop, "    return " + value);
   };
   replace_return("mask_mod", "true");
+  // Each tensor gradient's derivative replaced by 1.
+  for (std::size_t at = source.find("to_fixed(dlogit * ", begin); at < end;
+       at = source.find("to_fixed(dlogit * ", at + 1)) {
+    const std::size_t value = at + 18;
+    std::vector<std::size_t> commas;
+    const std::size_t close = matching_paren(source, at + 8, commas);
+    add(fmt::format("the tensor gradient at {} takes 1", at), value, close, "(0x1p+0f)");
+  }
   for (const char* function : {"score_grad", "score_grad_from_dot", "score_grad_from_dot_small"}) {
     replace_return(function, "(0x1p+0f)");
   }

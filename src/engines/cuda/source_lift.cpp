@@ -361,7 +361,9 @@ class SourceParser {
 
   // Each local slot's element: fills the offset of the tensor_grads block with that slot.
   void flush_tensor_grads(const Scope& scope) {
-    auto& gradients = modifier_.functions.at("tensor_grads").gradients;
+    const auto tensor_grads = modifier_.functions.find("tensor_grads");
+    if (tensor_grads == modifier_.functions.end()) fail("flush_tensor_grads before tensor_grads");
+    auto& gradients = tensor_grads->second.gradients;
     for (;;) {
       const std::string_view line = next_line();
       if (line == "}") break;

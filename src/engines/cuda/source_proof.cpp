@@ -4,6 +4,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <exception>
 #include <map>
 #include <numbers>
 #include <random>
@@ -417,6 +418,9 @@ SourceProof prove_modifier_source(const Problem& problem, const ModifierBindings
     proof.failure = error.what;
   } catch (const Error& error) {
     proof.failure = fmt::format("the request cannot be evaluated: {}", error.what());
+  } catch (const std::exception& error) {
+    // A plan whose proof cannot be computed proves nothing; planning itself goes on.
+    proof.failure = fmt::format("the proof failed: {}", error.what());
   }
   proof.proven = proof.failure.empty();
   return proof;
