@@ -264,7 +264,26 @@ HostTensor read_npy(const std::string& path) {
     fail(path, fmt::format("data size does not match the shape: {} bytes for {} expected",
                            *file_size - data_offset, expected_bytes));
   }
+  // A stream's header is not trusted with an allocation: its data is read as it comes, in pieces,
+  // and the tensor is allocated once the data is all there.
+  std::string streamed;
+  if (!file_size) {
+    while (streamed.size() <= expected_bytes && file) {
+      const std::size_t begin = streamed.size();
+      streamed.resize(begin + std::min(kReadChunkBytes, expected_bytes + 1 - begin));
+      streamed.resize(begin + read_up_to(file, streamed.data() + begin, streamed.size() - begin));
+    }
+    if (streamed.size() != expected_bytes) {
+      fail(path, fmt::format("data size does not match the shape: {}{} bytes for {} expected",
+                             streamed.size(), streamed.size() > expected_bytes ? " or more" : "",
+                             expected_bytes));
+    }
+  }
   HostTensor tensor(*dtype, header.shape);
+  if (!file_size) {
+    std::copy(streamed.begin(), streamed.end(), static_cast<char*>(tensor.data()));
+    return tensor;
+  }
   const std::size_t data_bytes =
       read_up_to(file, static_cast<char*>(tensor.data()), expected_bytes);
   char extra = 0;

@@ -5,6 +5,7 @@
 #include <gtest/gtest.h>
 
 #include <cmath>
+#include <memory>
 #include <string>
 #include <vector>
 
@@ -101,8 +102,20 @@ TEST(ParserDepth, EveryWalkSurvivesAnExpressionAtTheLimit) {
     point.score = 0.25;
     EXPECT_FALSE(std::isnan(evaluate(graph, point, {})));
 
-    const Problem problem(tiny_desc(expr));
+    ProblemDesc desc = tiny_desc(expr);
+    const Problem problem(desc);
     const test::Inputs inputs = test::random_inputs(problem, 1);
+    // Engines that generate code (cuda, forward and backward) do so without a device.
+    desc.device = Device::kCuda;
+    desc.dtype = DType::kBF16;
+    const Problem on_device(desc);
+    for (const std::shared_ptr<const Engine>& engine : builtin_engines()) {
+      SCOPED_TRACE(engine->name());
+      const std::string source = engine->generated_source(on_device);
+      if (engine->name() == "cuda") {
+        EXPECT_FALSE(source.empty());
+      }
+    }
     for (const char* engine : {"cpu", "cpu_ref"}) {
       SCOPED_TRACE(engine);
       const test::Outputs outputs =
