@@ -14,6 +14,11 @@
 
 namespace flexattn::cli {
 
+// The exit status of `run --check` and `demo` when a result disagrees with cpu_ref (beyond
+// tolerance, or NaN where the reference is finite); distinct from 1 (failure), 2 (invalid input)
+// and 3 (unsupported).
+inline constexpr int kExitCheckFailed = 4;
+
 // ---- problem flags (problem_flags.cpp) ----------------------------------------------------------
 
 // The flags every problem-taking subcommand (explain, run) shares. Sizes are 0 when not given:

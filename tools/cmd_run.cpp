@@ -15,9 +15,6 @@ namespace flexattn::cli {
 
 namespace {
 
-// Exit code of `run --check` when an output disagrees with cpu_ref (beyond tolerance, or NaN
-// where the reference is finite); distinct from 1 (failure), 2 (invalid input), 3 (unsupported).
-constexpr int kExitCheckFailed = 4;
 constexpr double kSecondsToMilliseconds = 1e3;
 constexpr double kFlopsToGiga = 1e-9;
 

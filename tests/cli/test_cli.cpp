@@ -26,6 +26,7 @@ namespace fs = std::filesystem;
 constexpr int kExitInvalidInput = 2;
 constexpr int kExitUnsupported = 3;
 constexpr int kExitFailure = 1;
+constexpr int kExitCheckFailed = 4;
 // Two float64 computations of the same function that differ only in summation order.
 constexpr double kFloat64Tolerance = 1e-12;
 // A float32 engine against float64 on these small problems.
@@ -420,6 +421,16 @@ TEST_F(Cli, LyingEngineIsRefusedByTheCanary) {
   const CliResult demo = run({"demo", "--with-planted-faults", "--engine", "faulty_lying_hash"});
   expect_failure(demo, kExitUnsupported, "canary: engine faulty_lying_hash computed");
   EXPECT_NE(demo.err.find("is allowed"), std::string::npos) << demo.err;
+}
+
+// With the canary off, the demo's own per-element check catches the engine that drops the cap:
+// exit 4, one error line, and no "ok" anywhere.
+TEST_F(Cli, DemoCheckFailsTheLyingEngineWithoutTheCanary) {
+  const CliResult demo = run({"demo", "--with-planted-faults", "--engine", "faulty_lying_hash"},
+                             {"FLEXATTN_CANARY=0"});
+  expect_failure(demo, kExitCheckFailed, "faulty_lying_hash disagrees with cpu_ref");
+  EXPECT_EQ(demo.out.find(": ok"), std::string::npos) << demo.out;
+  EXPECT_NE(demo.out.find("FAILED"), std::string::npos) << demo.out;
 }
 
 TEST_F(Cli, GradientOutputWithoutBackward) {
