@@ -67,6 +67,7 @@ Tolerances tolerances(const Problem& problem, const SampledOutputs& reference,
   // Query-row outputs (out, lse, dq) take their row's score size; dk, dv and the tensor
   // gradients, which sum over the sampled rows, the largest.
   const std::vector<double> sizes = score_sizes(problem, inputs, sample);
+  const GradientTermSizes terms = gradient_term_sizes(problem, inputs, sample, reference);
   const double largest_size = *std::max_element(sizes.begin(), sizes.end());
   const auto accumulation = [&](double size) { return kAccumulationRounding * (1 + size); };
   const auto rounding = [&](double size) {
@@ -96,7 +97,12 @@ Tolerances tolerances(const Problem& problem, const SampledOutputs& reference,
       } else if (output.output == "lse") {
         allowed.push_back(kToleranceFactor * accumulation(sizes[r]));
       } else if (output.output == "dq" || output.output == "dk" || output.output == "dv") {
-        magnitude = std::max(largest_abs(output.rows[r]), kRowFloorFraction * output_largest);
+        // The row's result, or the sum of its terms' sizes where they cancel.
+        const std::vector<double>& term_sizes = output.output == "dq"   ? terms.dq
+                                                : output.output == "dk" ? terms.dk
+                                                                        : terms.dv;
+        magnitude = std::max({largest_abs(output.rows[r]), kRowFloorFraction * output_largest,
+                              term_sizes.at(r)});
         const double size = output.output == "dq" ? sizes[r] : largest_size;
         allowed.push_back(kToleranceFactor * rounding(size) * magnitude);
       } else {

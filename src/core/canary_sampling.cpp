@@ -5,6 +5,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <limits>
 #include <set>
 
 #include "core/graph_rebuild.hpp"
@@ -263,6 +264,102 @@ std::vector<double> score_sizes(const Problem& problem, const CanaryInputs& inpu
       sizes.push_back(size);
     }
   }
+  return sizes;
+}
+
+GradientTermSizes gradient_term_sizes(const Problem& problem, const CanaryInputs& inputs,
+                                      const Sample& sample, const SampledOutputs& reference) {
+  GradientTermSizes sizes;
+  if (!problem.wants_backward()) return sizes;
+  const auto find = [&](std::string_view name) -> const OutputRows& {
+    for (const OutputRows& output : reference) {
+      if (output.output == name) return output;
+    }
+    throw_internal(fmt::format("canary: the reference has no {} rows", name));
+  };
+  const OutputRows& out = find("out");
+  Bindings bindings;
+  bindings.params = problem.desc().params;
+  for (const auto& [name, tensor] : inputs.tensors) bindings.tensors[name] = tensor.view();
+  const Graph slope = derivative_wrt_score(problem.score_mod());
+  const std::int64_t dim_qk = problem.head_dim_qk(), dim_v = problem.head_dim_v();
+  const double scale = problem.scale();
+
+  // dk and dv rows: every kv row of each sampled kv head, per element until the end.
+  std::vector<std::vector<double>> dk_terms, dv_terms;
+  std::vector<std::size_t> first_of_head;
+  for (const SampledKvHead& kv_head : sample.kv_heads) {
+    first_of_head.push_back(dk_terms.size());
+    for (std::int64_t kv = 0; kv < kv_head.kv_len; ++kv) {
+      dk_terms.emplace_back(to_size(dim_qk), 0.0);
+      dv_terms.emplace_back(to_size(dim_v), 0.0);
+    }
+  }
+  std::size_t row_index = 0;  // into the reference's query rows
+  for (const SampledPair& pair : sample.pairs) {
+    std::size_t first = 0;
+    for (std::size_t head = 0; head < sample.kv_heads.size(); ++head) {
+      if (sample.kv_heads[head].b == pair.b && sample.kv_heads[head].h_kv == pair.h_kv) {
+        first = first_of_head[head];
+        break;
+      }
+    }
+    const std::vector<std::int64_t> keys = all_rows(pair.kv_len);
+    const HostTensor q = gather_rows(problem, inputs.q_view, false, pair.b, pair.h, pair.rows, dim_qk);
+    const HostTensor k = gather_rows(problem, inputs.k_view, true, pair.b, pair.h_kv, keys, dim_qk);
+    const HostTensor v = gather_rows(problem, inputs.v_view, true, pair.b, pair.h_kv, keys, dim_v);
+    const HostTensor dout =
+        gather_rows(problem, inputs.dout_view, false, pair.b, pair.h, pair.rows, dim_v);
+    std::vector<double> modified(to_size(pair.kv_len)), steepness(to_size(pair.kv_len));
+    for (std::size_t r = 0; r < pair.rows.size(); ++r, ++row_index) {
+      // P of the row from its own modified scores (float64), masked keys at P = 0.
+      double largest = -std::numeric_limits<double>::infinity();
+      for (std::int64_t kv = 0; kv < pair.kv_len; ++kv) {
+        EvalPoint at{0.0, pair.b, pair.h, pair.rows[r], kv, pair.q_len, pair.kv_len};
+        modified[to_size(kv)] = -std::numeric_limits<double>::infinity();
+        if (evaluate(problem.mask_mod(), at, bindings) == 0.0) continue;
+        double dot = 0;
+        for (std::int64_t i = 0; i < dim_qk; ++i) {
+          dot += q.at(static_cast<std::int64_t>(r) * dim_qk + i) * k.at(kv * dim_qk + i);
+        }
+        at.score = scale * dot;
+        modified[to_size(kv)] = evaluate(problem.score_mod(), at, bindings);
+        steepness[to_size(kv)] = std::abs(evaluate(slope, at, bindings));
+        if (std::isfinite(modified[to_size(kv)])) largest = std::max(largest, modified[to_size(kv)]);
+      }
+      double total = 0;
+      for (double m : modified) total += std::isfinite(m) ? std::exp(m - largest) : 0.0;
+      double output_size = 0, delta = 0;  // |dO| . |o| and D = dO . o
+      for (std::int64_t i = 0; i < dim_v; ++i) {
+        const double d = dout.at(static_cast<std::int64_t>(r) * dim_v + i);
+        output_size += std::abs(d) * std::abs(out.rows[row_index][to_size(i)]);
+        delta += d * out.rows[row_index][to_size(i)];
+      }
+      std::vector<double> dq_terms(to_size(dim_qk), 0.0);
+      for (std::int64_t kv = 0; kv < pair.kv_len; ++kv) {
+        const double m = modified[to_size(kv)];
+        if (!std::isfinite(m) || total == 0.0) continue;
+        const double p = std::exp(m - largest) / total;
+        double dp = 0;  // dO . v
+        for (std::int64_t i = 0; i < dim_v; ++i) {
+          const double d = dout.at(static_cast<std::int64_t>(r) * dim_v + i);
+          dp += d * v.at(kv * dim_v + i);
+          dv_terms[first + to_size(kv)][to_size(i)] += p * std::abs(d);
+        }
+        const double ds =
+            scale * p * (std::abs(dp - delta) + output_size) * steepness[to_size(kv)];
+        if (!std::isfinite(ds)) continue;
+        for (std::int64_t i = 0; i < dim_qk; ++i) {
+          dq_terms[to_size(i)] += ds * std::abs(k.at(kv * dim_qk + i));
+          dk_terms[first + to_size(kv)][to_size(i)] +=
+              ds * std::abs(q.at(static_cast<std::int64_t>(r) * dim_qk + i));
+        }
+      }
+      sizes.dq.push_back(*std::max_element(dq_terms.begin(), dq_terms.end()));
+    }
+  }
+  for (const auto& row : dk_terms) sizes.dk.push_back(*std::max_element(row.begin(), row.end()));
+  for (const auto& row : dv_terms) sizes.dv.push_back(*std::max_element(row.begin(), row.end()));
   return sizes;
 }
 

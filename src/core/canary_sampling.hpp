@@ -72,4 +72,19 @@ SampledOutputs reference_outputs(const Problem& problem, const CanaryInputs& inp
 std::vector<double> score_sizes(const Problem& problem, const CanaryInputs& inputs,
                                 const Sample& sample);
 
+// Per compared row of dq, dk and dv (the reference's row order): the largest, over the row's
+// elements, of the sum of the absolute values of the terms the element sums. An engine that
+// rounds P and dS to the storage dtype before their products (tensor-core kernels do), or that
+// forms rowsum(dO * O) from its rounded output, errs by a few roundings of these sums; where the
+// terms cancel (dK of a key few sampled rows see), the sum is far above the result. Terms:
+// dS = scale x P x (dO . v - D) x d score_mod / d score with D = dO . o, taken as scale x P x
+// (|dO . v - D| + |dO| . |o|) x |d score_mod / d score| (the second part: D formed from an output
+// rounded to the storage dtype); dq_i sums |dS_ij| |k_j|, dk_j sums |dS_ij| |q_i| and dv_j sums
+// P_ij |dO_i| over the sampled rows. Empty for a forward problem.
+struct GradientTermSizes {
+  std::vector<double> dq, dk, dv;
+};
+GradientTermSizes gradient_term_sizes(const Problem& problem, const CanaryInputs& inputs,
+                                      const Sample& sample, const SampledOutputs& reference);
+
 }  // namespace flexattn::detail

@@ -24,6 +24,7 @@
 #include <vector>
 
 #include "check/check_internal.hpp"
+#include "core/canary.hpp"
 #include "cuda_device.hpp"
 #include "flexattn/conformance.hpp"
 #include "support/test_support.hpp"
@@ -437,6 +438,50 @@ TEST(CudaBackwardPlan, ProvesTheModifierItLowered) {
     EXPECT_EQ(plan->info().engine, "cuda");
     EXPECT_EQ(plan->info().lowered_hash, problem.modifier_hash()) << to_string(dtype);
     EXPECT_EQ(plan->info().signature, problem.signature()) << to_string(dtype);
+  }
+}
+
+// ---- the plan canary ----------------------------------------------------------------------------
+
+// Selection runs the canary (src/core/canary.hpp) on every new plan, so a correct cuda plan must
+// pass it, forward and backward: the kernels round P and dS to the storage dtype, and a canary
+// tolerance below that rounding once refused the softcap backward (auto selection then served
+// the cpu engine). Includes the problems of the gradient catalogue that went wrong elsewhere.
+TEST(CudaCanary, PassesCorrectPlansForwardAndBackward) {
+  SKIP_WITHOUT_DEVICE();
+  const std::shared_ptr<const Engine> engine = device_engine();
+  struct Canary {
+    DType dtype;
+    std::int64_t seq_q, seq_kv, head_dim;
+    const char* score_mod;
+    const char* mask_mod;
+  };
+  const Canary canaries[] = {
+      {DType::kBF16, 1024, 1024, 128, "30 * tanh(score / 30)", "q >= kv"},
+      {DType::kF16, 1024, 1024, 128, "30 * tanh(score / 30)", "q >= kv"},
+      {DType::kBF16, 1024, 1024, 64, "score", "true"},
+      {DType::kBF16, 1024, 1024, 64, "score + bias[h, q, kv]", "q >= kv"},
+      {DType::kBF16, 17, 33, 16, "score * score", "true"},
+      {DType::kBF16, 64, 64, 16, "score + float(kv - q) * exp2(-float(h + 1))", "true"},
+  };
+  for (const Canary& c : canaries) {
+    for (Direction direction : {Direction::kForward, Direction::kForwardBackward}) {
+      ProblemDesc desc = small_desc(c.dtype, c.score_mod, c.mask_mod);
+      desc.seq_len_q = c.seq_q, desc.seq_len_kv = c.seq_kv, desc.head_dim_qk = c.head_dim;
+      desc.heads_kv = desc.heads_q;
+      desc.tensors["bias"] = TensorDecl{DType::kF32, {desc.heads_q, c.seq_q, c.seq_kv}};
+      desc.direction = direction;
+      const Problem problem(desc);
+      const std::string label = fmt::format("{} {} {}x{} d{} '{}' '{}'", to_string(c.dtype),
+                                            direction == Direction::kForward ? "fwd" : "fwd+bwd", c.seq_q, c.seq_kv, c.head_dim,
+                                            c.score_mod, c.mask_mod);
+      ASSERT_TRUE(supported(problem)) << label;
+      const detail::CanaryResult result = detail::run_canary(*engine, *engine->plan(problem));
+      EXPECT_TRUE(result.passed) << label << ": " << result.reason;
+      std::printf("[cuda canary] %s: %s, %.3g of the tolerance, q x %g, %.3g s\n", label.c_str(),
+                  result.passed ? "passed" : "refused", result.largest_error_ratio,
+                  result.input_scale, result.seconds);
+    }
   }
 }
 

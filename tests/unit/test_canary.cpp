@@ -9,6 +9,7 @@
 #include <sstream>
 #include <string>
 
+#include "check/check_internal.hpp"
 #include "core/canary.hpp"
 #include "engines/cpu_ref/cpu_ref.hpp"
 #include "flexattn/conformance.hpp"
@@ -130,6 +131,47 @@ class RenamedEngine final : public Engine {
   std::shared_ptr<const Engine> inner_;
 };
 
+// The conformance runner's plain same-precision implementation as an engine: P and dS rounded to
+// the storage dtype before their products, the output rounded before the backward's
+// rowsum(dO * O), as tensor-core kernels do. A correct engine the canary must pass in every dtype.
+class PlainPlan final : public Plan {
+ public:
+  PlainPlan(PlanInfo info, Problem problem) : Plan(std::move(info)), problem_(std::move(problem)) {}
+  const Problem& problem() const override { return problem_; }
+
+ protected:
+  void run_forward(const ForwardArgs& args) const override {
+    conformance::detail::plain_forward(problem_, args);
+  }
+  void run_backward(const BackwardArgs& args) const override {
+    conformance::detail::plain_backward(problem_, args);
+  }
+
+ private:
+  Problem problem_;
+};
+
+class PlainEngine final : public Engine {
+ public:
+  std::string_view name() const override { return "plain_rounding"; }
+  Support available() const override { return Support::yes(); }
+
+ protected:
+  Lowered lower(const Problem& problem, Stage stage) const override {
+    Lowered result;
+    result.support = Support::yes();
+    if (stage == Stage::kCheck) return result;
+    PlanInfo info;
+    info.engine = std::string(name());
+    info.signature = problem.signature();
+    info.lowered_hash = problem.modifier_hash();
+    info.lowered_backward_hash = problem.wants_backward() ? problem.backward_hash() : 0;
+    info.description = "the plain same-precision implementation";
+    result.plan = std::make_unique<PlainPlan>(std::move(info), problem);
+    return result;
+  }
+};
+
 void expect_canary_refusal(const Error& error, std::string_view engine) {
   const std::string message = error.what();
   EXPECT_EQ(error.code(), ErrorCode::kUnsupported) << message;
@@ -190,6 +232,27 @@ TEST(Canary, RefusesABackwardWithTheDerivativeReplacedByOne) {
 }
 
 // ---- correct engines, discrimination --------------------------------------------------------
+
+// A backward that rounds P and dS to bf16 (every tensor-core kernel does) sums rounded terms that
+// cancel: dK of a key seen by a few sampled rows is far smaller than its terms. The tolerance
+// follows the terms (the sum of their absolute values), not the result, so such an engine passes
+// where the sampled rows' scores are large (softcap causal at 1024, q scaled up by the canary's
+// discrimination), and the dropped-derivative mutant is still refused.
+TEST(Canary, PassesAnEngineThatRoundsPAndDsToTheStorageDtype) {
+  const PlainEngine plain;
+  for (DType dtype : {DType::kBF16, DType::kF16}) {
+    ProblemDesc desc = small_desc(dtype, Direction::kForwardBackward);
+    desc.batch = 1, desc.heads_q = 4, desc.heads_kv = 4;
+    desc.seq_len_q = desc.seq_len_kv = 1024;
+    desc.head_dim_qk = 128;
+    desc.score_mod = 30.0 * tanh(score() / 30.0);
+    desc.mask_mod = query() >= key();
+    const Problem problem(desc);
+    const detail::CanaryResult result = detail::run_canary(plain, *plain.plan(problem));
+    EXPECT_TRUE(result.passed) << to_string(dtype) << ": " << result.reason;
+    EXPECT_EQ(result.note, "") << to_string(dtype);
+  }
+}
 
 // Every quick-tier case: the cpu engine passes, the canary's inputs discriminate every applicable
 // mutant, and the mutant engines are refused wherever their fault changes the function.

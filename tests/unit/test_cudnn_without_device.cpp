@@ -215,6 +215,29 @@ TEST(CudnnPlanProof, ReadsBackTheConstantsAndRecipesCudnnHolds) {
   EXPECT_EQ(proof.read_back.find("slope"), std::string::npos) << proof.read_back;
 }
 
+// A tensor load that varies along no axis of the problem (ALiBi's slopes[h] with one head, a
+// bias[h, q, kv] at one query and key) is a broadcast scalar: it reads back as element 0 on both
+// sides of the proof, not as a load without indices (which the IR refuses, so the plan threw).
+TEST(CudnnPlanProof, LoadsThatVaryAlongNoAxisReadBackAsElementZero) {
+  for (const char* modifier : {"alibi", "bias", "gate"}) {
+    for (const conformance::Shape& shape :
+         {conformance::Shape{1, 1, 1, 577, 577, 64, 64}, conformance::Shape{1, 1, 1, 1, 1, 64, 64}}) {
+      conformance::Case test_case;
+      test_case.shape = shape;
+      test_case.dtype = DType::kBF16;
+      test_case.modifier = modifier;
+      test_case.mask = "causalbr";
+      test_case.name = modifier;
+      const Problem problem(conformance::instantiate(test_case, Device::kCuda, 1).desc);
+      const CudnnGraphProof proof = prove_cudnn_graphs_without_device(problem);
+      SKIP_WITHOUT_LIBCUDNN(proof);
+      EXPECT_TRUE(proof.proof.ok()) << label(problem) << " at " << shape.seq_len_q << ": "
+                                    << proof.proof.reason() << "\n"
+                                    << proof.read_back;
+    }
+  }
+}
+
 // Each fault the lowering can be made to emit (an operation dropped, a constant changed, the
 // operands of a non-commutative operation swapped, the mask's select dropped, the derivative's
 // multiply dropped) is refused by the proof, in every catalogue graph it applies to.

@@ -3,6 +3,7 @@
 #include <fmt/format.h>
 
 #include <cstdint>
+#include <exception>
 #include <mutex>
 #include <optional>
 
@@ -304,7 +305,13 @@ class CudnnEngine final : public Engine {
         return lowered;
       }
     }
-    const Proof proof = prove(*forward.modifiers, backward.modifiers, problem);
+    Proof proof;
+    try {
+      proof = prove(*forward.modifiers, backward.modifiers, problem);
+    } catch (const std::exception& error) {
+      proof.holds = false;
+      proof.mismatch = error.what();
+    }
     if (!proof.holds) {
       lowered.support =
           Support::no(fmt::format("cudnn: the plan proof failed: {}", proof.mismatch));
@@ -358,7 +365,14 @@ class CudnnEngine final : public Engine {
       prepared.graph = kind == GraphKind::kForward
                            ? build_forward_graph(library, problem, modifiers)
                            : build_backward_graph(library, problem, modifiers);
-      prepared.modifiers = read_back(prepared.graph, kind, prepared.readback_counts);
+      // A read-back that cannot finish proves nothing: the plan is refused, never thrown out of.
+      try {
+        prepared.modifiers = read_back(prepared.graph, kind, prepared.readback_counts);
+      } catch (const std::exception& error) {
+        return Support::no(fmt::format("cudnn: the plan proof failed: the lowered {} graph could "
+                                       "not be read back: {}",
+                                       to_string(kind), error.what()));
+      }
       cuda::ContextScope scope(*runtime_->driver());
       prepared.operation_graph = prepared.graph.builder->build(runtime_->handle());
       candidates = engine_candidates(library, *prepared.operation_graph);

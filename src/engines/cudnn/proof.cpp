@@ -139,6 +139,8 @@ class Rebuilder {
                      [&](std::size_t x, std::size_t y) { return t.strides[x] > t.strides[y]; });
     std::vector<ir::Expr> indices;
     for (std::size_t a : axes) indices.push_back(axis_leaf(static_cast<std::int64_t>(a)));
+    // A load that varies along no axis reads one element (cudnn_normal_form writes it alike).
+    if (indices.empty()) indices.push_back(ir::literal_i32(0));
     const Type type = t.type == CUDNN_DATA_INT32 ? Type::kI32 : Type::kF32;
     return ir::load(name->second, type, std::move(indices));
   }
@@ -462,6 +464,8 @@ Graph cudnn_normal_form(const Graph& graph, const Problem& problem) {
                                                : -1;
         if (axis < 0 || extents[axis] > 1) varying.push_back(args[i]);
       }
+      // Every index is an axis of extent 1: the load reads element 0 (as the read-back has it).
+      if (varying.empty()) varying.push_back(ir::literal_i32(0));
       held.push_back(ir::load(node.name, node.type, std::move(varying)));
     } else {
       held.push_back(detail::rebuild_node(node, std::move(args)));
