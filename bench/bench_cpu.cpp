@@ -1,5 +1,5 @@
-// flexattn_bench_cpu: speed and memory of the `cpu` engine on this machine (DESIGN.md section 6),
-// side by side with the machine's single-precision GEMM rate measured in the same run.
+// flexattn_bench_cpu: speed and memory of the `cpu` engine on this machine (docs/design.md section
+// 6), side by side with the machine's single-precision GEMM rate measured in the same run.
 //
 //   flexattn_bench_cpu [--iters N] [--seq S] [--heads H] [--dim D] [--skip-ref] [--skip-memory]
 //
@@ -294,7 +294,7 @@ int main(int argc, char** argv) {
     };
     const double sgemm_before = sgemm_rate();
     tile_product_rates();
-    constexpr double kCausalKept = 0.5;  // DESIGN.md section 6: halve for causal
+    constexpr double kCausalKept = 0.5;  // docs/design.md section 6: halve for causal
     std::vector<Measurement> measurements;
     bench_variant(options, "softcap", 1.0, measurements);
     bench_variant(options, "softcap_causal", kCausalKept, measurements);

@@ -1,4 +1,4 @@
-# PyTorch's CPU attention on the problem of flexattn_bench_cpu (DESIGN.md section 6): fp32,
+# PyTorch's CPU attention on the problem of flexattn_bench_cpu (docs/design.md section 6): fp32,
 # batch 1, heads 8, seq 2048, head dim 64, softcap 30 (30 * tanh(score / 30)), without and with a
 # causal mask, forward and forward+backward. Run it right after flexattn_bench_cpu in the same
 # command so both see the same machine load (scripts/cpu-peers does both).

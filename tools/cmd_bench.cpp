@@ -1,6 +1,6 @@
 // `flexattn bench [problem flags] --engine NAME [--iters N] [--json]`: forward and (with
 // --backward) forward+backward medians of N runs after warm-up, in ms and GFLOP/s (FLOPs per
-// DESIGN.md section 6), next to this machine's single-precision GEMM rate measured in the same
+// docs/design.md section 6), next to this machine's single-precision GEMM rate measured in the same
 // run (OpenBLAS sgemm of a fixed square size), so the number reads as a fraction of a ceiling.
 #include "cmd_bench.hpp"
 

@@ -1,6 +1,7 @@
 // The conformance matrix: one catalogue of cases (modifier x mask x layout x dtype x shape,
 // forward and backward) shared by the test suite, `flexattn check` and the benchmarks, and the
-// runner that compares any engine with cpu_ref under the tolerance rule of DESIGN.md section 5.
+// runner that compares any engine with cpu_ref under the tolerance rule of docs/design.md
+// section 5.
 #pragma once
 
 #include <cstdint>
@@ -85,8 +86,8 @@ struct Outcome {
   std::vector<OutputCheck> checks;
   // The output closest to (or furthest past) its tolerance: largest max_error / allowed.
   const OutputCheck* worst() const;
-  double max_error() const;  // of worst()
-  double allowed() const;    // of worst()
+  double max_error() const;         // of worst()
+  double allowed() const;           // of worst()
   double fraction_outside() const;  // largest over all outputs
 };
 

@@ -1,5 +1,5 @@
-// The engine contract (DESIGN.md section 4). An engine answers "can I compute exactly this?" by
-// running the same lowering that builds its plan; a plan proves which modifier it lowered and
+// The engine contract (docs/design.md section 4). An engine answers "can I compute exactly this?"
+// by running the same lowering that builds its plan; a plan proves which modifier it lowered and
 // refuses arguments other than those of the problem it was built for.
 #pragma once
 
@@ -50,8 +50,8 @@ struct BackwardArgs {
 struct PlanInfo {
   std::string engine;
   std::string description;  // human-readable: tiles, threads, kernels, cuDNN engine...
-  // The plan proof (DESIGN.md section 4), computed from what the plan executes (lifted back into
-  // the IR from its tape, instruction list or operation graph), never from the request:
+  // The plan proof (docs/design.md section 4), computed from what the plan executes (lifted back
+  // into the IR from its tape, instruction list or operation graph), never from the request:
   // modifier_hash of the score modifier, mask and scale it really implements, and, for a problem
   // that wants gradients, backward_hash of the derivatives it really executes (0 otherwise).
   std::uint64_t lowered_hash = 0;

@@ -19,7 +19,7 @@ namespace flexattn {
 // Q, K, V, O (and their gradients) in one of these orders. `thd` packs the sequences of a batch
 // one after another: (total_tokens, heads, head_dim), with offsets cu_seqlens (batch + 1 entries).
 enum class Layout { kBSHD, kSBHD, kBHSD, kTHD };
-std::string_view to_string(Layout layout);  // "bshd", ...
+std::string_view to_string(Layout layout);   // "bshd", ...
 Layout parse_layout(std::string_view text);  // throws kInvalidArgument
 
 enum class Direction { kForward, kForwardBackward };
@@ -32,14 +32,14 @@ struct TensorDecl {
 struct ProblemDesc {
   std::int64_t batch = 1;
   std::int64_t heads_q = 1;
-  std::int64_t heads_kv = 0;     // 0: same as heads_q
-  std::int64_t seq_len_q = 1;    // thd: the longest sequence (derived from cu_seqlens if 0)
-  std::int64_t seq_len_kv = 0;   // 0: same as seq_len_q
+  std::int64_t heads_kv = 0;    // 0: same as heads_q
+  std::int64_t seq_len_q = 1;   // thd: the longest sequence (derived from cu_seqlens if 0)
+  std::int64_t seq_len_kv = 0;  // 0: same as seq_len_q
   std::int64_t head_dim_qk = 64;
-  std::int64_t head_dim_v = 0;   // 0: same as head_dim_qk
+  std::int64_t head_dim_v = 0;  // 0: same as head_dim_qk
   Layout layout = Layout::kBSHD;
-  DType dtype = DType::kF32;     // storage of Q, K, V, O, dO, dQ, dK, dV
-  std::optional<double> scale;   // default 1 / sqrt(head_dim_qk)
+  DType dtype = DType::kF32;          // storage of Q, K, V, O, dO, dQ, dK, dV
+  std::optional<double> scale;        // default 1 / sqrt(head_dim_qk)
   std::optional<ir::Expr> score_mod;  // absent: identity
   std::optional<ir::Expr> mask_mod;   // absent: keep everything
   std::map<std::string, double> params;
@@ -125,7 +125,7 @@ std::uint64_t modifier_hash(const Graph& score_mod, const Graph& mask_mod, doubl
 std::uint64_t backward_hash(const Graph& score_derivative,
                             const std::vector<LoadDerivative>& load_derivatives);
 
-// FLOPs per DESIGN.md section 6 (forward; forward+backward is 3.5x). Counts only kept tiles'
+// FLOPs per docs/design.md section 6 (forward; forward+backward is 3.5x). Counts only kept tiles'
 // worth for causal-like masks via `kept_fraction` (1.0 dense, 0.5 causal).
 double attention_flops(const Problem& problem, double kept_fraction);
 

@@ -1,5 +1,5 @@
 // Deliberately faulty engines, for proving that the guards and the conformance checks catch an
-// engine that does not compute the requested function (the bug of DESIGN.md section 1). Never
+// engine that does not compute the requested function (the bug of docs/design.md section 1). Never
 // part of the default engine list; tests and `flexattn check --planted-faults` add them.
 #pragma once
 

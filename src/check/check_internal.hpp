@@ -26,8 +26,8 @@ class LayoutIndex {
   const Problem& problem_;
 };
 
-// The plain same-precision implementation that sets the tolerance (DESIGN.md section 5): what a
-// straightforward framework implementation does in the storage precision: fp32 products of
+// The plain same-precision implementation that sets the tolerance (docs/design.md section 5): what
+// a straightforward framework implementation does in the storage precision: fp32 products of
 // storage-precision inputs, fp32 softmax, P rounded to the storage dtype before P @ V, outputs
 // rounded to the storage dtype; backward likewise (dS rounded before its two products). It reads
 // and writes host views of any dtype; LSE and tensor gradients are fp32.
@@ -68,7 +68,7 @@ struct ReferenceInputs {
 };
 
 // What the float64 reference computes: the request, or a wrong function a conformance case must
-// tell apart from it (DESIGN.md section 5).
+// tell apart from it (docs/design.md section 5).
 enum class ReferenceVariant {
   kExact,
   kWithoutScoreModifier,  // score_mod dropped (the identity)

@@ -1,6 +1,7 @@
 // The float64 reference of a conformance case and its wrong variants: a case discriminates when
 // the reference without the score modifier, without the mask, and with d score_mod / d score
-// replaced by 1 each fail the case's tolerance on every output they change (DESIGN.md section 5).
+// replaced by 1 each fail the case's tolerance on every output they change (docs/design.md section
+// 5).
 #include <fmt/format.h>
 
 #include <algorithm>

@@ -1,6 +1,6 @@
-// The conformance tolerance (DESIGN.md section 5), judged per element: an output element passes
-// when |engine - reference| <= atol + rtol * |reference|, with atol and rtol twice those of the
-// plain same-precision implementation of the same case, plus a rounding floor per dtype.
+// The conformance tolerance (docs/design.md section 5), judged per element: an output element
+// passes when |engine - reference| <= atol + rtol * |reference|, with atol and rtol twice those of
+// the plain same-precision implementation of the same case, plus a rounding floor per dtype.
 #include <algorithm>
 #include <cmath>
 #include <limits>

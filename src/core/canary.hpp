@@ -1,9 +1,9 @@
-// Internal: the plan canary (DESIGN.md section 4). The plan proof shows a plan holds the requested
-// modifier; the canary shows it computes with it. Before a plan of an engine other than cpu_ref is
-// first used, selection runs the plan itself once on synthetic inputs and compares sampled rows
-// with cpu_ref in float64. The inputs are chosen so that the requested function and its mutants
-// (score modifier dropped, mask dropped, backward: d score_mod / d score replaced by 1) are far
-// apart on the sampled rows.
+// Internal: the plan canary (docs/design.md section 4). The plan proof shows a plan holds the
+// requested modifier; the canary shows it computes with it. Before a plan of an engine other than
+// cpu_ref is first used, selection runs the plan itself once on synthetic inputs and compares
+// sampled rows with cpu_ref in float64. The inputs are chosen so that the requested function and
+// its mutants (score modifier dropped, mask dropped, backward: d score_mod / d score replaced by 1)
+// are far apart on the sampled rows.
 //
 // Sampling: a few (batch, query head) pairs (first, last, middle); in each, the query rows 0, 1,
 // the tile boundaries 63, 64, 127, 128, the middle row and the last two. Forward: out and lse of

@@ -59,8 +59,8 @@ std::string cache_key(std::string_view engine, const Problem& problem) {
                      problem.mask_mod().to_string());
 }
 
-// The plan proof (DESIGN.md section 4): the plan implements exactly the requested modifier (and,
-// for a backward, its derivatives) and was built for exactly this problem.
+// The plan proof (docs/design.md section 4): the plan implements exactly the requested modifier
+// (and, for a backward, its derivatives) and was built for exactly this problem.
 void verify_plan(const Plan& plan, const Problem& problem) {
   const PlanInfo& info = plan.info();
   if (const std::string failure = plan_proof_failure(info, problem); !failure.empty()) {
@@ -307,8 +307,7 @@ std::shared_ptr<const Plan> Context::select(const Problem& problem) {
       if (error.code() != ErrorCode::kUnsupported || !policy.force.empty()) throw;
       declined.emplace(engine->name(), error.what());
       if (log_info) {
-        log << kLogPrefix << engine->name() << " declined while planning: " << error.what()
-            << '\n';
+        log << kLogPrefix << engine->name() << " declined while planning: " << error.what() << '\n';
       }
       continue;
     }
@@ -357,7 +356,8 @@ std::shared_ptr<const Plan> Context::select(const Problem& problem) {
       fmt::format("no engine can run this problem ({})", problem_summary(problem));
   for (const auto& engine : engines_) {
     std::string reason = policy.refusal(engine->name());
-    if (const auto found = declined.find(engine->name()); reason.empty() && found != declined.end()) {
+    if (const auto found = declined.find(engine->name());
+        reason.empty() && found != declined.end()) {
       reason = "declined while planning: " + found->second;
     }
     if (const auto found = refused.find(engine->name()); reason.empty() && found != refused.end()) {

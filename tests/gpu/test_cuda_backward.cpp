@@ -4,7 +4,7 @@
 //   against PyTorch FlexAttention's float64 values, with the tolerance set by the plain
 //   same-precision implementation (and the forward of the same plan, likewise);
 // - the conformance matrix's backward cases (full tier) and the benchmark's modifiers against
-//   cpu_ref under DESIGN.md's tolerance rule;
+//   cpu_ref under docs/design.md's tolerance rule;
 // - determinism: repeated backward runs give bit-identical gradients, tensor gradients included;
 // - rows with no kept key give dq = 0, keys no query keeps give dk = dv = 0;
 // - argument checks.
@@ -177,7 +177,7 @@ Outputs plain_outputs(const GoldenCase& golden, DType dtype,
   return plain;
 }
 
-// DESIGN.md's rule: within twice the plain implementation's error plus one rounding of the
+// docs/design.md's rule: within twice the plain implementation's error plus one rounding of the
 // largest value in `rounding` (the output's storage precision).
 ::testing::AssertionResult close_to_golden(const HostTensor& result, const HostTensor& plain,
                                            const HostTensor& expected, DType rounding) {
@@ -404,8 +404,8 @@ TEST_P(CudaBackwardUnorderedDq, GradientsMatchReference) {
   check_conformance_case(GetParam());
 }
 
-INSTANTIATE_TEST_SUITE_P(Matrix, CudaBackwardUnorderedDq,
-                         ::testing::ValuesIn(unordered_dq_cases()), case_name);
+INSTANTIATE_TEST_SUITE_P(Matrix, CudaBackwardUnorderedDq, ::testing::ValuesIn(unordered_dq_cases()),
+                         case_name);
 
 // ---- plans --------------------------------------------------------------------------------------
 
@@ -473,8 +473,8 @@ TEST(CudaCanary, PassesCorrectPlansForwardAndBackward) {
       desc.direction = direction;
       const Problem problem(desc);
       const std::string label = fmt::format("{} {} {}x{} d{} '{}' '{}'", to_string(c.dtype),
-                                            direction == Direction::kForward ? "fwd" : "fwd+bwd", c.seq_q, c.seq_kv, c.head_dim,
-                                            c.score_mod, c.mask_mod);
+                                            direction == Direction::kForward ? "fwd" : "fwd+bwd",
+                                            c.seq_q, c.seq_kv, c.head_dim, c.score_mod, c.mask_mod);
       ASSERT_TRUE(supported(problem)) << label;
       const detail::CanaryResult result = detail::run_canary(*engine, *engine->plan(problem));
       EXPECT_TRUE(result.passed) << label << ": " << result.reason;

@@ -1,6 +1,6 @@
 // The cuda engine on a GPU (ctest label `gpu`; skipped where no device is available):
 // - the conformance matrix's forward cases (full tier) and the benchmark shapes against cpu_ref
-//   under DESIGN.md's tolerance rule;
+//   under docs/design.md's tolerance rule;
 // - every golden case in every layout and dtype against PyTorch FlexAttention's float64 output,
 //   with the tolerance set by a plain same-precision implementation;
 // - the plan proof, the kernel caches (memory, disk, corrupt entries) and argument checks.
@@ -66,9 +66,13 @@ std::vector<conformance::Case> forward_cases() {
     if (!c.backward) result.push_back(c);
   }
   // The benchmark's shapes and modifiers at a length the reference computes quickly.
-  for (const auto& [modifier, mask] : std::vector<std::pair<std::string, std::string>>{
-           {"none", "none"}, {"none", "causal"}, {"softcap30", "none"},
-           {"softcap30", "causal"}, {"alibi", "none"}, {"bias", "causal"}}) {
+  for (const auto& [modifier, mask] :
+       std::vector<std::pair<std::string, std::string>>{{"none", "none"},
+                                                        {"none", "causal"},
+                                                        {"softcap30", "none"},
+                                                        {"softcap30", "causal"},
+                                                        {"alibi", "none"},
+                                                        {"bias", "causal"}}) {
     for (std::int64_t head_dim : {64, 128}) {
       conformance::Case c;
       c.modifier = modifier;
@@ -91,12 +95,11 @@ std::vector<conformance::Case> forward_cases() {
       {"gentle", "score + float(kv) * 0.02 + bias[h, q, kv]"},
       {"falling", "score - float(kv) * 0.02"}};
   for (const auto& [name, score_mod] : drifts) {
-    for (const auto& [dtype, head_dim] :
-         std::vector<std::pair<DType, std::int64_t>>{{DType::kBF16, 64}, {DType::kBF16, 128},
-                                                     {DType::kF16, 128}}) {
-      conformance::Case c = conformance::custom_case(
-          conformance::Shape{1, 2, 2, 1024, 1024, head_dim, head_dim}, Layout::kBHSD, dtype,
-          score_mod, "none", false);
+    for (const auto& [dtype, head_dim] : std::vector<std::pair<DType, std::int64_t>>{
+             {DType::kBF16, 64}, {DType::kBF16, 128}, {DType::kF16, 128}}) {
+      conformance::Case c =
+          conformance::custom_case(conformance::Shape{1, 2, 2, 1024, 1024, head_dim, head_dim},
+                                   Layout::kBHSD, dtype, score_mod, "none", false);
       c.name = fmt::format("lazy_max_{}_{}_d{}", name, to_string(dtype), head_dim);
       result.push_back(c);
     }
@@ -130,12 +133,12 @@ TEST_P(CudaConformance, ForwardMatchesReference) {
 
 std::string case_name(const ::testing::TestParamInfo<conformance::Case>& info) {
   std::string name = info.param.name;
-  std::replace_if(name.begin(), name.end(), [](char c) { return !std::isalnum(c); }, '_');
+  std::replace_if(
+      name.begin(), name.end(), [](char c) { return !std::isalnum(c); }, '_');
   return name;
 }
 
-INSTANTIATE_TEST_SUITE_P(Matrix, CudaConformance, ::testing::ValuesIn(forward_cases()),
-                         case_name);
+INSTANTIATE_TEST_SUITE_P(Matrix, CudaConformance, ::testing::ValuesIn(forward_cases()), case_name);
 
 // ---- golden cases -------------------------------------------------------------------------------
 
@@ -182,12 +185,12 @@ DeviceOutputs plain_forward(const GoldenCase& golden, const Problem& problem, DT
         }
         float sum = 0.0f;
         for (float& score : scores) {
-          score = row_max == -std::numeric_limits<float>::infinity() ? 0.0f
-                                                                      : std::exp(score - row_max);
+          score =
+              row_max == -std::numeric_limits<float>::infinity() ? 0.0f : std::exp(score - row_max);
           sum += score;
         }
-        lse.set((b * H + h) * Sq + i, sum > 0.0f ? row_max + std::log(sum)
-                                                 : -std::numeric_limits<double>::infinity());
+        lse.set((b * H + h) * Sq + i,
+                sum > 0.0f ? row_max + std::log(sum) : -std::numeric_limits<double>::infinity());
         for (std::int64_t d = 0; d < Dv; ++d) {
           float value = 0.0f;
           for (std::int64_t j = 0; j < Skv && sum > 0.0f; ++j) {
@@ -212,10 +215,10 @@ void check_golden_forward(const GoldenParam& param) {
   std::map<std::string, HostTensor> tensors;
   for (const std::string& tensor : golden.tensors) tensors[tensor] = golden.array(tensor);
 
-  const DeviceOutputs result = run_on_device(
-      *device_engine(), problem, from_bhsd(golden.array("q").to(dtype), layout),
-      from_bhsd(golden.array("k").to(dtype), layout),
-      from_bhsd(golden.array("v").to(dtype), layout), tensors);
+  const DeviceOutputs result =
+      run_on_device(*device_engine(), problem, from_bhsd(golden.array("q").to(dtype), layout),
+                    from_bhsd(golden.array("k").to(dtype), layout),
+                    from_bhsd(golden.array("v").to(dtype), layout), tensors);
   const DeviceOutputs plain = plain_forward(golden, problem, dtype, tensors);
 
   const HostTensor expected_out = golden.array("out");
@@ -224,11 +227,11 @@ void check_golden_forward(const GoldenParam& param) {
   const HostTensor lse = lse_as_bhs(result.lse, layout, golden);
   const double out_floor = epsilon(dtype) * std::max(1.0, max_abs_value(expected_out));
   const double lse_floor = epsilon(DType::kF32) * std::max(1.0, max_abs_value(expected_lse));
-  EXPECT_TRUE(within_tolerance(
-      out, expected_out, allowed_error(max_abs_error(plain.out, expected_out), out_floor)))
+  EXPECT_TRUE(within_tolerance(out, expected_out,
+                               allowed_error(max_abs_error(plain.out, expected_out), out_floor)))
       << "out";
-  EXPECT_TRUE(within_tolerance(
-      lse, expected_lse, allowed_error(max_abs_error(plain.lse, expected_lse), lse_floor)))
+  EXPECT_TRUE(within_tolerance(lse, expected_lse,
+                               allowed_error(max_abs_error(plain.lse, expected_lse), lse_floor)))
       << "lse";
 }
 

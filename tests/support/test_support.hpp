@@ -97,7 +97,8 @@ Outputs run_engine(const Engine& engine, const Problem& problem, const Inputs& i
 ForwardArgs forward_args(const Inputs& inputs, const Outputs& outputs);
 BackwardArgs backward_args(const Inputs& inputs, const Outputs& outputs);
 
-// ---- tolerances (DESIGN.md section 5) ---------------------------------------------------------
+// ---- tolerances (docs/design.md section 5)
+// ---------------------------------------------------------
 
 // max |result - reference| over all elements; equal infinities count as 0, and any NaN, or an
 // infinity against a different value, gives NaN or infinity. Shapes must match.

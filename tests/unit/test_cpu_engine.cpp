@@ -7,7 +7,7 @@
 // - Matrix cases go through conformance::run_case: the same inputs, rounded to the storage dtype,
 //   for cpu, cpu_ref (float64) and a plain same-precision implementation; the allowed error is
 //   twice the plain implementation's error plus one rounding of the largest output in its
-//   dtype (DESIGN.md section 5).
+//   dtype (docs/design.md section 5).
 // - fp32 storage is also held to kFp32Relative of the float64 result, relative to the largest
 //   output magnitude (at least 1): float32 accumulation over a few hundred keys and 64-80 dims
 //   loses about 1e-6.

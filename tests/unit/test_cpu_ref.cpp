@@ -1,5 +1,5 @@
 // cpu_ref against an independent dense float64 implementation written here (materialising the
-// score matrix is fine at these sizes), plus the semantics DESIGN.md section 2 singles out:
+// score matrix is fine at these sizes), plus the semantics docs/design.md section 2 singles out:
 // fully masked rows, -inf scores, GQA, ragged thd batches, head_dim_v != head_dim_qk, storage
 // dtypes, strided views, determinism, and finite-difference checks of the gradients.
 #include <gtest/gtest.h>

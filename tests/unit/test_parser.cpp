@@ -1,4 +1,4 @@
-// The text syntax: the examples of DESIGN.md, print/parse round trips over every op, and error
+// The text syntax: the examples of docs/design.md, print/parse round trips over every op, and error
 // messages with their columns.
 #include <gtest/gtest.h>
 

@@ -1,7 +1,7 @@
-// The plan proof computed from what executes (DESIGN.md section 4): every engine's proof is lifted
-// from its lowered artifact, so a lowering that differs from the request in any way (an operation
-// dropped, a constant changed, operands swapped, the mask or a derivative dropped) is refused, and
-// the unmutated lowering is accepted.
+// The plan proof computed from what executes (docs/design.md section 4): every engine's proof is
+// lifted from its lowered artifact, so a lowering that differs from the request in any way (an
+// operation dropped, a constant changed, operands swapped, the mask or a derivative dropped) is
+// refused, and the unmutated lowering is accepted.
 #include <gtest/gtest.h>
 
 #include <algorithm>

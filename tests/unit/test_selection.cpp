@@ -1,6 +1,6 @@
 // Engine selection and its guards: the policy (globs, allow/deny, FLEXATTN_ENGINES), forcing
 // without fallback, the "nothing can run" error, the plan cache, the plan proof against the
-// planted faulty engines (the regression test for DESIGN.md section 1), argument checking, and
+// planted faulty engines (the regression test for docs/design.md section 1), argument checking, and
 // the selection log.
 #include <fmt/format.h>
 #include <gtest/gtest.h>
@@ -261,8 +261,8 @@ TEST(Context, NothingCanRunListsEveryEngineWithItsReason) {
       EXPECT_EQ(lines[i + 1],
                 fmt::format("  {}: denied by policy {} (pattern -faulty_*)", name, deny_builtins));
     } else {
-      EXPECT_EQ(lines[i + 1], fmt::format("  {}: denied by policy {} (pattern -{})", name,
-                                          deny_builtins, name));
+      EXPECT_EQ(lines[i + 1],
+                fmt::format("  {}: denied by policy {} (pattern -{})", name, deny_builtins, name));
     }
   }
 }
@@ -277,8 +277,8 @@ class DecliningEngine final : public Engine {
  protected:
   Lowered lower(const Problem&, Stage stage) const override {
     Lowered lowered;
-    lowered.support = stage == Stage::kCheck ? Support::yes()
-                                             : Support::no("no kernel for this graph");
+    lowered.support =
+        stage == Stage::kCheck ? Support::yes() : Support::no("no kernel for this graph");
     return lowered;
   }
 };
@@ -378,7 +378,8 @@ TEST(PlanCache, KeyedByEngine) {
   EXPECT_EQ(lying.select(problem).get(), lying.select(problem).get());
 }
 
-// ---- the plan proof (DESIGN.md section 1) -------------------------------------------------------
+// ---- the plan proof (docs/design.md section 1)
+// -------------------------------------------------------
 
 TEST(PlanProof, RefusesTheEngineThatDropsTheModifier) {
   Context context(faulty_options(forced("faulty_drop_mod")));

@@ -1,6 +1,6 @@
-// The cpu engine's plan proof (DESIGN.md section 4): the tapes the runner executes, lifted back
-// into the IR instruction by instruction, and the test-only faults that check the proof refuses a
-// tape that differs from the request.
+// The cpu engine's plan proof (docs/design.md section 4): the tapes the runner executes, lifted
+// back into the IR instruction by instruction, and the test-only faults that check the proof
+// refuses a tape that differs from the request.
 #pragma once
 
 #include <cstddef>

@@ -1,5 +1,5 @@
-// `cpu_ref`: attention exactly as DESIGN.md section 2 writes it, in float64, one query row at a
-// time. Slow by design; every other engine is compared with it.
+// `cpu_ref`: attention exactly as docs/design.md section 2 writes it, in float64, one query row at
+// a time. Slow by design; every other engine is compared with it.
 //
 // Memory: one row of scores per thread plus the K/V rows of one (batch, kv head), never the whole
 // (seq_len_q, seq_len_kv) score matrix.

@@ -2,7 +2,7 @@
 // the documented constraints of the fused attention engines, the exclusion list of cuDNN engines
 // and the list of engines a device run has verified. They exist because cuDNN chooses the kernel
 // that runs a graph, and a kernel that ignores part of the graph computes the wrong function
-// without an error (DESIGN.md section 1).
+// without an error (docs/design.md section 1).
 #pragma once
 
 #include <cstdint>

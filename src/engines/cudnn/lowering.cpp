@@ -315,8 +315,8 @@ Support plan_node(const Graph& graph, std::int32_t index, const Problem& problem
       return Support::yes();
     case Op::kTanh:
       // Measured, not assumed: the first device run (2026-12-02, cuDNN 9.19.0, H200) computed
-      // softcap with TANH_FWD, and the LSE missed the tolerance of DESIGN.md section 5 in 12 of the
-      // 16 softcap forward cases while O passed (docs/engines.md, section cudnn).
+      // softcap with TANH_FWD, and the LSE missed the tolerance of docs/design.md section 5 in 12
+      // of the 16 softcap forward cases while O passed (docs/engines.md, section cudnn).
       return refuse(
           "cuDNN's TANH_FWD is not accurate enough: on cuDNN 9.19 / H200 it gave LSE errors up to "
           "1.5e-5 against float64, beyond flexattn's tolerance (about 2e-6 there); the cuda "

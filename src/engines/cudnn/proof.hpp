@@ -1,4 +1,4 @@
-// The cudnn engine's plan proof (DESIGN.md section 4): the score modifier, the mask and the
+// The cudnn engine's plan proof (docs/design.md section 4): the score modifier, the mask and the
 // modifier's derivative are rebuilt as IR graphs from an operation graph read back from its
 // descriptors (readback.hpp) and from the values the variant pack passes for its by-value
 // scalars, by a table inverse to lowering.cpp's, without consulting the request. The request is

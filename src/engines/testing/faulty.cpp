@@ -1,5 +1,5 @@
 // The planted faulty engines (testing.hpp): float64 attention that honours the mask but ignores
-// the score modifier, forward and backward, exactly the failure of DESIGN.md section 1. They
+// the score modifier, forward and backward, exactly the failure of docs/design.md section 1. They
 // compute with cpu_ref on the problem without its score modifier (so the fault is the only
 // difference from the oracle), and differ only in the proof they report: the dropping engine
 // reports the hashes of what it lowered (so the plan proof refuses it), the lying one the

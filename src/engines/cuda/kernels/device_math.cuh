@@ -1,5 +1,5 @@
 // Scalar vocabulary of the generated modifier code and the kernels: the IR's integer and
-// floating-point semantics (DESIGN.md section 3) and the 16-bit storage conversions. Written
+// floating-point semantics (docs/design.md section 3) and the 16-bit storage conversions. Written
 // without any header so NVRTC needs no include path.
 #pragma once
 
@@ -20,7 +20,9 @@ __device__ __forceinline__ int ir_sub(int a, int b) {
 __device__ __forceinline__ int ir_mul(int a, int b) {
   return static_cast<int>(static_cast<unsigned>(a) * static_cast<unsigned>(b));
 }
-__device__ __forceinline__ int ir_neg(int a) { return static_cast<int>(0u - static_cast<unsigned>(a)); }
+__device__ __forceinline__ int ir_neg(int a) {
+  return static_cast<int>(0u - static_cast<unsigned>(a));
+}
 __device__ __forceinline__ float ir_add(float a, float b) { return a + b; }
 __device__ __forceinline__ float ir_sub(float a, float b) { return a - b; }
 __device__ __forceinline__ float ir_mul(float a, float b) { return a * b; }
