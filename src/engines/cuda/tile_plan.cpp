@@ -41,7 +41,7 @@ constexpr int kSimtClassBlockQ = 64;
 // the 227 KB a block may have); at head dim 64 the pipelined loop measured 8% slower without a
 // modifier (287 vs 311 TFLOP/s), so it waits for each product, with two stages and two blocks
 // per multiprocessor (registers capped at 128 a thread): on 64-key tiles 292 -> 352 TFLOP/s
-// without a modifier, softcap 155 -> 174, causal 262 -> 301 (H200, 2026-12-02, docs/gpu-runs);
+// without a modifier, softcap 155 -> 174, causal 262 -> 301 (H200, 2026-12-02, docs/measurements);
 // on 128-key tiles since (the S accumulators in 64 of the 128 registers) 353 -> 389, causal
 // 301 -> 333, ALiBi 289 -> 338, causal softcap 186 -> 206, softcap 223 -> 221 (H200, 2026-12-03).
 // At head dim 128 a producer warpgroup copies the stages (WgmmaConfig::kProducer): no modifier
