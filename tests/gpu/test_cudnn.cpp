@@ -8,6 +8,8 @@
 #include <gtest/gtest.h>
 
 #include <cstdlib>
+#include <exception>
+#include <fstream>
 #include <map>
 #include <memory>
 #include <string>
@@ -194,8 +196,28 @@ struct Tally {
   std::map<std::string, int> skip_reasons;
 };
 
+// FLEXATTN_CUDNN_QUALIFY_RECORD=FILE (scripts/qualify-cudnn): one line per case that ran,
+// "<case>\t<pass|fail>\t<plan description>", the description naming the cuDNN release, the
+// compute capability and the engine (tag with knobs) of each graph; the script derives the
+// verified list from it.
+void record(const Case& test_case, const Outcome& outcome) {
+  const char* path = std::getenv("FLEXATTN_CUDNN_QUALIFY_RECORD");
+  if (path == nullptr || outcome.status == Status::kSkipped) return;
+  std::string description;
+  try {
+    const conformance::Instance instance = conformance::instantiate(test_case, Device::kCuda, 1);
+    description = engine_under_test()->plan(Problem(instance.desc))->info().description;
+  } catch (const std::exception& error) {
+    description = std::string("no plan: ") + error.what();
+  }
+  std::ofstream(path, std::ios::app)
+      << test_case.name << '\t' << (outcome.status == Status::kPass ? "pass" : "fail") << '\t'
+      << description << '\n';
+}
+
 void run_and_tally(const Case& test_case, Tally& tally) {
   const Outcome outcome = conformance::run_case(*engine_under_test(), test_case);
+  record(test_case, outcome);
   switch (outcome.status) {
     case Status::kPass:
       ++tally.passed;
