@@ -114,8 +114,11 @@ double kept_fraction(const Problem& problem);
 
 // ---- output -------------------------------------------------------------------------------------
 
-// Checks that the folder of each output path exists before anything is computed.
-void check_output_paths(const std::vector<std::string>& paths);
+// Checks the output files before anything is computed ((flag, path) pairs; empty paths are
+// unused flags): each folder exists; an existing output is a regular file (or a link to one);
+// no two outputs, and no output and input, are the same file once links are resolved.
+void check_output_paths(const std::vector<std::pair<std::string, std::string>>& outputs,
+                        const std::vector<std::pair<std::string, std::string>>& inputs);
 // `NAME=VALUE` split at the first '='; Error(kInvalidArgument) naming the flag otherwise.
 std::pair<std::string, std::string> split_assignment(const std::string& text,
                                                      const std::string& flag);

@@ -4,6 +4,7 @@
 #include "cmd_check.hpp"
 
 #include <fmt/format.h>
+#include <unistd.h>
 
 #include <chrono>
 #include <cstdio>
@@ -11,11 +12,11 @@
 #include <fstream>
 #include <map>
 #include <nlohmann/json.hpp>
-#include <unistd.h>
 
 #include "flexattn/conformance.hpp"
 #include "flexattn/context.hpp"
 #include "flexattn/error.hpp"
+#include "flexattn/npy.hpp"
 #include "flexattn/testing.hpp"
 
 namespace flexattn::cli {
@@ -36,23 +37,9 @@ constexpr int kEngineWidth = 18;
 constexpr int kCaseWidth = 72;
 
 void write_text_atomically(const std::string& path, const std::string& text) {
-  const std::string temporary = fmt::format("{}.tmp.{}", path, ::getpid());
-  {
-    std::ofstream file(temporary, std::ios::binary | std::ios::trunc);
-    file << text;
-    file.close();
-    if (!file) {
-      std::filesystem::remove(temporary);
-      throw Error(ErrorCode::kInvalidArgument, fmt::format("cannot write '{}'", path));
-    }
-  }
-  std::error_code error;
-  std::filesystem::rename(temporary, path, error);
-  if (error) {
-    std::filesystem::remove(temporary);
-    throw Error(ErrorCode::kInvalidArgument,
-                fmt::format("cannot write '{}': {}", path, error.message()));
-  }
+  OutputFiles file;
+  file.add_bytes(path, text);
+  file.commit();
 }
 
 std::vector<std::shared_ptr<const Engine>> engines_to_check(const CheckFlags& flags) {
@@ -73,8 +60,10 @@ std::vector<std::shared_ptr<const Engine>> engines_to_check(const CheckFlags& fl
   }
   if (chosen.empty()) {
     std::string names;
-    for (auto& engine : engines) names += fmt::format("{}{}", names.empty() ? "" : ", ", engine->name());
-    throw_invalid(fmt::format("--engines '{}' matches no engine (engines: {})", flags.engines, names));
+    for (auto& engine : engines)
+      names += fmt::format("{}{}", names.empty() ? "" : ", ", engine->name());
+    throw_invalid(
+        fmt::format("--engines '{}' matches no engine (engines: {})", flags.engines, names));
   }
   return chosen;
 }
@@ -98,13 +87,15 @@ int check_command(const CheckFlags& flags) {
   const std::vector<std::shared_ptr<const Engine>> engines = engines_to_check(flags);
   std::vector<Case> cases = conformance::cases(conformance::parse_tier(flags.tier));
   if (!flags.filter.empty()) {
-    std::erase_if(cases, [&](const Case& c) { return c.name.find(flags.filter) == std::string::npos; });
+    std::erase_if(cases,
+                  [&](const Case& c) { return c.name.find(flags.filter) == std::string::npos; });
   }
   if (!flags.json_file.empty()) {
     // Fail on an unwritable path now, not after the whole matrix ran.
     const std::filesystem::path parent = std::filesystem::path(flags.json_file).parent_path();
     if (!parent.empty() && !std::filesystem::is_directory(parent)) {
-      throw_invalid(fmt::format("cannot write '{}': no folder '{}'", flags.json_file, parent.string()));
+      throw_invalid(
+          fmt::format("cannot write '{}': no folder '{}'", flags.json_file, parent.string()));
     }
   }
 
@@ -117,8 +108,7 @@ int check_command(const CheckFlags& flags) {
     Tally& tally = tallies[std::string(engine->name())];
     for (const Case& test_case : cases) {
       const Outcome outcome = conformance::run_case(*engine, test_case);
-      const double ratio =
-          outcome.allowed() > 0.0 ? outcome.max_error() / outcome.allowed() : 0.0;
+      const double ratio = outcome.allowed() > 0.0 ? outcome.max_error() / outcome.allowed() : 0.0;
       switch (outcome.status) {
         case Status::kPass:
           ++tally.passed;
@@ -131,9 +121,11 @@ int check_command(const CheckFlags& flags) {
           ++tally.skip_reasons[outcome.reason];
           break;
       }
-      if (outcome.status != Status::kSkipped) tally.worst_ratio = std::max(tally.worst_ratio, ratio);
-      const bool show = flags.verbose || outcome.status == Status::kFail ||
-                        (outcome.status == Status::kSkipped && tally.skip_reasons[outcome.reason] == 1);
+      if (outcome.status != Status::kSkipped)
+        tally.worst_ratio = std::max(tally.worst_ratio, ratio);
+      const bool show =
+          flags.verbose || outcome.status == Status::kFail ||
+          (outcome.status == Status::kSkipped && tally.skip_reasons[outcome.reason] == 1);
       if (show) {
         const std::string verdict =
             outcome.status == Status::kPass

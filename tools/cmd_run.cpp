@@ -84,18 +84,22 @@ void check_flag_combinations(const ProblemFlags& problem, const RunFlags& flags)
   }
   if (flags.repeat < 1)
     throw_invalid(fmt::format("--repeat must be at least 1, not {}", flags.repeat));
-  std::vector<std::string> paths = {flags.out_file, flags.lse_file, flags.dq_file, flags.dk_file,
-                                    flags.dv_file};
+  std::vector<std::pair<std::string, std::string>> outputs = {{"--out", flags.out_file},
+                                                              {"--lse", flags.lse_file},
+                                                              {"--dq", flags.dq_file},
+                                                              {"--dk", flags.dk_file},
+                                                              {"--dv", flags.dv_file}};
   for (const std::string& assignment : flags.dtensor_files) {
-    paths.push_back(split_assignment(assignment, "--dtensor").second);
+    outputs.emplace_back("--dtensor", split_assignment(assignment, "--dtensor").second);
   }
-  check_output_paths(paths);
-  std::set<std::string> distinct;
-  for (const std::string& path : paths) {
-    if (!path.empty() && !distinct.insert(path).second) {
-      throw_invalid(fmt::format("output file '{}' is named twice", path));
-    }
+  std::vector<std::pair<std::string, std::string>> inputs = {{"--q", problem.q_file},
+                                                             {"--k", problem.k_file},
+                                                             {"--v", problem.v_file},
+                                                             {"--dout", flags.dout_file}};
+  for (const std::string& assignment : problem.tensors) {
+    inputs.emplace_back("--tensor", split_assignment(assignment, "--tensor").second);
   }
+  check_output_paths(outputs, inputs);
 }
 
 // Every output against cpu_ref under the conformance rule (per element, the tolerance from the
@@ -196,10 +200,14 @@ int run_command(const ProblemFlags& problem_flags, const RunFlags& flags) {
   // Outputs are written only when everything succeeded, the check included.
   const DType file_dtype = problem.dtype() == DType::kF64 ? DType::kF64 : DType::kF32;
   std::vector<std::string> written;
-  for (const NamedOutput& output : named) {
-    if (output.path.empty() || !check_passed) continue;
-    write_npy(output.path, output.tensor->to(file_dtype));
-    written.push_back(output.path);
+  if (check_passed) {
+    OutputFiles files;  // all or nothing
+    for (const NamedOutput& output : named) {
+      if (output.path.empty()) continue;
+      files.add_npy(output.path, output.tensor->to(file_dtype));
+      written.push_back(output.path);
+    }
+    files.commit();
   }
   std::string check_failure;
   for (const conformance::OutputCheck& check : checks) {

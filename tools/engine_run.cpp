@@ -310,8 +310,18 @@ double kept_fraction(const Problem& problem) {
          (static_cast<double>(problem.seq_len_q()) * static_cast<double>(problem.seq_len_kv()));
 }
 
-void check_output_paths(const std::vector<std::string>& paths) {
-  for (const std::string& path : paths) {
+void check_output_paths(const std::vector<std::pair<std::string, std::string>>& outputs,
+                        const std::vector<std::pair<std::string, std::string>>& inputs) {
+  // (flag, path, resolved file) of every named input and output, inputs first.
+  struct Named {
+    std::string flag, path, file;
+  };
+  std::vector<Named> seen;
+  for (const auto& [flag, path] : inputs) {
+    if (!path.empty()) seen.push_back({flag, path, resolved_file(path)});
+  }
+  const std::size_t input_count = seen.size();
+  for (const auto& [flag, path] : outputs) {
     if (path.empty()) continue;
     std::filesystem::path folder = std::filesystem::path(path).parent_path();
     if (folder.empty()) folder = ".";
@@ -320,9 +330,29 @@ void check_output_paths(const std::vector<std::string>& paths) {
       throw_invalid(
           fmt::format("cannot write '{}': folder '{}' does not exist", path, folder.string()));
     }
-    if (std::filesystem::is_directory(path, error)) {
+    const std::filesystem::file_status status = std::filesystem::status(path, error);
+    if (std::filesystem::is_directory(status)) {
       throw_invalid(fmt::format("cannot write '{}': it is a folder", path));
     }
+    if (std::filesystem::exists(status) && !std::filesystem::is_regular_file(status)) {
+      throw_invalid(fmt::format(
+          "cannot write '{}': it exists and is not a regular file (outputs replace a file as a "
+          "whole, so devices and FIFOs are not written)",
+          path));
+    }
+    const std::string file = resolved_file(path);
+    for (std::size_t i = 0; i < seen.size(); ++i) {
+      const bool same = seen[i].file == file ||
+                        std::filesystem::equivalent(seen[i].path, path, error);  // hard links
+      if (!same) continue;
+      if (i < input_count) {
+        throw_invalid(fmt::format("{} '{}' is the input of {} ('{}'): outputs never replace inputs",
+                                  flag, path, seen[i].flag, seen[i].path));
+      }
+      throw_invalid(fmt::format("{} '{}' and {} '{}' name the same file", seen[i].flag,
+                                seen[i].path, flag, path));
+    }
+    seen.push_back({flag, path, file});
   }
 }
 

@@ -59,6 +59,7 @@ int exit_code(flexattn::ErrorCode code) {
     case flexattn::ErrorCode::kCuda:
     case flexattn::ErrorCode::kCudnn:
     case flexattn::ErrorCode::kCompile:
+    case flexattn::ErrorCode::kIo:
     case flexattn::ErrorCode::kInternal:
       break;
   }

@@ -13,6 +13,7 @@ enum class ErrorCode {
   kCuda,             // a CUDA runtime/driver call failed
   kCudnn,            // a cuDNN call failed
   kCompile,          // run-time compilation (NVRTC) failed
+  kIo,               // the system refused a file operation (disk full, permissions)
   kInternal,         // a broken invariant inside flexattn: a bug
 };
 

@@ -1,7 +1,10 @@
 // NumPy .npy files: the exchange format of the golden data, the CLI and the benchmarks.
 #pragma once
 
+#include <initializer_list>
 #include <string>
+#include <string_view>
+#include <vector>
 
 #include "flexattn/tensor.hpp"
 
@@ -12,8 +15,50 @@ namespace flexattn {
 // Error(kInvalidArgument) with a one-line message naming the file.
 HostTensor read_npy(const std::string& path);
 
-// Writes `tensor` as a .npy file, atomically: the data goes to a temporary file next to `path`
-// that is renamed over it, and removed on any error. bf16 has no NumPy dtype: convert first.
+// Writes `tensor` as a .npy file, atomically (OutputFiles of one file). bf16 has no NumPy dtype:
+// convert first.
 void write_npy(const std::string& path, const HostTensor& tensor);
+
+// Output files written all or nothing. add_npy() (a tensor as .npy) and add_bytes() write a
+// file's contents to a new temporary file in its destination's folder (created exclusively, under
+// a random name starting with '.'); commit() renames every temporary into place once all of them
+// are complete. Until commit() succeeds no destination changes: a failed add or commit() and a set
+// destroyed without commit() remove every temporary, and a rename that fails during commit() puts
+// back every file already replaced (from a hard link taken before the first rename; where the file
+// system refuses hard links, that file cannot be put back and the error says so). A process killed
+// during commit()'s renames can leave some files replaced and temporaries behind. A destination
+// that is a symbolic link is written through (its target is replaced); one that exists and is not a
+// regular file (a device, a FIFO, a folder) is refused, since it would be replaced rather than
+// written. A replaced file keeps its permission bits; a new one gets 0666 less the umask. Errors:
+// kInvalidArgument for a destination refused up front, kIo for what the system refuses (a full
+// disk, permissions).
+class OutputFiles {
+ public:
+  OutputFiles() = default;
+  OutputFiles(const OutputFiles&) = delete;
+  OutputFiles& operator=(const OutputFiles&) = delete;
+  ~OutputFiles();
+
+  void add_npy(const std::string& path, const HostTensor& tensor);
+  void add_bytes(const std::string& path, std::string_view bytes);
+  void commit();
+
+ private:
+  void add_parts(const std::string& path, std::initializer_list<std::string_view> parts);
+
+  struct Entry {
+    std::string path;         // as given, for messages
+    std::string destination;  // symbolic links resolved
+    std::string temporary;
+    std::string backup;     // a hard link to the replaced file during commit(), or empty
+    bool replaces = false;  // the destination existed
+  };
+  std::vector<Entry> entries_;
+  bool committed_ = false;
+};
+
+// The file `path` names once symbolic links are resolved (also when it does not exist yet: its
+// folder's resolved path and its name), for comparing outputs with each other and with inputs.
+std::string resolved_file(const std::string& path);
 
 }  // namespace flexattn

@@ -15,6 +15,8 @@ std::string_view to_string(ErrorCode code) {
       return "cuDNN error";
     case ErrorCode::kCompile:
       return "compile error";
+    case ErrorCode::kIo:
+      return "I/O error";
     case ErrorCode::kInternal:
       return "internal error";
   }

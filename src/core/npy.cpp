@@ -1,17 +1,22 @@
 // Reading and writing NumPy .npy files (format versions 1 to 3).
 #include "flexattn/npy.hpp"
 
+#include <fcntl.h>
 #include <fmt/format.h>
 #include <fmt/ranges.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include <algorithm>
 #include <cctype>
+#include <cerrno>
 #include <cstdio>
+#include <cstring>
 #include <filesystem>
 #include <fstream>
 #include <limits>
 #include <optional>
+#include <random>
 #include <string_view>
 
 #include "core/checked_size.hpp"
@@ -296,7 +301,10 @@ HostTensor read_npy(const std::string& path) {
   return tensor;
 }
 
-void write_npy(const std::string& path, const HostTensor& tensor) {
+namespace {
+
+// The .npy preamble (magic, version, header length, header dict, padding) of `tensor`.
+std::string npy_preamble(const std::string& path, const HostTensor& tensor) {
   const std::string header_dict =
       fmt::format("{{'descr': '{}', 'fortran_order': False, 'shape': {}, }}",
                   descr_of(tensor.dtype(), path), shape_tuple(tensor.shape()));
@@ -320,25 +328,168 @@ void write_npy(const std::string& path, const HostTensor& tensor) {
   preamble.append(padding, ' ');
   preamble.push_back('\n');
 
-  const std::string temporary = fmt::format("{}.tmp.{}", path, static_cast<long>(::getpid()));
-  try {
-    {
-      std::ofstream file(temporary, std::ios::binary | std::ios::trunc);
-      if (!file) fail(path, fmt::format("cannot open '{}' for writing", temporary));
-      file.write(preamble.data(), static_cast<std::streamsize>(preamble.size()));
-      file.write(static_cast<const char*>(tensor.data()),
-                 static_cast<std::streamsize>(tensor.bytes()));
-      file.flush();
-      if (!file) fail(path, "write failed");
+  return preamble;
+}
+
+[[noreturn]] void fail_io(const std::string& path, const std::string& what, int error) {
+  throw Error(ErrorCode::kIo,
+              fmt::format("cannot write '{}': {}: {}", path, what, std::strerror(error)));
+}
+
+// A name in `folder` that starts with '.', ends with `suffix` and carries 64 random bits.
+std::string random_name(const std::filesystem::path& folder, const std::string& stem,
+                        const char* suffix) {
+  static thread_local std::mt19937_64 generator{std::random_device{}()};
+  return (folder / fmt::format(".{}.{:016x}.{}", stem, generator(), suffix)).string();
+}
+
+void write_all(int fd, const char* data, std::size_t bytes, const std::string& path) {
+  while (bytes > 0) {
+    const ssize_t written = ::write(fd, data, bytes);
+    if (written < 0) {
+      if (errno == EINTR) continue;
+      fail_io(path, "write failed", errno);
     }
-    std::error_code error;
-    std::filesystem::rename(temporary, path, error);
-    if (error) fail(path, fmt::format("cannot rename the temporary file: {}", error.message()));
+    data += written;
+    bytes -= static_cast<std::size_t>(written);
+  }
+}
+
+}  // namespace
+
+std::string resolved_file(const std::string& path) {
+  namespace fs = std::filesystem;
+  std::error_code error;
+  fs::path file = fs::absolute(path).lexically_normal();
+  // A link is followed even when its target does not exist yet (weakly_canonical would stop at
+  // it); the limit is the kernel's for nested links.
+  constexpr int kMaxLinks = 40;
+  for (int links = 0; links < kMaxLinks && fs::is_symlink(file, error); ++links) {
+    const fs::path target = fs::read_symlink(file, error);
+    if (error) break;
+    file = (target.is_absolute() ? target : file.parent_path() / target).lexically_normal();
+  }
+  const fs::path resolved = fs::weakly_canonical(file, error);
+  return (error ? file : resolved.lexically_normal()).string();
+}
+
+OutputFiles::~OutputFiles() {
+  if (committed_) return;
+  for (const Entry& entry : entries_) {
+    if (!entry.temporary.empty()) ::unlink(entry.temporary.c_str());
+    if (!entry.backup.empty()) ::unlink(entry.backup.c_str());
+  }
+}
+
+void OutputFiles::add_npy(const std::string& path, const HostTensor& tensor) {
+  const std::string preamble = npy_preamble(path, tensor);
+  add_parts(path, {std::string_view(preamble),
+                   std::string_view(static_cast<const char*>(tensor.data()), tensor.bytes())});
+}
+
+void OutputFiles::add_bytes(const std::string& path, std::string_view bytes) {
+  add_parts(path, {bytes});
+}
+
+void OutputFiles::add_parts(const std::string& path,
+                            std::initializer_list<std::string_view> parts) {
+  if (committed_) throw_internal("OutputFiles: a file added after commit()");
+  Entry entry;
+  entry.path = path;
+  entry.destination = resolved_file(path);
+  struct stat existing {};
+  if (::stat(entry.destination.c_str(), &existing) == 0) {
+    if (!S_ISREG(existing.st_mode)) {
+      throw_invalid(fmt::format(
+          "cannot write '{}': it exists and is not a regular file (outputs replace a file as a "
+          "whole, so devices, FIFOs and folders are not written)",
+          path));
+    }
+    entry.replaces = true;
+  } else if (errno != ENOENT) {
+    fail_io(path, "cannot inspect it", errno);
+  }
+  const std::filesystem::path destination(entry.destination);
+  const std::string stem = destination.filename().string();
+  int fd = -1;
+  for (int attempt = 0; fd < 0; ++attempt) {
+    entry.temporary = random_name(destination.parent_path(), stem, "tmp");
+    fd =
+        ::open(entry.temporary.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC | O_NOFOLLOW, 0666);
+    if (fd < 0 && (errno != EEXIST || attempt == 8)) {
+      const int error = errno;
+      entry.temporary.clear();
+      fail_io(path, "cannot create a temporary file beside it", error);
+    }
+  }
+  entries_.push_back(entry);  // from here the destructor removes the temporary
+  try {
+    if (entry.replaces) (void)::fchmod(fd, existing.st_mode & 07777);
+    for (std::string_view part : parts) write_all(fd, part.data(), part.size(), path);
+    if (::fsync(fd) != 0) fail_io(path, "cannot flush it", errno);
   } catch (...) {
-    std::error_code ignored;
-    std::filesystem::remove(temporary, ignored);
+    ::close(fd);
     throw;
   }
+  if (::close(fd) != 0) fail_io(path, "cannot close it", errno);
+}
+
+void OutputFiles::commit() {
+  if (committed_) throw_internal("OutputFiles::commit twice");
+  // Hard links to the files about to be replaced, so a failed rename can put them back.
+  for (Entry& entry : entries_) {
+    if (!entry.replaces) continue;
+    const std::string stem = std::filesystem::path(entry.destination).filename().string();
+    const std::filesystem::path folder = std::filesystem::path(entry.destination).parent_path();
+    for (int attempt = 0; attempt < 8; ++attempt) {
+      const std::string backup = random_name(folder, stem, "old");
+      if (::link(entry.destination.c_str(), backup.c_str()) == 0) {
+        entry.backup = backup;
+        break;
+      }
+      if (errno != EEXIST) break;  // no hard links here: this file cannot be put back
+    }
+  }
+  for (std::size_t i = 0; i < entries_.size(); ++i) {
+    Entry& entry = entries_[i];
+    if (::rename(entry.temporary.c_str(), entry.destination.c_str()) == 0) continue;
+    const int error = errno;
+    std::string lost;
+    for (std::size_t j = 0; j < entries_.size(); ++j) {
+      Entry& other = entries_[j];
+      if (j >= i) {  // not renamed: its destination is as it was
+        ::unlink(other.temporary.c_str());
+        if (!other.backup.empty()) ::unlink(other.backup.c_str());
+      } else if (!other.replaces) {  // renamed onto nothing: remove it
+        ::unlink(other.destination.c_str());
+      } else if (!other.backup.empty() &&
+                 ::rename(other.backup.c_str(), other.destination.c_str()) == 0) {
+        // put back
+      } else {  // the new file stays; the old one is kept where it is, if it could be linked
+        lost += fmt::format(
+            "{}'{}' (its previous contents {})", lost.empty() ? "" : ", ", other.path,
+            other.backup.empty() ? "are lost" : fmt::format("are in '{}'", other.backup));
+      }
+      other.temporary.clear();
+      other.backup.clear();
+    }
+    fail_io(entry.path,
+            lost.empty() ? "cannot rename the temporary file into place (no output changed)"
+                         : fmt::format("cannot rename the temporary file into place, and could not "
+                                       "restore {}",
+                                       lost),
+            error);
+  }
+  committed_ = true;
+  for (const Entry& entry : entries_) {
+    if (!entry.backup.empty()) ::unlink(entry.backup.c_str());
+  }
+}
+
+void write_npy(const std::string& path, const HostTensor& tensor) {
+  OutputFiles file;
+  file.add_npy(path, tensor);
+  file.commit();
 }
 
 }  // namespace flexattn

@@ -3,6 +3,7 @@
 // documented exit code (2 invalid input, 3 nothing can run, 1 otherwise) and no output file.
 #include <fmt/format.h>
 #include <gtest/gtest.h>
+#include <sys/stat.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -236,13 +237,14 @@ TEST_F(Cli, RunJsonParsesAndReportsTheCheck) {
 }
 
 TEST_F(Cli, BenchReportsTimesRatesAndTheSgemmYardstick) {
-  const CliResult result = run({"bench", "--engine", "cpu", "--modifier", "softcap",
-                                "--seq-len-q", "64", "--backward", "--iters", "2", "--json"});
+  const CliResult result = run({"bench", "--engine", "cpu", "--modifier", "softcap", "--seq-len-q",
+                                "64", "--backward", "--iters", "2", "--json"});
   ASSERT_EQ(result.exit_code, 0) << result.err;
   const nlohmann::json summary = nlohmann::json::parse(result.out);
   EXPECT_EQ(summary.at("engine").get<std::string>(), "cpu");
   EXPECT_GT(summary.at("forward_gflops").get<double>(), 0.0);
-  EXPECT_GT(summary.at("forward_backward_ms").get<double>(), summary.at("forward_ms").get<double>());
+  EXPECT_GT(summary.at("forward_backward_ms").get<double>(),
+            summary.at("forward_ms").get<double>());
   EXPECT_GE(summary.at("sgemm_gflops").get<double>(), 0.0);
   expect_failure(run({"bench", "--iters", "0"}), 2, "--iters");
 }
@@ -261,9 +263,8 @@ TEST_F(Cli, RunBackwardWritesGradientsOfInputsAndTensors) {
 }
 
 TEST_F(Cli, RunThdWithOffsets) {
-  const CliResult result =
-      run({"run", "--layout", "thd", "--cu-seqlens-q", "0,5,17,20", "--mask-mod",
-           "q >= kv", "--out", "out.npy", "--check", "--json"});
+  const CliResult result = run({"run", "--layout", "thd", "--cu-seqlens-q", "0,5,17,20",
+                                "--mask-mod", "q >= kv", "--out", "out.npy", "--check", "--json"});
   ASSERT_EQ(result.exit_code, 0) << result.err;
   EXPECT_EQ(read_npy(path("out.npy")).shape(), (std::vector<std::int64_t>{20, 4, 64}));
   const nlohmann::json summary = nlohmann::json::parse(result.out);
@@ -279,8 +280,8 @@ TEST_F(Cli, LogInfoNamesTheSelection) {
 // `explain --source` prints the code the cuda engine would compile (no GPU needed), including
 // the derivative of the modifier when the problem wants gradients.
 TEST_F(Cli, ExplainSourcePrintsTheGeneratedModifier) {
-  const CliResult result = run({"explain", "--modifier", "softcap", "--dtype", "bf16",
-                                "--backward", "--source"});
+  const CliResult result =
+      run({"explain", "--modifier", "softcap", "--dtype", "bf16", "--backward", "--source"});
   ASSERT_EQ(result.exit_code, 0) << result.err;
   bool cuda_built = false;
   for (const auto& engine : builtin_engines()) cuda_built = cuda_built || engine->name() == "cuda";
@@ -446,14 +447,79 @@ TEST_F(Cli, OutputFolderMissing) {
   expect_failure(run({"run", "--out", "missing/out.npy"}), kExitInvalidInput, "missing");
 }
 
+// ---- the output transaction
+// ----------------------------------------------------------------------
+
+// Two flags naming one file (after normalisation and links), or an output naming an input, are
+// refused before anything runs; nothing is written and the input is unchanged.
+TEST_F(Cli, OutputsNamingOneFileOrAnInputAreRefused) {
+  fs::create_directories(path("sub"));
+  fs::create_symlink("o.npy", path("link.npy"));
+  for (const auto& [out, lse] :
+       std::vector<std::pair<std::string, std::string>>{{"o.npy", "o.npy"},
+                                                        {"o.npy", "./o.npy"},
+                                                        {"o.npy", "sub/../o.npy"},
+                                                        {"o.npy", "link.npy"},
+                                                        {"o.npy", path("o.npy")}}) {
+    expect_failure(run({"run", "--seq-len-q", "16", "--out", out, "--lse", lse}), kExitInvalidInput,
+                   "name the same file", {"link.npy", "sub"});
+  }
+  const Problem problem(small_desc(Layout::kBSHD, DType::kF32));
+  write_inputs(problem, 1);
+  const std::string before = read_text(path("q.npy"));
+  expect_failure(run({"run", "--layout", "bshd", "--q", "q.npy", "--k", "k.npy", "--v", "v.npy",
+                      "--out", "./q.npy"}),
+                 kExitInvalidInput, "is the input of --q",
+                 {"k.npy", "link.npy", "q.npy", "sub", "v.npy"});
+  EXPECT_EQ(read_text(path("q.npy")), before);
+}
+
+// A destination that exists and is not a regular file is refused up front (it would be replaced
+// by the rename, not written). A FIFO stands for device nodes too: a test that tried /dev/null
+// would, against a build with the defect, replace the machine's /dev/null.
+TEST_F(Cli, DeviceAndFifoOutputsAreRefused) {
+  ASSERT_EQ(::mkfifo(path("fifo").c_str(), 0600), 0);
+  expect_failure(run({"run", "--seq-len-q", "16", "--out", "fifo"}), kExitInvalidInput,
+                 "not a regular file", {"fifo"});
+  EXPECT_TRUE(fs::is_fifo(path("fifo")));
+}
+
+// A second output that cannot be written (no file can be created in /proc) leaves the first
+// output's existing file as it was and no temporary behind: the outputs are one transaction.
+TEST_F(Cli, AFailedOutputLeavesEveryOtherOutputUnchanged) {
+  { std::ofstream(path("o.npy")) << "the previous contents"; }
+  const CliResult result =
+      run({"run", "--seq-len-q", "16", "--out", "o.npy", "--lse", "/proc/flexattn-lse.npy"});
+  expect_failure(result, kExitFailure, "cannot write '/proc/flexattn-lse.npy'", {"o.npy"});
+  EXPECT_EQ(read_text(path("o.npy")), "the previous contents");
+}
+
+// A successful run replaces an existing output through a symbolic link (the link stays), keeps
+// the replaced file's permissions, and leaves no temporary; a file planted at a temporary name
+// of the old scheme (OUTPUT.tmp.PID, predictable) is never touched.
+TEST_F(Cli, OutputsReplaceFilesThroughLinksAndKeepTheirPermissions) {
+  { std::ofstream(path("target.npy")) << "old"; }
+  fs::permissions(path("target.npy"), fs::perms::owner_read | fs::perms::owner_write);
+  fs::create_symlink("target.npy", path("link.npy"));
+  { std::ofstream(path("victim")) << "victim"; }
+  const CliResult result = run({"run", "--seq-len-q", "16", "--out", "link.npy"});
+  ASSERT_EQ(result.exit_code, 0) << result.err;
+  EXPECT_TRUE(fs::is_symlink(path("link.npy")));
+  EXPECT_EQ(read_npy(path("link.npy")).numel(), 1 * 16 * 4 * 64);
+  EXPECT_EQ(fs::status(path("target.npy")).permissions() & fs::perms::all,
+            fs::perms::owner_read | fs::perms::owner_write);
+  EXPECT_EQ(files(), (std::vector<std::string>{"link.npy", "target.npy", "victim"}));
+  EXPECT_EQ(read_text(path("victim")), "victim");
+}
+
 // `run --check` with an engine that drops the modifier (the canary switched off so the planted
 // engine is selected): exit 4, the reason on stderr, "passed": false, and no output file.
 TEST_F(Cli, RunCheckFailureExitsFourAndWritesNothing) {
-  const CliResult result = run({"run", "--with-planted-faults", "--engine", "faulty_lying_hash",
-                                "--heads-q", "2", "--seq-len-q", "64", "--dtype", "bf16",
-                                "--score-mod", "3 * tanh(score / 3)", "--backward", "--check",
-                                "--json", "--out", "out.npy", "--dq", "dq.npy"},
-                               {"FLEXATTN_CANARY=0"});
+  const CliResult result =
+      run({"run", "--with-planted-faults", "--engine", "faulty_lying_hash", "--heads-q", "2",
+           "--seq-len-q", "64", "--dtype", "bf16", "--score-mod", "3 * tanh(score / 3)",
+           "--backward", "--check", "--json", "--out", "out.npy", "--dq", "dq.npy"},
+          {"FLEXATTN_CANARY=0"});
   EXPECT_EQ(result.exit_code, 4) << result.err;
   EXPECT_NE(result.err.find("error: check against cpu_ref failed"), std::string::npos)
       << result.err;
