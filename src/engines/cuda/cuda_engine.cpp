@@ -94,7 +94,8 @@ Support lower_backward(const Problem& problem, Lowering& lowering, int capabilit
 // `capability`: the device's compute capability, 0 without a device (the portable kernels).
 // The pipelined wgmma forward's warpgroups take turns issuing their products
 // (WgmmaConfig::kTakeTurns): measured faster on every head-dim-128 row (no modifier +8%, softcap
-// +4%; docs/performance.md). FLEXATTN_CUDA_WGMMA_TURNS=0 switches it off (comparisons).
+// +4%; docs/measurements/2026-12-02-wgmma-backward.md). FLEXATTN_CUDA_WGMMA_TURNS=0 switches it
+// off (comparisons).
 bool wgmma_turns() {
   const char* value = std::getenv("FLEXATTN_CUDA_WGMMA_TURNS");
   return value == nullptr || std::string_view(value) != "0";
@@ -353,7 +354,8 @@ class StreamFork {
 // Whether the backward runs its dQ kernel on a second stream beside the dK/dV kernel (the
 // default; FLEXATTN_CUDA_BACKWARD_STREAMS=1 keeps both on the caller's stream): the dQ blocks
 // then fill the multiprocessors the dK/dV kernel's last partial wave leaves idle. Forward and
-// backward, bf16, head dim 128 (H200, 2026-12-03, thirteenth session): softcap 313.0 -> 316.5
+// backward, bf16, head dim 128 (H200, 2026-12-03,
+// docs/measurements/2026-12-03-second-stream-fixed-reference.md): softcap 313.0 -> 316.5
 // TFLOP/s, no modifier 383.1 -> 392.1, causal softcap 276.4 -> 284.1, causal 356.7 -> 368.6.
 // Not with the fused dQ, whose dQ kernel reads what the dK/dV kernel writes.
 bool dq_on_side_stream() {
