@@ -122,6 +122,7 @@ struct Worst {
 
 double element_error(double candidate, double reference) {
   if (candidate == reference) return 0;  // also equal infinities (-inf LSE of an empty row)
+  if (std::isnan(candidate) && std::isnan(reference)) return 0;  // NaN agrees with NaN only
   if (!std::isfinite(candidate) || !std::isfinite(reference)) return kInfinity;
   return std::abs(candidate - reference);
 }

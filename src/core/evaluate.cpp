@@ -58,9 +58,29 @@ double to_int(double value) {
 
 double boolean(bool value) { return value ? 1.0 : 0.0; }
 
+// An f32 value computed in float64: what overflows float32 is +-inf, as on every engine that
+// computes in float32 (the mantissa keeps float64's precision: this is the reference).
+double f32_range(double value) {
+  if (std::isfinite(value) && std::isinf(static_cast<float>(value))) {
+    return std::copysign(std::numeric_limits<double>::infinity(), value);
+  }
+  return value;
+}
+
+}  // namespace
+
+namespace {
+double apply_op_unrounded(Op op, Type result_type, std::span<const double> args);
 }  // namespace
 
 double apply_op(Op op, Type result_type, std::span<const double> args) {
+  const double value = apply_op_unrounded(op, result_type, args);
+  return result_type == Type::kF32 ? f32_range(value) : value;
+}
+
+namespace {
+
+double apply_op_unrounded(Op op, Type result_type, std::span<const double> args) {
   const bool integer = result_type == Type::kI32;
   const auto arg = [&](std::size_t i) { return args[i]; };
   switch (op) {
@@ -142,8 +162,6 @@ double apply_op(Op op, Type result_type, std::span<const double> args) {
   throw_internal("apply_op: unknown op");
 }
 
-namespace {
-
 double load_value(const Graph& graph, const GraphNode& node, const Bindings& bindings,
                   const std::vector<double>& values) {
   const auto found = bindings.tensors.find(node.name);
@@ -164,8 +182,10 @@ double load_value(const Graph& graph, const GraphNode& node, const Bindings& bin
     }
     offset += index * tensor.strides[dim];
   }
-  if (node.type == Type::kI32) return static_cast<double>(tensor.load_index(offset));
-  return tensor.load(offset);
+  // An integer element becomes i32 by two's-complement wrap, as on every engine (and as every i32
+  // operation of the IR wraps); a floating one past float32's range is +-inf.
+  if (node.type == Type::kI32) return wrap_i32(tensor.load_index(offset));
+  return f32_range(tensor.load(offset));
 }
 
 }  // namespace
@@ -222,7 +242,7 @@ void evaluate_all(const Graph& graph, const EvalPoint& point, const Bindings& bi
         value = apply_op(node.op, node.type, operands);
         break;
     }
-    values[i] = value;
+    values[i] = node.type == Type::kF32 ? f32_range(value) : value;
   }
 }
 

@@ -363,6 +363,10 @@ Expr key_length() { return make_node(Op::kKeyLen, Type::kI32, 0.0, {}, {}); }
 
 Expr literal_f32(double value) {
   if (std::isnan(value)) throw_invalid("an f32 literal cannot be NaN");
+  // f32 is float32: a literal past its range is +-inf, as every engine computes it.
+  if (std::isfinite(value) && std::isinf(static_cast<float>(value))) {
+    value = std::copysign(std::numeric_limits<double>::infinity(), value);
+  }
   return make_node(Op::kLiteral, Type::kF32, value, {}, {});
 }
 

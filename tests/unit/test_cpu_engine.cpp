@@ -18,6 +18,7 @@
 #include <cstring>
 #include <limits>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "engines/cpu/cpu.hpp"
@@ -216,6 +217,78 @@ TEST(CpuFp32, RaggedThdWithEmptySequences) {
   desc.score_mod = ir::parse("score * 0.5 + float(kv - Q_LEN) * 0.125");
   desc.mask_mod = ir::parse("kv <= q");
   expect_matches_float64(desc, 13);
+}
+
+// ---- non-finite values and out-of-range integers: the same on cpu and cpu_ref ------------------
+
+// Elementwise: NaN exactly where the reference has NaN, infinities equal, finite values within
+// kFp32Relative of the reference's largest finite value.
+void expect_same_values(const HostTensor& result, const HostTensor& reference, const char* what) {
+  const TensorView got = result.view(), want = reference.view();
+  ASSERT_EQ(got.numel(), want.numel()) << what;
+  double largest = 1.0;
+  for (std::int64_t e = 0; e < want.numel(); ++e) {
+    if (std::isfinite(want.load(e))) largest = std::max(largest, std::abs(want.load(e)));
+  }
+  int mismatches = 0;
+  for (std::int64_t e = 0; e < want.numel(); ++e) {
+    const double a = got.load(e), b = want.load(e);
+    const bool same = std::isnan(b)   ? std::isnan(a)
+                      : std::isinf(b) ? a == b
+                                      : std::abs(a - b) <= kFp32Relative * largest;
+    if (!same && mismatches++ < 3) ADD_FAILURE() << what << "[" << e << "]: " << a << " vs " << b;
+  }
+  EXPECT_EQ(mismatches, 0) << what;
+}
+
+void expect_same_as_reference(const ProblemDesc& desc32, const Inputs& inputs32) {
+  ProblemDesc desc64 = desc32;
+  desc64.dtype = DType::kF64;
+  Inputs inputs64;
+  inputs64.q = inputs32.q.to(DType::kF64);
+  inputs64.k = inputs32.k.to(DType::kF64);
+  inputs64.v = inputs32.v.to(DType::kF64);
+  inputs64.dout = inputs32.dout.to(DType::kF64);
+  for (const auto& [name, tensor] : inputs32.tensors) {
+    inputs64.tensors.emplace(name, tensor.to(tensor.dtype()));
+  }
+  const Outputs ours = run_engine(*make_cpu_engine(), Problem(desc32), inputs32);
+  const Outputs reference = run_engine(*make_cpu_ref_engine(), Problem(desc64), inputs64);
+  expect_same_values(ours.out, reference.out, "out");
+  expect_same_values(ours.lse, reference.lse, "lse");
+  expect_same_values(ours.dq, reference.dq, "dq");
+  expect_same_values(ours.dk, reference.dk, "dk");
+  expect_same_values(ours.dv, reference.dv, "dv");
+}
+
+// A modifier value past float32's range is +-inf on every engine: the IR's f32 is float32, and
+// cpu_ref (which computes in float64) applies float32's range to every f32 value. `score + 1e39`
+// is `score + inf` (every logit +inf: NaN rows); `score * 1e20 * 1e20` overflows for most scores.
+TEST(CpuSemantics, ModifierOverflowIsTheSameAsTheReference) {
+  for (const char* text :
+       {"score + 1e39", "score * 1e20 * 1e20", "where(kv == 3, score * 1e39, score)"}) {
+    ProblemDesc desc = base_desc(33, 47);
+    desc.score_mod = ir::parse(text, desc.scope());
+    SCOPED_TRACE(text);
+    expect_same_as_reference(desc, random_inputs(Problem(desc), 17));
+  }
+}
+
+// An int64 tensor element becomes i32 by two's-complement wrap on every engine (as every i32
+// operation wraps): document ids 2^32 x (i % 2) + i / 16 are the ids i / 16 (cpu_ref kept the
+// int64 values, so odd and even positions fell into different documents).
+TEST(CpuSemantics, Int64ElementsWrapToI32AsOnEveryEngine) {
+  ProblemDesc desc = base_desc(64, 64);
+  desc.tensors["doc"] = TensorDecl{DType::kI64, {64}};
+  desc.mask_mod = ir::parse("doc[q] == doc[kv]", desc.scope());
+  desc.score_mod = ir::parse("score + float(doc[kv]) * 0.125", desc.scope());
+  Inputs inputs = random_inputs(Problem(desc), 19);
+  HostTensor doc(DType::kI64, {64});
+  for (std::int64_t i = 0; i < 64; ++i) {
+    static_cast<std::int64_t*>(doc.data())[i] = (std::int64_t{1} << 32) * (i % 2) + i / 16;
+  }
+  inputs.tensors.insert_or_assign("doc", std::move(doc));
+  expect_same_as_reference(desc, inputs);
 }
 
 // ---- determinism ------------------------------------------------------------------------------

@@ -471,7 +471,7 @@ TEST(CudaBackwardChoice, WgmmaOnSm90ForHeadDims64And128) {
 // the dS^T tile, its own kernel type; refused with a reason elsewhere, the choice unchanged.
 // The tile starts on a 1024-byte boundary (its swizzle): three row stages of 512 bytes end half
 // a kilobyte past one, so 512 bytes of padding come first (without them the fused dQ's
-// gradients were wrong on the H200, twelfth session).
+// gradients were wrong on the H200, 2026-12-03).
 TEST(CudaBackwardChoice, FusedDqOnTheWgmmaBackwardAtHeadDim128) {
   cuda::BackwardChoice c =
       cuda::choose_backward_kernel(backward_problem_with(DType::kBF16, 128, 128), 90).choice;

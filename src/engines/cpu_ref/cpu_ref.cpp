@@ -310,11 +310,10 @@ void CpuRefPlan::backward_task(const BackwardArgs& args, const Bindings& binding
     for (std::int64_t q = 0; q < rows.q_len; ++q) {
       q_row.assign(q_rows.begin() + q * dim_qk, q_rows.begin() + (q + 1) * dim_qk);
       score_row(rows, q, q_row, bindings, scores);
-      if (std::isnan(scores.lse)) {  // a NaN score: say so rather than hide it
-        std::fill(dq_rows.begin() + q * dim_qk, dq_rows.begin() + (q + 1) * dim_qk, kNan);
-        continue;
-      }
-      if (!scores.any_kept()) continue;  // no kept key: this row adds nothing (zero dQ row)
+      // No kept key: this row adds nothing (zero dQ row). A NaN LSE (a NaN modified score, or
+      // every kept score +inf) runs the arithmetic below with it: P is NaN, so the row's dQ and
+      // the dK, dV and tensor gradients of every key it keeps are NaN, the gradients it reaches.
+      if (scores.lse == kNegativeInfinity) continue;
       const double* dout = &dout_rows[to_size(q * dim_v)];
       // dP = dO V^T; rowsum(dO * O) == sum_kv P dP.
       double row_sum = 0.0;

@@ -164,9 +164,8 @@ Support lower_problem(const Problem& problem, Lowering& lowering, int capability
   lowering.source = generate_translation_unit(problem, lowering.bindings, lowering.choice,
                                               lowering.backward ? &*lowering.backward : nullptr);
   if (unstaged) {
-    lowering.unstaged_source =
-        generate_translation_unit(problem, lowering.bindings, *unstaged,
-                                  lowering.backward ? &*lowering.backward : nullptr);
+    lowering.unstaged_source = generate_translation_unit(
+        problem, lowering.bindings, *unstaged, lowering.backward ? &*lowering.backward : nullptr);
     lowering.unstaged_choice = unstaged;
   }
   return Support::yes();
@@ -410,7 +409,7 @@ struct BackwardState {
   DeviceBuffer kv_tile_entries;
   DeviceBuffer kv_tile_turns;  // the fused dQ's order (choice.fused_dq)
   BackwardParams params{};
-  std::size_t delta_floats = 0;  // one per (b, h, query), like the LSE
+  std::size_t delta_floats = 0;     // one per (b, h, query), like the LSE
   std::size_t dq_accum_floats = 0;  // fused dQ: tokens x heads x head_dim_qk
   std::size_t dq_counters = 0;      // fused dQ in order: batch x heads x q blocks
   // The dQ kernel's stream when dq_on_side_stream() and no fused dQ, else null.
@@ -519,11 +518,10 @@ class CudaPlan final : public Plan {
         b.dq_accum_floats = static_cast<std::size_t>(problem.total_tokens_q() * problem.heads_q() *
                                                      problem.head_dim_qk());
         if (!b.choice.unordered_dq) {  // the order: a turn table and counters to wait on
-          b.kv_tile_turns =
-              upload_ints(driver_, kv_tile_turns(transposed, kv_list.query_blocks));
+          b.kv_tile_turns = upload_ints(driver_, kv_tile_turns(transposed, kv_list.query_blocks));
           p.kv_tile_turns = device_ints(b.kv_tile_turns);
-          b.dq_counters = static_cast<std::size_t>(problem.batch() * problem.heads_q() *
-                                                   kv_list.query_blocks);
+          b.dq_counters =
+              static_cast<std::size_t>(problem.batch() * problem.heads_q() * kv_list.query_blocks);
         }
       }
     }
@@ -548,14 +546,15 @@ class CudaPlan final : public Plan {
     bind_tensors(args.tensors, p);
     CUfunction function = forward_.function;
     const KernelChoice* choice = &choice_;
-    if (unstaged_ && reinterpret_cast<std::uintptr_t>(args.tensors.at(staged_tensor_).data) %
-                             kChunkAlignment != 0) {
+    if (unstaged_ &&
+        reinterpret_cast<std::uintptr_t>(args.tensors.at(staged_tensor_).data) % kChunkAlignment !=
+            0) {
       function = unstaged_->get();
       choice = &unstaged_->choice;
     }
     ContextScope scope(*driver_);
-    launch(function, {forward_.grid_x, heads_q(), batch()}, choice->threads(),
-           choice->shared_bytes, static_cast<CUstream>(args.stream), &p, "forward");
+    launch(function, {forward_.grid_x, heads_q(), batch()}, choice->threads(), choice->shared_bytes,
+           static_cast<CUstream>(args.stream), &p, "forward");
   }
 
   void run_backward(const BackwardArgs& args) const override {
@@ -751,6 +750,17 @@ class CudaEngine final : public Engine {
                       backward.describe(), backward_tiles->tiles - backward_tiles->skipped,
                       backward_tiles->tiles, backward_tiles->mixed);
     }
+    // The plan proof: the generated source it compiles, lifted and proven equal to the request
+    // by evaluation (source_proof.hpp). A source it cannot prove is refused before it is compiled
+    // (selection then moves to the next engine, naming the reason).
+    const SourceProof proof = prove_lowering(problem, lowering);
+    if (!proof.proven) {
+      result.support = Support::no(
+          fmt::format("the plan proof could not show the generated kernel source equal to the "
+                      "request ({}), so the plan is refused",
+                      proof.failure));
+      return result;
+    }
     KernelLookup kernel = kernels_->get(lowering.source, functions, architecture_suffix(lowering));
 
     PlanInfo info;
@@ -762,18 +772,13 @@ class CudaEngine final : public Engine {
         backward_text, kernel.key.substr(0, 16), driver_->device_name(),
         driver_->compute_capability(), architecture_suffix(lowering), kernel.origin,
         kernel.seconds);
-    // The plan proof: the generated source it compiles, lifted and proven equal to the request
-    // by evaluation (source_proof.hpp); 0, which matches no problem, when it is not.
-    const SourceProof proof = prove_lowering(problem, lowering);
     const ProofHashes hashes = proof_hashes(problem, proof);
     info.lowered_hash = hashes.lowered_hash;
     info.lowered_backward_hash = hashes.lowered_backward_hash;
-    if (!proof.proven) info.description += "; not proven: " + proof.failure;
     info.signature = problem.signature();
     result.plan = std::make_unique<CudaPlan>(
         std::move(info), problem, driver_, lowering, std::move(kernel), tiles,
-        backward_tiles ? &*backward_tiles : nullptr, dkdv_tiles ? &*dkdv_tiles : nullptr,
-        kernels_);
+        backward_tiles ? &*backward_tiles : nullptr, dkdv_tiles ? &*dkdv_tiles : nullptr, kernels_);
     return result;
   }
 

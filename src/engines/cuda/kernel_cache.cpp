@@ -152,7 +152,7 @@ std::vector<char> compile_to_cubin(const std::string& source, const std::string&
   // --split-compile=0: NVRTC optimises and assembles the module's kernels on every core. The
   // SASS is the same instruction for instruction; a forward+backward module (five kernels:
   // head dim 128, softcap, sm_90a) compiled in 3.0 - 3.6 s with one thread and 1.9 - 2.3 s with
-  // two (the 2-core development machine, thirteenth session); a forward-only module (one kernel)
+  // two (the 2-core development machine, 2026-12-03); a forward-only module (one kernel)
   // gains nothing.
   const std::array<const char*, 3> options = {architecture.c_str(), "-std=c++17",
                                               "--split-compile=0"};

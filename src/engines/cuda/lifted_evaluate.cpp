@@ -18,10 +18,16 @@ constexpr double kSmallIntLimit = 4194304.0;
 
 // The result of a float operation: `error` (propagated from the operands) plus the operation's
 // own rounding; an infinite or NaN result is exact (the special values compare exactly).
+// float32's range: a result at or past this rounds to +-inf on the device (as the IR's f32 does).
+const double kFloatOverflow = std::ldexp(1.0, 128) * (1.0 - std::ldexp(1.0, -25));
+
 LiftedValue rounded(double value, double error, bool ambiguous) {
   if (!std::isfinite(value)) return {value, 0.0, ambiguous};
   if (std::isnan(error)) error = kInfinity;
-  return {value, error + kUlpsPerOperation * kUnitRoundoff * std::fabs(value), ambiguous};
+  error += kUlpsPerOperation * kUnitRoundoff * std::fabs(value);
+  if (std::fabs(value) - error >= kFloatOverflow)
+    return {std::copysign(kInfinity, value), 0.0, ambiguous};
+  return {value, error, ambiguous || std::fabs(value) + error >= kFloatOverflow};
 }
 
 // The i32 wrap of the device's integer arithmetic.

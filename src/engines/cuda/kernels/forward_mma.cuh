@@ -254,7 +254,7 @@ __device__ __forceinline__ void to_log2_units(float (&row_max)[kTiles][2], float
 // exactly 1, as under a running max, so a row whose keys all lie in its first tile (a short
 // row, a single key) gets its dominant term without a bf16 rounding its fp32 row sum does not
 // share. (A reference fixed at hi made such rows up to 2^-8 off: ten small softcap conformance
-// cases failed on the H200, thirteenth session.) A row whose first tile keeps no key takes
+// cases failed on the H200, 2026-12-03.) A row whose first tile keeps no key takes
 // hi - kStaticHeadroom. Nothing is ever rescaled: O and the row sum are 0 before the first tile,
 // and the reference does not move after it.
 constexpr float kStaticHeadroom = 64.0f;
