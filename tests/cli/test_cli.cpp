@@ -447,6 +447,17 @@ TEST_F(Cli, OutputFolderMissing) {
   expect_failure(run({"run", "--out", "missing/out.npy"}), kExitInvalidInput, "missing");
 }
 
+// A modifier past float32's range (`score + 1e39` is `score + inf`: NaN rows) computes the same
+// on the cpu engine as on cpu_ref, so the canary (NaN agrees with NaN) and the check pass.
+TEST_F(Cli, OverflowingModifierMatchesTheReferenceThroughCanaryAndCheck) {
+  for (const char* modifier : {"score + 1e39", "where(kv == 3, score * 1e39, score)"}) {
+    const CliResult result = run({"run", "--engine", "cpu", "--seq-len-q", "64", "--score-mod",
+                                  modifier, "--backward", "--check"});
+    EXPECT_EQ(result.exit_code, 0) << modifier << ": " << result.err;
+    EXPECT_NE(result.out.find(": ok"), std::string::npos) << result.out;
+  }
+}
+
 // ---- the output transaction
 // ----------------------------------------------------------------------
 
