@@ -77,7 +77,7 @@ int main(int argc, char** argv) {
       "FLEXATTN_LOG=info|debug (log each selection).",
       "flexattn");
   app.require_subcommand(1);
-  app.set_version_flag("--version", "flexattn 0.1.0");
+  app.set_version_flag("--version", std::string("flexattn ") + flexattn::version());
 
   DemoFlags demo;
   bool engines_json = false, engines_planted = false;
