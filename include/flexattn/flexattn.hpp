@@ -12,3 +12,4 @@
 #include "flexattn/npy.hpp"
 #include "flexattn/problem.hpp"
 #include "flexattn/tensor.hpp"
+#include "flexattn/version.hpp"
