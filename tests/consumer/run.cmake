@@ -1,6 +1,6 @@
 # The `consumer` test (cmake -P): installs this build into a fresh prefix, then builds and runs
-# tests/consumer against it twice: through find_package(flexattn) and through pkg-config (when
-# pkg-config is there). Variables: BUILD_DIR, SOURCE_DIR, WORK_DIR, CXX_COMPILER, GENERATOR and
+# tests/consumer against it through find_package(flexattn) and through pkg-config (when
+# pkg-config is there), and against flexattn's source tree through add_subdirectory. Variables: BUILD_DIR, SOURCE_DIR, WORK_DIR, CXX_COMPILER, GENERATOR and
 # CXX_FLAGS (the build's own, e.g. the sanitizers an instrumented library needs at link time).
 function(run_step what)
   execute_process(COMMAND ${ARGN} RESULT_VARIABLE status OUTPUT_VARIABLE output
@@ -29,6 +29,19 @@ run_step("configure with find_package" ${CMAKE_COMMAND} -S ${SOURCE_DIR}/tests/c
          -DCMAKE_PREFIX_PATH=${prefix} -DCMAKE_BUILD_TYPE=Release "-DCMAKE_CXX_FLAGS=${CXX_FLAGS}")
 run_step("build with find_package" ${CMAKE_COMMAND} --build ${WORK_DIR}/build)
 run_step("run (find_package)" ${WORK_DIR}/build/consumer)
+
+# The library is compiled once more here (CPU engines only); ccache, when there, shares objects.
+find_program(CCACHE ccache)
+set(launcher "")
+if(CCACHE)
+  set(launcher -DCMAKE_CXX_COMPILER_LAUNCHER=${CCACHE})
+endif()
+run_step("configure as a subproject" ${CMAKE_COMMAND} -S ${SOURCE_DIR}/tests/consumer/subproject
+         -B ${WORK_DIR}/subproject -G ${GENERATOR} -DCMAKE_CXX_COMPILER=${CXX_COMPILER}
+         -DFLEXATTN_SOURCE_DIR=${SOURCE_DIR} -DCMAKE_BUILD_TYPE=Release
+         "-DCMAKE_CXX_FLAGS=${CXX_FLAGS}" -DFLEXATTN_ENABLE_CUDA=OFF ${launcher})
+run_step("build as a subproject" ${CMAKE_COMMAND} --build ${WORK_DIR}/subproject --target consumer)
+run_step("run (subproject)" ${WORK_DIR}/subproject/consumer)
 
 find_program(PKG_CONFIG pkg-config)
 if(PKG_CONFIG)
