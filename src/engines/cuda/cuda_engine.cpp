@@ -707,7 +707,10 @@ class CudaEngine final : public Engine {
   const DeviceMemory* memory() const override {
     return driver_->availability() ? &memory_ : nullptr;
   }
-  Support available() const override { return driver_->availability(); }
+  Support available() const override {
+    if (!driver_->availability()) return driver_->availability();
+    return nvrtc_availability();
+  }
 
   std::string generated_source(const Problem& problem) const override {
     Lowering lowering;

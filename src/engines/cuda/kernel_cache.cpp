@@ -1,5 +1,7 @@
 #include "engines/cuda/kernel_cache.hpp"
 
+#include <cuda.h>
+#include <dlfcn.h>
 #include <fmt/format.h>
 #include <fmt/ranges.h>
 #include <nvrtc.h>
@@ -19,6 +21,64 @@
 
 namespace flexattn::cuda {
 namespace {
+
+// NVRTC, opened at run time like the driver (driver.cpp): a program linked against flexattn starts
+// where the CUDA toolkit is not installed, and the cuda engine then says why it is unavailable.
+// The library of the toolkit the engine was built with (its major version).
+struct Nvrtc {
+  Support availability = Support::no("not opened");
+  decltype(&nvrtcVersion) version = nullptr;
+  decltype(&nvrtcGetErrorString) error_string = nullptr;
+  decltype(&nvrtcCreateProgram) create_program = nullptr;
+  decltype(&nvrtcCompileProgram) compile_program = nullptr;
+  decltype(&nvrtcGetProgramLogSize) program_log_size = nullptr;
+  decltype(&nvrtcGetProgramLog) program_log = nullptr;
+  decltype(&nvrtcGetCUBINSize) cubin_size = nullptr;
+  decltype(&nvrtcGetCUBIN) cubin = nullptr;
+  decltype(&nvrtcDestroyProgram) destroy_program = nullptr;
+};
+
+const Nvrtc& nvrtc() {
+  static const Nvrtc api = [] {
+    Nvrtc loaded;
+    const std::string library = fmt::format("libnvrtc.so.{}", CUDA_VERSION / 1000);
+    void* handle = ::dlopen(library.c_str(), RTLD_NOW | RTLD_LOCAL);
+    if (handle == nullptr) {
+      loaded.availability = Support::no(
+          fmt::format("{} not found (the cuda engine compiles its kernels with NVRTC when it "
+                      "plans; install the CUDA toolkit's NVRTC or put it on LD_LIBRARY_PATH)",
+                      library));
+      return loaded;
+    }
+    std::string missing;
+    const auto bind = [&](auto& function, const char* name) {
+      function =
+          reinterpret_cast<std::remove_reference_t<decltype(function)>>(::dlsym(handle, name));
+      if (function == nullptr && missing.empty()) missing = name;
+    };
+    bind(loaded.version, "nvrtcVersion");
+    bind(loaded.error_string, "nvrtcGetErrorString");
+    bind(loaded.create_program, "nvrtcCreateProgram");
+    bind(loaded.compile_program, "nvrtcCompileProgram");
+    bind(loaded.program_log_size, "nvrtcGetProgramLogSize");
+    bind(loaded.program_log, "nvrtcGetProgramLog");
+    bind(loaded.cubin_size, "nvrtcGetCUBINSize");
+    bind(loaded.cubin, "nvrtcGetCUBIN");
+    bind(loaded.destroy_program, "nvrtcDestroyProgram");
+    loaded.availability = missing.empty()
+                              ? Support::yes()
+                              : Support::no(fmt::format("{} has no {}", library, missing));
+    return loaded;
+  }();
+  return api;
+}
+
+// NVRTC's functions, or kUnsupported with the reason it cannot be opened.
+const Nvrtc& loaded_nvrtc() {
+  const Nvrtc& api = nvrtc();
+  if (!api.availability) throw_unsupported(fmt::format("cuda: {}", api.availability.reason()));
+  return api;
+}
 
 // FNV-1a (64-bit) constants: offset basis and prime.
 constexpr std::uint64_t kFnvOffset = 0xcbf29ce484222325ULL;
@@ -53,7 +113,7 @@ std::uint64_t checksum(const std::vector<char>& payload) {
 void check_nvrtc(nvrtcResult result, const char* call) {
   if (result != NVRTC_SUCCESS) {
     throw Error(ErrorCode::kCompile,
-                fmt::format("{} failed: {}", call, nvrtcGetErrorString(result)));
+                fmt::format("{} failed: {}", call, nvrtc().error_string(result)));
   }
 }
 
@@ -118,10 +178,12 @@ std::string keep_failed_source(const std::string& source, const std::string& nam
 
 }  // namespace
 
+Support nvrtc_availability() { return nvrtc().availability; }
+
 std::string nvrtc_version() {
   int major = 0;
   int minor = 0;
-  check_nvrtc(nvrtcVersion(&major, &minor), "nvrtcVersion");
+  check_nvrtc(loaded_nvrtc().version(&major, &minor), "nvrtcVersion");
   return fmt::format("{}.{}", major, minor);
 }
 
@@ -144,9 +206,10 @@ std::filesystem::path cache_directory() {
 
 std::vector<char> compile_to_cubin(const std::string& source, const std::string& source_name,
                                    int capability, std::string_view suffix) {
+  const Nvrtc& api = loaded_nvrtc();
   nvrtcProgram program = nullptr;
   check_nvrtc(
-      nvrtcCreateProgram(&program, source.c_str(), source_name.c_str(), 0, nullptr, nullptr),
+      api.create_program(&program, source.c_str(), source_name.c_str(), 0, nullptr, nullptr),
       "nvrtcCreateProgram");
   const std::string architecture = fmt::format("--gpu-architecture=sm_{}{}", capability, suffix);
   // --split-compile=0: NVRTC optimises and assembles the module's kernels on every core. The
@@ -157,33 +220,33 @@ std::vector<char> compile_to_cubin(const std::string& source, const std::string&
   const std::array<const char*, 3> options = {architecture.c_str(), "-std=c++17",
                                               "--split-compile=0"};
   const nvrtcResult compiled =
-      nvrtcCompileProgram(program, static_cast<int>(options.size()), options.data());
+      api.compile_program(program, static_cast<int>(options.size()), options.data());
   if (compiled != NVRTC_SUCCESS) {
     std::size_t log_size = 0;
     std::string log;
-    if (nvrtcGetProgramLogSize(program, &log_size) == NVRTC_SUCCESS && log_size > 1) {
+    if (api.program_log_size(program, &log_size) == NVRTC_SUCCESS && log_size > 1) {
       log.resize(log_size);
-      nvrtcGetProgramLog(program, log.data());
+      api.program_log(program, log.data());
       log.resize(log_size - 1);
     }
-    nvrtcDestroyProgram(&program);
+    api.destroy_program(&program);
     const std::string kept = keep_failed_source(source, source_name);
     throw Error(ErrorCode::kCompile,
                 fmt::format("NVRTC could not compile {}{}: {}\n{}", source_name,
                             kept.empty() ? "" : " (kept at " + kept + ")",
-                            nvrtcGetErrorString(compiled), log));
+                            api.error_string(compiled), log));
   }
   std::size_t size = 0;
   std::vector<char> cubin;
   try {
-    check_nvrtc(nvrtcGetCUBINSize(program, &size), "nvrtcGetCUBINSize");
+    check_nvrtc(api.cubin_size(program, &size), "nvrtcGetCUBINSize");
     cubin.resize(size);
-    check_nvrtc(nvrtcGetCUBIN(program, cubin.data()), "nvrtcGetCUBIN");
+    check_nvrtc(api.cubin(program, cubin.data()), "nvrtcGetCUBIN");
   } catch (...) {
-    nvrtcDestroyProgram(&program);
+    api.destroy_program(&program);
     throw;
   }
-  nvrtcDestroyProgram(&program);
+  api.destroy_program(&program);
   return cubin;
 }
 

@@ -28,6 +28,8 @@ std::vector<char> compile_to_cubin(const std::string& source, const std::string&
                                    int capability, std::string_view suffix = "");
 // "13.0"
 std::string nvrtc_version();
+// Whether NVRTC (opened at run time, like the driver) can be used, and why not.
+Support nvrtc_availability();
 // Where compiled kernels are kept; empty when no directory can be determined.
 std::filesystem::path cache_directory();
 
