@@ -341,7 +341,7 @@ void write_json(const std::string& path, const std::string& engine, const std::s
 }
 
 // The problems of a run. main: the shapes, every modifier, forward and forward+backward
-// (--quick times forward+backward at head dim 128 only, to stay within a short device call; the
+// (--quick times forward+backward at head dim 128 only, to stay within a short run; the
 // full run adds the learned-tensor gradients). sweep (full run only): constant tokens per launch
 // (batch x seq = 32k), as the plot's peers are measured.
 std::vector<std::pair<std::string, Config>> configs(bool quick, bool forward, bool backward) {

@@ -1,4 +1,4 @@
-# Times the peers on the same problems as bench_cuda_forward, in the same device call: PyTorch
+# Times the peers on the same problems as bench_cuda_forward, in the same run: PyTorch
 # SDPA (flash and cuDNN backends) and FlexAttention (torch.compile'd, dynamo reset per variant),
 # bf16, forward and forward+backward (the backward through .backward() on the output with a random
 # gradient; q, k, v gradients, and the bias or ALiBi slopes gradient in the *_grad variants),

@@ -1,5 +1,5 @@
 # Joins bench_cuda_forward's JSON (one file per engine: cuda, cudnn) and peers_forward.py's (same
-# device call) into one table of TFLOP/s with ratios, forward and forward+backward, lists what
+# run) into one table of TFLOP/s with ratios, forward and forward+backward, lists what
 # was skipped and why, and plots the sequence-length sweep (forward).
 #   python3 report.py --ours cuda.json [cudnn.json ...] --peers peers.json --table table.md \
 #       [--plot sweep.png]

@@ -204,7 +204,7 @@ double relative_error(const std::vector<float>& out, const std::vector<std::uint
 }
 
 // Needs no device: NVRTC accepts the probes for sm_90a (a wrong operand count or modifier fails
-// here, before a device call is spent).
+// here, before a run is spent).
 TEST(WgmmaProbeSource, CompilesForSm90a) {
   std::vector<char> cubin;
   try {
