@@ -323,23 +323,8 @@ void check_output_paths(const std::vector<std::pair<std::string, std::string>>& 
   const std::size_t input_count = seen.size();
   for (const auto& [flag, path] : outputs) {
     if (path.empty()) continue;
-    std::filesystem::path folder = std::filesystem::path(path).parent_path();
-    if (folder.empty()) folder = ".";
+    check_output_file(path);
     std::error_code error;
-    if (!std::filesystem::is_directory(folder, error)) {
-      throw_invalid(
-          fmt::format("cannot write '{}': folder '{}' does not exist", path, folder.string()));
-    }
-    const std::filesystem::file_status status = std::filesystem::status(path, error);
-    if (std::filesystem::is_directory(status)) {
-      throw_invalid(fmt::format("cannot write '{}': it is a folder", path));
-    }
-    if (std::filesystem::exists(status) && !std::filesystem::is_regular_file(status)) {
-      throw_invalid(fmt::format(
-          "cannot write '{}': it exists and is not a regular file (outputs replace a file as a "
-          "whole, so devices and FIFOs are not written)",
-          path));
-    }
     const std::string file = resolved_file(path);
     for (std::size_t i = 0; i < seen.size(); ++i) {
       const bool same = seen[i].file == file ||

@@ -57,6 +57,10 @@ class OutputFiles {
   bool committed_ = false;
 };
 
+// Throws Error(kInvalidArgument), naming `path`, unless OutputFiles can write it: its folder
+// exists, and it does not exist or is a regular file (links resolved).
+void check_output_file(const std::string& path);
+
 // The file `path` names once symbolic links are resolved (also when it does not exist yet: its
 // folder's resolved path and its name), for comparing outputs with each other and with inputs.
 std::string resolved_file(const std::string& path);

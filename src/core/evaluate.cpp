@@ -198,9 +198,11 @@ void evaluate_all(const Graph& graph, const EvalPoint& point, const Bindings& bi
   for (std::size_t i = 0; i < nodes.size(); ++i) {
     const GraphNode& node = nodes[i];
     double value = 0.0;
+    // f32 values take float32's range: the score and parameters here, literals when they are
+    // built, operations in apply_op, loads in load_value.
     switch (node.op) {
       case Op::kScore:
-        value = point.score;
+        value = f32_range(point.score);
         break;
       case Op::kBatch:
         value = static_cast<double>(point.batch);
@@ -228,7 +230,7 @@ void evaluate_all(const Graph& graph, const EvalPoint& point, const Bindings& bi
         if (found == bindings.params.end()) {
           throw_invalid(fmt::format("parameter '{}' is not bound", node.name));
         }
-        value = found->second;
+        value = f32_range(found->second);
         break;
       }
       case Op::kLoad:
@@ -242,7 +244,7 @@ void evaluate_all(const Graph& graph, const EvalPoint& point, const Bindings& bi
         value = apply_op(node.op, node.type, operands);
         break;
     }
-    values[i] = node.type == Type::kF32 ? f32_range(value) : value;
+    values[i] = value;
   }
 }
 

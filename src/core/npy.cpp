@@ -373,6 +373,26 @@ std::string resolved_file(const std::string& path) {
   return (error ? file : resolved.lexically_normal()).string();
 }
 
+void check_output_file(const std::string& path) {
+  namespace fs = std::filesystem;
+  const fs::path destination(resolved_file(path));
+  std::error_code error;
+  if (!fs::is_directory(destination.parent_path(), error)) {
+    fs::path folder = fs::path(path).parent_path();
+    throw_invalid(fmt::format("cannot write '{}': folder '{}' does not exist", path,
+                              folder.empty() ? "." : folder.string()));
+  }
+  const fs::file_status status = fs::status(destination, error);
+  if (fs::is_directory(status))
+    throw_invalid(fmt::format("cannot write '{}': it is a folder", path));
+  if (fs::exists(status) && !fs::is_regular_file(status)) {
+    throw_invalid(fmt::format(
+        "cannot write '{}': it exists and is not a regular file (outputs replace a file as a "
+        "whole, so devices and FIFOs are not written)",
+        path));
+  }
+}
+
 OutputFiles::~OutputFiles() {
   if (committed_) return;
   for (const Entry& entry : entries_) {
@@ -397,14 +417,9 @@ void OutputFiles::add_parts(const std::string& path,
   Entry entry;
   entry.path = path;
   entry.destination = resolved_file(path);
+  check_output_file(path);
   struct stat existing {};
   if (::stat(entry.destination.c_str(), &existing) == 0) {
-    if (!S_ISREG(existing.st_mode)) {
-      throw_invalid(fmt::format(
-          "cannot write '{}': it exists and is not a regular file (outputs replace a file as a "
-          "whole, so devices, FIFOs and folders are not written)",
-          path));
-    }
     entry.replaces = true;
   } else if (errno != ENOENT) {
     fail_io(path, "cannot inspect it", errno);

@@ -44,12 +44,7 @@ std::string quote(const std::string& text) {
   return quoted + "'";
 }
 
-std::string read_text(const fs::path& path) {
-  std::ifstream file(path);
-  std::stringstream text;
-  text << file.rdbuf();
-  return text.str();
-}
+using test::read_text;
 
 std::vector<std::string> lines_of(const std::string& text) {
   std::vector<std::string> lines;
@@ -95,14 +90,7 @@ class Cli : public ::testing::Test {
   bool exists(const std::string& name) const { return fs::exists(dir_ / name); }
 
   // The files in the folder (there must be no output and no temporary left after a failure).
-  std::vector<std::string> files() const {
-    std::vector<std::string> names;
-    for (const auto& entry : fs::directory_iterator(dir_)) {
-      names.push_back(entry.path().filename().string());
-    }
-    std::sort(names.begin(), names.end());
-    return names;
-  }
+  std::vector<std::string> files() const { return test::file_names(dir_); }
 
   // q, k, v of `problem` written as .npy files (in its layout), plus the inputs themselves.
   test::Inputs write_inputs(const Problem& problem, std::uint64_t seed) const {

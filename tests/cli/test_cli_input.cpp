@@ -39,12 +39,7 @@ std::string quote(const std::string& text) {
   return quoted + "'";
 }
 
-std::string read_text(const fs::path& path) {
-  std::ifstream file(path);
-  std::stringstream text;
-  text << file.rdbuf();
-  return text.str();
-}
+using test::read_text;
 
 class CliInput : public ::testing::Test {
  protected:

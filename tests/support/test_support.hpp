@@ -17,6 +17,13 @@
 
 namespace flexattn::test {
 
+// ---- files ------------------------------------------------------------------------------
+
+// The names of the entries of `folder`, sorted (a test's check that nothing was left behind).
+std::vector<std::string> file_names(const std::string& folder);
+// The whole content of a file; empty when it cannot be read.
+std::string read_text(const std::string& path);
+
 // ---- golden cases (tests/data/golden, see its README.md) ---------------------------------
 
 std::string golden_dir();  // FLEXATTN_GOLDEN_DIR

@@ -136,6 +136,19 @@ void expect_relative(const HostTensor& result, const HostTensor& reference, cons
   EXPECT_TRUE(within_tolerance(result, reference, allowed)) << what;
 }
 
+// The same inputs for cpu_ref in float64 (the modifier's tensors as they are).
+Inputs in_float64(const Inputs& inputs32) {
+  Inputs inputs64;
+  inputs64.q = inputs32.q.to(DType::kF64);
+  inputs64.k = inputs32.k.to(DType::kF64);
+  inputs64.v = inputs32.v.to(DType::kF64);
+  inputs64.dout = inputs32.dout.to(DType::kF64);
+  for (const auto& [name, tensor] : inputs32.tensors) {
+    inputs64.tensors.emplace(name, tensor.to(tensor.dtype()));
+  }
+  return inputs64;
+}
+
 // cpu and cpu_ref on the same fp32 inputs (cpu_ref in float64), every output within
 // kFp32Relative. `positive_scores` makes every q and k element at least 1 (scores >= 1 at head
 // dim 64), for modifiers that are singular at score 0.
@@ -152,14 +165,7 @@ void expect_matches_float64(const ProblemDesc& desc32, std::uint64_t seed,
       view.store(e, 1.0 + std::abs(view.load(e)));
     }
   }
-  Inputs inputs64;
-  inputs64.q = inputs32.q.to(DType::kF64);
-  inputs64.k = inputs32.k.to(DType::kF64);
-  inputs64.v = inputs32.v.to(DType::kF64);
-  inputs64.dout = inputs32.dout.to(DType::kF64);
-  for (const auto& [name, tensor] : inputs32.tensors) {
-    inputs64.tensors.emplace(name, tensor.to(tensor.dtype()));
-  }
+  const Inputs inputs64 = in_float64(inputs32);
   const Outputs ours = run_engine(*make_cpu_engine(), problem32, inputs32);
   const Outputs reference = run_engine(*make_cpu_ref_engine(), problem64, inputs64);
   expect_relative(ours.out, reference.out, "out");
@@ -244,14 +250,7 @@ void expect_same_values(const HostTensor& result, const HostTensor& reference, c
 void expect_same_as_reference(const ProblemDesc& desc32, const Inputs& inputs32) {
   ProblemDesc desc64 = desc32;
   desc64.dtype = DType::kF64;
-  Inputs inputs64;
-  inputs64.q = inputs32.q.to(DType::kF64);
-  inputs64.k = inputs32.k.to(DType::kF64);
-  inputs64.v = inputs32.v.to(DType::kF64);
-  inputs64.dout = inputs32.dout.to(DType::kF64);
-  for (const auto& [name, tensor] : inputs32.tensors) {
-    inputs64.tensors.emplace(name, tensor.to(tensor.dtype()));
-  }
+  const Inputs inputs64 = in_float64(inputs32);
   const Outputs ours = run_engine(*make_cpu_engine(), Problem(desc32), inputs32);
   const Outputs reference = run_engine(*make_cpu_ref_engine(), Problem(desc64), inputs64);
   expect_same_values(ours.out, reference.out, "out");

@@ -41,9 +41,9 @@ std::shared_ptr<const Engine> cuda_engine() {
   return nullptr;
 }
 
-#define SKIP_WITHOUT_CUDA_ENGINE()                                      \
-  do {                                                                  \
-    if (cuda_engine() == nullptr) GTEST_SKIP() << "built without CUDA"; \
+#define SKIP_WITHOUT_CUDA_ENGINE()                                        \
+  do {                                                                    \
+    if (cuda_engine() == nullptr) GTEST_SKIP() << "built without CUDA";  \
   } while (false)
 
 struct GeneratedCase {
@@ -89,96 +89,29 @@ std::vector<GeneratedCase> cases() {
   const TensorDecl doc_q{DType::kI64, {100}};
   const TensorDecl doc_kv{DType::kI32, {77}};
   return {
-      {"identity_bf16_d128",
-       DType::kBF16,
-       128,
-       128,
-       "",
-       "",
-       {},
-       {},
-       Layout::kBSHD,
+      {"identity_bf16_d128", DType::kBF16, 128, 128, "", "", {}, {}, Layout::kBSHD,
        {"kIdentityScore = true", "kHasMask = false", "forward_mma", "BFloat16Tag, 128, 128"}},
-      {"softcap_causal_fp16_d64",
-       DType::kF16,
-       64,
-       64,
-       "30 * tanh(score / 30)",
-       "q >= kv",
-       {},
-       {},
-       Layout::kBHSD,
-       {"ir_tanh(", "kHasMask = true", "HalfTag", "forward_mma"}},
-      {"softcap_fp32_d64",
-       DType::kF32,
-       64,
-       64,
-       "30 * tanh(score / 30)",
-       "",
-       {},
-       {},
-       Layout::kBSHD,
-       {"tanhf(", "ir_mul(score", "forward_simt"}},
-      {"alibi_bf16_d80_v72_sbhd",
-       DType::kBF16,
-       80,
-       72,
-       "score + slopes[h] * (kv - q)",
-       "",
-       {{"slopes", slopes}},
-       {},
-       Layout::kSBHD,
-       {"load_tensor_f32(", "inv.s", "80, 72, 128, 128"}},
-      {"bias_window_fp32_d256",
-       DType::kF32,
-       256,
-       256,
-       "score + bias[h, q, kv]",
-       "q >= kv && q - kv < 32",
-       {{"bias", bias}},
-       {},
-       Layout::kBSHD,
-       {"load_tensor_bf16(", "forward_simt", "Float32Tag"}},
-      {"relative_bias_thd_d64",
-       DType::kBF16,
-       64,
-       64,
-       "score + rel[h, clamp(kv - q + 64, 0, 128)]",
-       "q + (KV_LEN - Q_LEN) >= kv",
-       {{"rel", rel}},
-       {},
-       Layout::kTHD,
+      {"softcap_causal_fp16_d64", DType::kF16, 64, 64, "30 * tanh(score / 30)", "q >= kv", {}, {},
+       Layout::kBHSD, {"ir_tanh(", "kHasMask = true", "HalfTag", "forward_mma"}},
+      {"softcap_fp32_d64", DType::kF32, 64, 64, "30 * tanh(score / 30)", "", {}, {},
+       Layout::kBSHD, {"tanhf(", "ir_mul(score", "forward_simt"}},
+      {"alibi_bf16_d80_v72_sbhd", DType::kBF16, 80, 72, "score + slopes[h] * (kv - q)", "", {{"slopes", slopes}},
+       {}, Layout::kSBHD, {"load_tensor_f32(", "inv.s", "80, 72, 128, 128"}},
+      {"bias_window_fp32_d256", DType::kF32, 256, 256, "score + bias[h, q, kv]", "q >= kv && q - kv < 32",
+       {{"bias", bias}}, {}, Layout::kBSHD, {"load_tensor_bf16(", "forward_simt", "Float32Tag"}},
+      {"relative_bias_thd_d64", DType::kBF16, 64, 64, "score + rel[h, clamp(kv - q + 64, 0, 128)]",
+       "q + (KV_LEN - Q_LEN) >= kv", {{"rel", rel}}, {}, Layout::kTHD,
        {"ir_clamp(", "at.kv_len", "at.q_len"}},
-      {"document_piecewise_d17",
-       DType::kBF16,
-       17,
-       17,
-       "where(score > 0, score * 0.5, score * 2 + 0.25 * float(kv % 3))",
-       "docq[q] == dockv[kv]",
-       {{"docq", doc_q}, {"dockv", doc_kv}},
-       {},
-       Layout::kBSHD,
+      {"document_piecewise_d17", DType::kBF16, 17, 17,
+       "where(score > 0, score * 0.5, score * 2 + 0.25 * float(kv % 3))", "docq[q] == dockv[kv]",
+       {{"docq", doc_q}, {"dockv", doc_kv}}, {}, Layout::kBSHD,
        {"load_tensor_i64(", "load_tensor_i32(", "ir_mod(", "forward_simt"}},
-      {"params_neginf_fp16_d128",
-       DType::kF16,
-       128,
-       96,
-       "where(kv % 5 == 3, -inf, score * gain)",
-       "!(kv < 8) || q >= kv",
-       {},
-       {{"gain", 0.7}},
-       Layout::kBSHD,
+      {"params_neginf_fp16_d128", DType::kF16, 128, 96, "where(kv % 5 == 3, -inf, score * gain)",
+       "!(kv < 8) || q >= kv", {}, {{"gain", 0.7}}, Layout::kBSHD,
        {"p.params[0]", "negative_infinity()", "(!"}},
-      {"gate_exp_bf16_d64",
-       DType::kBF16,
-       64,
-       64,
-       "score * sigmoid(gate[h]) + log2(exp2(abs(score))) - sqrt(rsqrt(4.0)) + floor(score) + "
-       "exp(log(1.5)) + int(score)",
-       "",
-       {{"gate", TensorDecl{DType::kF16, {4}}}},
-       {},
-       Layout::kBSHD,
+      {"gate_exp_bf16_d64", DType::kBF16, 64, 64,
+       "score * sigmoid(gate[h]) + log2(exp2(abs(score))) - sqrt(rsqrt(4.0)) + floor(score) + exp(log(1.5)) + int(score)",
+       "", {{"gate", TensorDecl{DType::kF16, {4}}}}, {}, Layout::kBSHD,
        {"ir_sigmoid(", "load_tensor_f16(", "ir_to_int(", "floorf("}},
   };
 }
@@ -215,16 +148,8 @@ TEST(CudaCodegen, GeneratedSourceLowersEveryFeature) {
 
 TEST(CudaCodegen, InvariantLoadsAreHoistedOutOfTheElementLoop) {
   SKIP_WITHOUT_CUDA_ENGINE();
-  GeneratedCase alibi{"alibi",
-                      DType::kBF16,
-                      64,
-                      64,
-                      "score + slopes[h] * (kv - q)",
-                      "",
-                      {{"slopes", TensorDecl{DType::kF32, {4}}}},
-                      {},
-                      Layout::kBSHD,
-                      {}};
+  GeneratedCase alibi{"alibi", DType::kBF16, 64, 64, "score + slopes[h] * (kv - q)", "",
+                      {{"slopes", TensorDecl{DType::kF32, {4}}}}, {}, Layout::kBSHD, {}};
   const std::string source = cuda_engine()->generated_source(make_problem(alibi));
   const std::string generated = source.substr(source.find("// ---- generated"));
   const std::size_t prepare = generated.find("prepare(");
@@ -272,8 +197,8 @@ std::string flush_body(const std::string& source) {
 
 TEST(CudaCodegenBackward, SoftcapHasAScoreGradient) {
   SKIP_WITHOUT_CUDA_ENGINE();
-  GeneratedCase softcap{"softcap", DType::kBF16,  64, 64, "30 * tanh(score / 30)", "q >= kv", {},
-                        {},        Layout::kBSHD, {}};
+  GeneratedCase softcap{"softcap", DType::kBF16, 64, 64, "30 * tanh(score / 30)", "q >= kv",
+                        {}, {}, Layout::kBSHD, {}};
   const std::string source =
       generated_part(cuda_engine()->generated_source(make_backward_problem(softcap)));
   EXPECT_NE(source.find("kIdentityDerivative = false"), std::string::npos) << source;
@@ -291,9 +216,9 @@ TEST(CudaCodegenBackward, SoftcapHasAScoreGradient) {
   EXPECT_EQ(from_dot.find("(0x1.ep+4f)"), std::string::npos) << from_dot;
   EXPECT_EQ(from_dot.find("const float score"), std::string::npos) << from_dot;
   EXPECT_NE(from_dot.find("ir_tanh("), std::string::npos) << from_dot;
-  for (const char* entry :
-       {"flexattn_forward(", "flexattn_backward_delta(", "flexattn_backward_dkdv(",
-        "flexattn_backward_dq(", "flexattn_backward_finalize("}) {
+  for (const char* entry : {"flexattn_forward(", "flexattn_backward_delta(",
+                            "flexattn_backward_dkdv(", "flexattn_backward_dq(",
+                            "flexattn_backward_finalize("}) {
     EXPECT_NE(source.find(entry), std::string::npos) << entry;
   }
   EXPECT_NE(source.find("backward_dkdv_mma<FlexattnBackwardConfig"), std::string::npos);
@@ -307,10 +232,10 @@ TEST(CudaCodegenBackward, SoftcapHasAScoreGradient) {
 TEST(CudaCodegenBackward, BoundedDerivativeOnlyWhereItsIntervalIsFinite) {
   SKIP_WITHOUT_CUDA_ENGINE();
   const std::vector<std::pair<std::string, bool>> modifiers = {
-      {"30 * tanh(score / 30)", true},                  // 1 - tanh^2: [0, 1]
-      {"", true},                                       // the constant 1
+      {"30 * tanh(score / 30)", true},           // 1 - tanh^2: [0, 1]
+      {"", true},                                // the constant 1
       {"where(kv % 5 == 3, -inf, score * 0.5)", true},  // 0 or 0.5
-      {"score * score / 8", false},                     // score / 4: unbounded
+      {"score * score / 8", false},              // score / 4: unbounded
       {"exp(score)", false},
   };
   for (const auto& [modifier, bounded] : modifiers) {
@@ -379,16 +304,8 @@ TEST(CudaCodegenBackward, PlainHasTheIdentityDerivative) {
 
 TEST(CudaCodegenBackward, VaryingIndexScattersWithAtomics) {
   SKIP_WITHOUT_CUDA_ENGINE();
-  GeneratedCase bias{"bias",
-                     DType::kBF16,
-                     64,
-                     64,
-                     "score + bias[h, q, kv]",
-                     "",
-                     {{"bias", TensorDecl{DType::kF32, {4, 100, 77}}}},
-                     {},
-                     Layout::kBSHD,
-                     {}};
+  GeneratedCase bias{"bias", DType::kBF16, 64, 64, "score + bias[h, q, kv]", "",
+                     {{"bias", TensorDecl{DType::kF32, {4, 100, 77}}}}, {}, Layout::kBSHD, {}};
   const std::string source =
       generated_part(cuda_engine()->generated_source(make_backward_problem(bias)));
   EXPECT_NE(source.find("kIdentityDerivative = true"), std::string::npos) << source;
@@ -406,8 +323,8 @@ TEST(CudaCodegenBackward, VaryingIndexScattersWithAtomics) {
 TEST(CudaCodegenBackward, HeadIndexedLoadsAreSummedPerThread) {
   SKIP_WITHOUT_CUDA_ENGINE();
   const TensorDecl per_head{DType::kF32, {4}};
-  GeneratedCase gate{"gate", DType::kBF16,  64, 64, "score * gate[h]", "", {{"gate", per_head}},
-                     {},     Layout::kBSHD, {}};
+  GeneratedCase gate{"gate", DType::kBF16, 64, 64, "score * gate[h]", "", {{"gate", per_head}},
+                     {}, Layout::kBSHD, {}};
   const std::string gated =
       generated_part(cuda_engine()->generated_source(make_backward_problem(gate)));
   // d/d score = gate[h]: an invariant, loaded once per block.
@@ -421,41 +338,29 @@ TEST(CudaCodegenBackward, HeadIndexedLoadsAreSummedPerThread) {
   EXPECT_EQ(tensor_grads_body(gated).find("add_fixed("), std::string::npos) << gated;
   const std::string flush = flush_body(gated);
   EXPECT_NE(flush.find("warp_sum_fixed(local[0])"), std::string::npos) << flush;
-  EXPECT_NE(flush.find("add_fixed(bp.grad_fixed[0] + at.head, sum)"), std::string::npos) << flush;
+  EXPECT_NE(flush.find("add_fixed(bp.grad_fixed[0] + at.head, sum)"), std::string::npos)
+      << flush;
 
   // Two head-indexed tensors (ALiBi slopes and a gate): two local slots, one per load, each
   // flushed into its own tensor's accumulator.
-  GeneratedCase alibi{"alibi_gate",
-                      DType::kF16,
-                      64,
-                      64,
-                      "score * gate[h] + slopes[h] * (kv - q)",
-                      "",
-                      {{"gate", per_head}, {"slopes", per_head}},
-                      {},
-                      Layout::kBSHD,
-                      {}};
+  GeneratedCase alibi{"alibi_gate", DType::kF16, 64, 64, "score * gate[h] + slopes[h] * (kv - q)",
+                      "", {{"gate", per_head}, {"slopes", per_head}}, {}, Layout::kBSHD, {}};
   const std::string both =
       generated_part(cuda_engine()->generated_source(make_backward_problem(alibi)));
   EXPECT_NE(both.find("kLocalGradSlots = 2;"), std::string::npos) << both;
-  EXPECT_NE(flush_body(both).find("add_fixed(bp.grad_fixed[0] + at.head, sum)"), std::string::npos)
+  EXPECT_NE(flush_body(both).find("add_fixed(bp.grad_fixed[0] + at.head, sum)"),
+            std::string::npos)
       << both;
-  EXPECT_NE(flush_body(both).find("add_fixed(bp.grad_fixed[1] + at.head, sum)"), std::string::npos)
+  EXPECT_NE(flush_body(both).find("add_fixed(bp.grad_fixed[1] + at.head, sum)"),
+            std::string::npos)
       << both;
 }
 
 TEST(CudaCodegenBackward, IntegerTensorsGetNoGradient) {
   SKIP_WITHOUT_CUDA_ENGINE();
-  GeneratedCase document{"document",
-                         DType::kBF16,
-                         64,
-                         64,
-                         "score + 0.5 * float(doc[kv])",
-                         "doc[q] == doc[kv]",
-                         {{"doc", TensorDecl{DType::kI32, {100}}}},
-                         {},
-                         Layout::kBSHD,
-                         {}};
+  GeneratedCase document{"document", DType::kBF16, 64, 64, "score + 0.5 * float(doc[kv])",
+                         "doc[q] == doc[kv]", {{"doc", TensorDecl{DType::kI32, {100}}}}, {},
+                         Layout::kBSHD, {}};
   const std::string source =
       generated_part(cuda_engine()->generated_source(make_backward_problem(document)));
   EXPECT_NE(source.find("kHasTensorGrads = false"), std::string::npos) << source;
@@ -467,8 +372,8 @@ TEST(CudaCodegenBackward, IntegerTensorsGetNoGradient) {
 // and entry points (for a modifier whose derivative adds no invariants).
 TEST(CudaCodegenBackward, ForwardOnlySourceIsUnchanged) {
   SKIP_WITHOUT_CUDA_ENGINE();
-  GeneratedCase softcap{"softcap", DType::kBF16,  64, 64, "30 * tanh(score / 30)", "q >= kv", {},
-                        {},        Layout::kBSHD, {}};
+  GeneratedCase softcap{"softcap", DType::kBF16, 64, 64, "30 * tanh(score / 30)", "q >= kv",
+                        {}, {}, Layout::kBSHD, {}};
   const std::string forward =
       generated_part(cuda_engine()->generated_source(make_problem(softcap)));
   EXPECT_EQ(forward.find("kIdentityDerivative"), std::string::npos);
@@ -501,8 +406,8 @@ Problem backward_problem_with(DType dtype, std::int64_t head_dim_qk, std::int64_
 }
 
 TEST(CudaBackwardChoice, TensorCoresForSixteenBitStorageUpToHeadDim128) {
-  const cuda::BackwardSelection d64 =
-      cuda::choose_backward_kernel(backward_problem_with(DType::kBF16, 64, 64));
+  const cuda::BackwardSelection d64 = cuda::choose_backward_kernel(
+      backward_problem_with(DType::kBF16, 64, 64));
   ASSERT_TRUE(d64.reason.empty()) << d64.reason;
   EXPECT_EQ(d64.choice.kind, cuda::KernelKind::kMma);
   EXPECT_EQ(d64.choice.block_q, 64);
@@ -512,8 +417,8 @@ TEST(CudaBackwardChoice, TensorCoresForSixteenBitStorageUpToHeadDim128) {
   EXPECT_EQ(d64.choice.shared_dkdv, 6 * 64 * (64 + 64) + 1024);
   EXPECT_EQ(d64.choice.shared_dq, 6 * 64 * (64 + 64));
 
-  const cuda::BackwardSelection d80 =
-      cuda::choose_backward_kernel(backward_problem_with(DType::kF16, 80, 72));
+  const cuda::BackwardSelection d80 = cuda::choose_backward_kernel(
+      backward_problem_with(DType::kF16, 80, 72));
   ASSERT_TRUE(d80.reason.empty()) << d80.reason;
   EXPECT_EQ(d80.choice.kind, cuda::KernelKind::kMma);
   EXPECT_EQ(d80.choice.padded_qk, 128);
@@ -592,15 +497,15 @@ TEST(CudaBackwardChoice, FusedDqOnTheWgmmaBackwardAtHeadDim128) {
     const char* reason;
   };
   for (const Refusal& r :
-       {Refusal{
-            cuda::choose_backward_kernel(backward_problem_with(DType::kBF16, 128, 128), 90).choice,
-            true, "tensor gradients"},
-        Refusal{
-            cuda::choose_backward_kernel(backward_problem_with(DType::kBF16, 64, 64), 90).choice,
-            false, "head dim 128"},
-        Refusal{
-            cuda::choose_backward_kernel(backward_problem_with(DType::kBF16, 128, 128), 80).choice,
-            false, "wgmma"}}) {
+       {Refusal{cuda::choose_backward_kernel(backward_problem_with(DType::kBF16, 128, 128), 90)
+                    .choice,
+                true, "tensor gradients"},
+        Refusal{cuda::choose_backward_kernel(backward_problem_with(DType::kBF16, 64, 64), 90)
+                    .choice,
+                false, "head dim 128"},
+        Refusal{cuda::choose_backward_kernel(backward_problem_with(DType::kBF16, 128, 128), 80)
+                    .choice,
+                false, "wgmma"}}) {
     cuda::BackwardChoice choice = r.choice;
     const std::string reason = cuda::use_fused_dq(choice, r.tensor_grads);
     EXPECT_NE(reason.find(r.reason), std::string::npos) << reason;
@@ -695,10 +600,10 @@ TEST(CudaBackwardTiles, TransposeMatchesTheQueryMajorList) {
     std::int64_t seq_len_q, seq_len_kv;
     int block_q, block_kv;
   };
-  for (const MaskCase& m :
-       {MaskCase{"q >= kv", 300, 300, 64, 64},
-        MaskCase{"q + (KV_LEN - Q_LEN) >= kv", 200, 333, 32, 32},
-        MaskCase{"q >= kv && q - kv < 80", 500, 500, 64, 64}, MaskCase{"", 70, 129, 32, 32}}) {
+  for (const MaskCase& m : {MaskCase{"q >= kv", 300, 300, 64, 64},
+                            MaskCase{"q + (KV_LEN - Q_LEN) >= kv", 200, 333, 32, 32},
+                            MaskCase{"q >= kv && q - kv < 80", 500, 500, 64, 64},
+                            MaskCase{"", 70, 129, 32, 32}}) {
     SCOPED_TRACE(m.mask);
     GeneratedCase c{"tiles", DType::kBF16, 64, 64, "", m.mask, {}, {}, Layout::kBSHD, {}};
     ProblemDesc desc = make_backward_problem(c).desc();
@@ -814,13 +719,11 @@ TEST(CudaCodegen, ConstantMultiplicationsAroundTheScoreAreMerged) {
        {"return ir_add(ir_mul(dot, inv.s", "_times)", "ir_small_int_to_float("},
        {"const float score", "static_cast<float>"}},
       // A dense bias: dot * (scale * log2(e)) + bias * log2(e), one multiply and one FMA.
-      {"score + slopes[kv % 4]",
-       {"ir_add(ir_mul(dot, inv.s", ", (0x1.715476p+0f)))"},
+      {"score + slopes[kv % 4]", {"ir_add(ir_mul(dot, inv.s", ", (0x1.715476p+0f)))"},
        {"const float score"}},
       // A sum with a score used elsewhere keeps `score` for that use.
       {"score + where(score > 0, 1.0, score)",
-       {"const float score = dot * p.scale;", "ir_add(ir_mul(dot, inv.s"},
-       {}},
+       {"const float score = dot * p.scale;", "ir_add(ir_mul(dot, inv.s"}, {}},
       // The root multiplies the score itself: dot * (scale * 2), then times log2(e).
       {"score * 2", {"ir_mul(dot, inv.s", "(0x1.715476p+0f)"}, {"const float score"}},
       // A chain of constant factors at the root: one multiplication.
@@ -832,9 +735,8 @@ TEST(CudaCodegen, ConstantMultiplicationsAroundTheScoreAreMerged) {
   };
   for (const Expectation& e : expectations) {
     SCOPED_TRACE(e.score_mod);
-    GeneratedCase c{
-        "merge", DType::kBF16,  64, 64, e.score_mod, "", {{"slopes", TensorDecl{DType::kF32, {4}}}},
-        {},      Layout::kBSHD, {}};
+    GeneratedCase c{"merge", DType::kBF16, 64, 64, e.score_mod, "",
+                    {{"slopes", TensorDecl{DType::kF32, {4}}}}, {}, Layout::kBSHD, {}};
     if (e.score_mod.find("slopes") == std::string::npos) c.tensors.clear();
     const std::string source = cuda_engine()->generated_source(make_problem(c));
     const std::string body = function_body(source, "score_mod_log2");
@@ -874,16 +776,8 @@ TEST(CudaCodegen, ForwardLogitInNaturalUnitsWhereLog2eCostsMultiplies) {
   };
   for (const Expectation& e : expectations) {
     SCOPED_TRACE(e.score_mod);
-    GeneratedCase c{"natural",
-                    DType::kBF16,
-                    64,
-                    64,
-                    e.score_mod,
-                    "",
-                    {{"slopes", TensorDecl{DType::kF32, {4}}}},
-                    {},
-                    Layout::kBSHD,
-                    {}};
+    GeneratedCase c{"natural", DType::kBF16, 64, 64, e.score_mod, "",
+                    {{"slopes", TensorDecl{DType::kF32, {4}}}}, {}, Layout::kBSHD, {}};
     if (e.score_mod.find("slopes") == std::string::npos) c.tensors.clear();
     const std::string source = cuda_engine()->generated_source(make_problem(c));
     const std::string generated = source.substr(source.find("// ---- generated"));
@@ -916,7 +810,7 @@ TEST(CudaCodegen, SmallIntegersConvertWithoutI2F) {
       {"score + slopes[h] * (kv + q)", 2097152, true},  // up to 2^22 - 2
       {"score + slopes[h] * (kv + q)", 2097153, false},
       {"score + slopes[h] * (kv - q)", 4194305, false},
-      {"score + float(ids[kv])", 4096, false},     // data: any i32
+      {"score + float(ids[kv])", 4096, false},  // data: any i32
       {"score + float(ids[kv] % 7)", 4096, true},  // the divisor's sign: within [0, 6]
   };
   for (const Expectation& e : expectations) {
@@ -934,9 +828,9 @@ TEST(CudaCodegen, SmallIntegersConvertWithoutI2F) {
     desc.tensors = {{"slopes", TensorDecl{DType::kF32, {4}}},
                     {"ids", TensorDecl{DType::kI32, {e.seq_len}}}};
     desc.score_mod = ir::parse(e.score_mod, desc.scope());
-    const std::string body =
-        function_body(generated_part(cuda_engine()->generated_source(Problem(std::move(desc)))),
-                      "score_mod_log2");
+    const std::string body = function_body(
+        generated_part(cuda_engine()->generated_source(Problem(std::move(desc)))),
+        "score_mod_log2");
     EXPECT_EQ(body.find("ir_small_int_to_float(") != std::string::npos, e.small) << body;
     EXPECT_EQ(body.find("static_cast<float>") != std::string::npos, !e.small) << body;
   }
@@ -964,20 +858,13 @@ TEST(CudaCodegen, SmallTanhVariantsComeWithTheirBound) {
   };
   for (const Expectation& e : expectations) {
     SCOPED_TRACE(e.score_mod);
-    GeneratedCase c{"small",
-                    DType::kBF16,
-                    64,
-                    64,
-                    e.score_mod,
-                    "",
-                    {{"slopes", TensorDecl{DType::kF32, {4}}}},
-                    {{"c", 30.0}},
-                    Layout::kBSHD,
-                    {}};
+    GeneratedCase c{"small", DType::kBF16, 64, 64, e.score_mod, "",
+                    {{"slopes", TensorDecl{DType::kF32, {4}}}}, {{"c", 30.0}}, Layout::kBSHD, {}};
     if (e.score_mod.find("slopes") == std::string::npos) c.tensors.clear();
     if (e.score_mod.find("c *") == std::string::npos) c.params.clear();
     const std::string source = generated_part(cuda_engine()->generated_source(make_problem(c)));
-    EXPECT_NE(source.find(fmt::format("kSmallTanh = {};", e.offered)), std::string::npos) << source;
+    EXPECT_NE(source.find(fmt::format("kSmallTanh = {};", e.offered)), std::string::npos)
+        << source;
     const std::string condition = function_body(source, "tanh_args_small");
     const std::string small = function_body(source, "score_mod_log2_small");
     EXPECT_EQ(condition.empty(), !e.offered) << condition;
@@ -997,8 +884,8 @@ TEST(CudaCodegen, SmallTanhVariantsComeWithTheirBound) {
     EXPECT_EQ(small, expected);
   }
   // Forward and backward: the derivative has its small form too, on the same bound.
-  GeneratedCase softcap{"softcap", DType::kBF16, 128, 128,           "30 * tanh(score / 30)",
-                        "q >= kv", {},           {},  Layout::kBSHD, {}};
+  GeneratedCase softcap{"softcap", DType::kBF16, 128, 128, "30 * tanh(score / 30)", "q >= kv",
+                        {}, {}, Layout::kBSHD, {}};
   const std::string source =
       generated_part(cuda_engine()->generated_source(make_backward_problem(softcap)));
   const std::string derivative = function_body(source, "score_grad_from_dot_small");
@@ -1027,28 +914,14 @@ TEST(CudaForwardCompile, WgmmaTranslationUnitsCompileForSm90a) {
   SKIP_WITHOUT_CUDA_ENGINE();
   constexpr int kCapability = 90;
   const TensorDecl slopes{DType::kF32, {4}};
-  for (const auto& [c, backward] : {std::pair{GeneratedCase{"wgmma_bf16_d128_softcap_causal",
-                                                            DType::kBF16,
-                                                            128,
-                                                            128,
-                                                            "30 * tanh(score / 30)",
-                                                            "q >= kv",
-                                                            {},
-                                                            {},
-                                                            Layout::kBSHD,
-                                                            {}},
-                                              false},
-                                    std::pair{GeneratedCase{"wgmma_f16_d64_alibi_thd",
-                                                            DType::kF16,
-                                                            64,
-                                                            64,
-                                                            "score + slopes[h] * (kv - q)",
-                                                            "",
-                                                            {{"slopes", slopes}},
-                                                            {},
-                                                            Layout::kTHD,
-                                                            {}},
-                                              true}}) {
+  for (const auto& [c, backward] :
+       {std::pair{GeneratedCase{"wgmma_bf16_d128_softcap_causal", DType::kBF16, 128, 128,
+                                "30 * tanh(score / 30)", "q >= kv", {}, {}, Layout::kBSHD, {}},
+                  false},
+        std::pair{GeneratedCase{"wgmma_f16_d64_alibi_thd", DType::kF16, 64, 64,
+                                "score + slopes[h] * (kv - q)", "", {{"slopes", slopes}}, {},
+                                Layout::kTHD, {}},
+                  true}}) {
     SCOPED_TRACE(c.name);
     const Problem problem = backward ? make_backward_problem(c) : make_problem(c);
     const cuda::KernelSelection selection = cuda::choose_kernel(problem, kCapability);
@@ -1057,7 +930,8 @@ TEST(CudaForwardCompile, WgmmaTranslationUnitsCompileForSm90a) {
     ASSERT_TRUE(bindings.reason.empty()) << bindings.reason;
     std::optional<cuda::BackwardCode> backward_code;
     if (backward) {
-      const cuda::BackwardChoice choice = cuda::choose_backward_kernel(problem, kCapability).choice;
+      const cuda::BackwardChoice choice =
+          cuda::choose_backward_kernel(problem, kCapability).choice;
       EXPECT_TRUE(choice.wgmma);
       backward_code = cuda::backward_code(problem, choice);
     }
@@ -1078,8 +952,8 @@ TEST(CudaForwardCompile, WgmmaTranslationUnitsCompileForSm90a) {
 // multiprocessor, refused with a reason; other kernel kinds untouched.
 TEST(CudaForwardChoice, WgmmaTileExperimentsAreParsedAndChecked) {
   constexpr int kCapability = 90;
-  const Problem d128 = make_problem(
-      GeneratedCase{"d128", DType::kBF16, 128, 128, "", "", {}, {}, Layout::kBSHD, {}});
+  const Problem d128 = make_problem(GeneratedCase{"d128", DType::kBF16, 128, 128, "", "", {}, {},
+                                                  Layout::kBSHD, {}});
   const cuda::KernelChoice base = cuda::choose_kernel(d128, kCapability).choice;
   ASSERT_EQ(base.kind, cuda::KernelKind::kWgmma);
   cuda::KernelChoice c = base;
@@ -1127,8 +1001,8 @@ TEST(CudaForwardChoice, WgmmaTileExperimentsAreParsedAndChecked) {
 // stage barriers; only with two computing warpgroups at one block per multiprocessor.
 TEST(CudaForwardChoice, WgmmaProducerAddsAWarpgroupAndItsBarriers) {
   constexpr int kCapability = 90;
-  const Problem d128 = make_problem(
-      GeneratedCase{"d128", DType::kBF16, 128, 128, "", "", {}, {}, Layout::kBSHD, {}});
+  const Problem d128 = make_problem(GeneratedCase{"d128", DType::kBF16, 128, 128, "", "", {}, {},
+                                                  Layout::kBSHD, {}});
   const cuda::KernelChoice base = cuda::choose_kernel(d128, kCapability).choice;
   ASSERT_TRUE(base.producer);  // the head-dim-128 default
   cuda::KernelChoice c = base;
@@ -1153,7 +1027,8 @@ TEST(CudaForwardChoice, WgmmaProducerAddsAWarpgroupAndItsBarriers) {
   ASSERT_EQ(cuda::apply_wgmma_tile(one, "warpgroups=1"), "");
   EXPECT_FALSE(one.producer);
   // (-1 was accepted as "off" until 2026-12-03: the values are 0 or 1 exactly.)
-  for (const char* bad : {"producer=1,warpgroups=1", "producer=2", "producer=-1", "pipelined=-1"}) {
+  for (const char* bad :
+       {"producer=1,warpgroups=1", "producer=2", "producer=-1", "pipelined=-1"}) {
     SCOPED_TRACE(bad);
     cuda::KernelChoice refused = base;
     EXPECT_NE(cuda::apply_wgmma_tile(refused, bad).find("FLEXATTN_CUDA_WGMMA_TILE"),
@@ -1161,8 +1036,8 @@ TEST(CudaForwardChoice, WgmmaProducerAddsAWarpgroupAndItsBarriers) {
     EXPECT_EQ(refused.config_type(), base.config_type());
   }
   // Head dim 64 runs two blocks per multiprocessor by default: the producer needs blocks=1.
-  const Problem d64 =
-      make_problem(GeneratedCase{"d64", DType::kBF16, 64, 64, "", "", {}, {}, Layout::kBSHD, {}});
+  const Problem d64 = make_problem(GeneratedCase{"d64", DType::kBF16, 64, 64, "", "", {}, {},
+                                                 Layout::kBSHD, {}});
   cuda::KernelChoice small = cuda::choose_kernel(d64, kCapability).choice;
   EXPECT_NE(cuda::apply_wgmma_tile(small, "producer=1").find("blocks=1"), std::string::npos);
   ASSERT_EQ(cuda::apply_wgmma_tile(small, "producer=1,blocks=1"), "");
@@ -1177,16 +1052,9 @@ TEST(CudaForwardCompile, WgmmaTileExperimentsCompileForSm90a) {
        {std::pair{128, "warpgroups=1,block_n=64,stages=3,blocks=2"},
         std::pair{64, "block_n=64,blocks=2"}, std::pair{64, "warpgroups=1,blocks=2"}}) {
     SCOPED_TRACE(spec);
-    const Problem problem = make_problem(GeneratedCase{"tile",
-                                                       DType::kBF16,
-                                                       head_dim,
-                                                       head_dim,
-                                                       "30 * tanh(score / 30)",
-                                                       "q >= kv",
-                                                       {},
-                                                       {},
-                                                       Layout::kBSHD,
-                                                       {}});
+    const Problem problem = make_problem(GeneratedCase{"tile", DType::kBF16, head_dim, head_dim,
+                                                       "30 * tanh(score / 30)", "q >= kv", {},
+                                                       {}, Layout::kBSHD, {}});
     cuda::KernelChoice choice = cuda::choose_kernel(problem, kCapability).choice;
     ASSERT_EQ(cuda::apply_wgmma_tile(choice, spec), "");
     const std::string source = cuda::generate_translation_unit(
@@ -1230,11 +1098,11 @@ TEST(CudaCodegen, StageableTensorsAreDenseQueryKeyTiles) {
   EXPECT_EQ(cuda::stageable_tensor(staging_problem("score * bias[h, q, kv] + 1", hqk)), "bias");
   for (const auto& [score_mod, decl, layout] :
        {std::tuple{"score + bias[h, q, kv]", TensorDecl{DType::kF32, {4, 128, 128}},
-                   Layout::kBSHD},                                               // 4-byte values
-        std::tuple{"score + bias[h, kv, q]", hqk, Layout::kBSHD},                // transposed
+                   Layout::kBSHD},                                            // 4-byte values
+        std::tuple{"score + bias[h, kv, q]", hqk, Layout::kBSHD},             // transposed
         std::tuple{"score + bias[h, q, min(kv + 1, 127)]", hqk, Layout::kBSHD},  // shifted
-        std::tuple{"score + bias[h, q, kv]", hqk, Layout::kTHD},                 // varlen
-        std::tuple{"score + bias[kv % 4, q, kv]", hqk, Layout::kBSHD}}) {        // varying head
+        std::tuple{"score + bias[h, q, kv]", hqk, Layout::kTHD},              // varlen
+        std::tuple{"score + bias[kv % 4, q, kv]", hqk, Layout::kBSHD}}) {     // varying head
     SCOPED_TRACE(score_mod);
     EXPECT_EQ(cuda::stageable_tensor(staging_problem(score_mod, decl, layout)), "");
   }
@@ -1247,8 +1115,9 @@ TEST(CudaForwardCompile, StagedTensorCompilesForSm90a) {
   constexpr int kCapability = 90;
   for (const std::int64_t head_dim : {64, 128}) {
     SCOPED_TRACE(head_dim);
-    const Problem problem = staging_problem(
-        "score + bias[h, q, kv]", TensorDecl{DType::kBF16, {4, 128, 128}}, Layout::kBSHD, head_dim);
+    const Problem problem =
+        staging_problem("score + bias[h, q, kv]", TensorDecl{DType::kBF16, {4, 128, 128}},
+                        Layout::kBSHD, head_dim);
     cuda::KernelChoice choice = cuda::choose_kernel(problem, kCapability).choice;
     ASSERT_EQ(choice.kind, cuda::KernelKind::kWgmma);
     choice.take_turns = choice.pipelined;
@@ -1258,7 +1127,7 @@ TEST(CudaForwardCompile, StagedTensorCompilesForSm90a) {
     EXPECT_FALSE(choice.take_turns);
     EXPECT_EQ(choice.stages, 2);
     const int h = static_cast<int>(head_dim);
-    const int n = head_dim == 64 ? 64 : 128;    // keys per tile
+    const int n = head_dim == 64 ? 64 : 128;  // keys per tile
     const int blocks = head_dim == 64 ? 2 : 1;  // per multiprocessor
     EXPECT_EQ(choice.block_n, n);
     EXPECT_EQ(choice.min_blocks, blocks);
@@ -1288,8 +1157,8 @@ TEST(CudaForwardCompile, StagedTensorCompilesForSm90a) {
         problem, cuda::bind_modifier(problem).bindings, choice, nullptr);
     const std::string generated = source.substr(source.find("// ---- generated"));
     for (const char* fragment :
-         {"staged != nullptr ? staged_bf16(*staged) : load_tensor_bf16(", "kStagedTensor = 0;",
-          "kStagedRowStride = 128LL;", "staged_origin("}) {
+         {"staged != nullptr ? staged_bf16(*staged) : load_tensor_bf16(",
+          "kStagedTensor = 0;", "kStagedRowStride = 128LL;", "staged_origin("}) {
       EXPECT_NE(generated.find(fragment), std::string::npos) << fragment << "\n" << generated;
     }
     expect_compiles(source, "staged.cu", kCapability, choice.architecture_suffix());
@@ -1343,16 +1212,9 @@ TEST(CudaForwardCompile, WgmmaProducerCompilesForSm90a) {
 TEST(CudaForwardCompile, WgmmaTakingTurnsCompilesForSm90a) {
   SKIP_WITHOUT_CUDA_ENGINE();
   constexpr int kCapability = 90;
-  const Problem problem = make_problem(GeneratedCase{"turns",
-                                                     DType::kBF16,
-                                                     128,
-                                                     128,
-                                                     "30 * tanh(score / 30)",
-                                                     "q >= kv",
-                                                     {},
-                                                     {},
-                                                     Layout::kBSHD,
-                                                     {}});
+  const Problem problem = make_problem(GeneratedCase{"turns", DType::kBF16, 128, 128,
+                                                     "30 * tanh(score / 30)", "q >= kv", {}, {},
+                                                     Layout::kBSHD, {}});
   for (const bool producer : {true, false}) {
     SCOPED_TRACE(producer);
     cuda::KernelChoice choice = cuda::choose_kernel(problem, kCapability).choice;
@@ -1377,42 +1239,19 @@ TEST(CudaBackwardCompile, GeneratedBackwardTranslationUnitsCompile) {
   const TensorDecl per_head{DType::kF32, {4}};
   const TensorDecl bias{DType::kF32, {4, 100, 77}};
   for (const GeneratedCase& c :
-       {GeneratedCase{"bwd_bf16_d64_softcap_alibi_bias",
-                      DType::kBF16,
-                      64,
-                      64,
-                      "30 * tanh(score / 30) + slopes[h] * (kv - q) + bias[h, q, kv]",
-                      "q >= kv",
-                      {{"slopes", per_head}, {"bias", bias}},
-                      {},
-                      Layout::kBSHD,
-                      {}},
-        GeneratedCase{"bwd_fp32_d80_gate",
-                      DType::kF32,
-                      80,
-                      80,
-                      "score * gate[h]",
-                      "",
-                      {{"gate", per_head}},
-                      {},
-                      Layout::kBSHD,
-                      {}}}) {
+       {GeneratedCase{"bwd_bf16_d64_softcap_alibi_bias", DType::kBF16, 64, 64,
+                      "30 * tanh(score / 30) + slopes[h] * (kv - q) + bias[h, q, kv]", "q >= kv",
+                      {{"slopes", per_head}, {"bias", bias}}, {}, Layout::kBSHD, {}},
+        GeneratedCase{"bwd_fp32_d80_gate", DType::kF32, 80, 80, "score * gate[h]", "",
+                      {{"gate", per_head}}, {}, Layout::kBSHD, {}}}) {
     SCOPED_TRACE(c.name);
     const std::string source = cuda_engine()->generated_source(make_backward_problem(c));
     ASSERT_EQ(source.find("not supported"), std::string::npos) << source;
     expect_compiles(source, c.name + ".cu", kCapability);
   }
   // The fused dQ (use_fused_dq) at head dim 128, softcap and causal, for sm_90a.
-  const GeneratedCase fused{"bwd_bf16_d128_softcap_fused",
-                            DType::kBF16,
-                            128,
-                            128,
-                            "30 * tanh(score / 30)",
-                            "q >= kv",
-                            {},
-                            {},
-                            Layout::kBSHD,
-                            {}};
+  const GeneratedCase fused{"bwd_bf16_d128_softcap_fused", DType::kBF16, 128, 128,
+                            "30 * tanh(score / 30)", "q >= kv", {}, {}, Layout::kBSHD, {}};
   const Problem problem = make_backward_problem(fused);
   const cuda::KernelSelection selection = cuda::choose_kernel(problem, kCapability);
   cuda::BackwardCode code =
@@ -1465,8 +1304,7 @@ TEST(CudaCodegen, GeneratedSourcesCompileWithNvrtc) {
     SCOPED_TRACE(c.name);
     const std::string source = engine->generated_source(make_problem(c));
     const std::string errors = compile_errors(source, c.name + ".cu");
-    EXPECT_TRUE(errors.empty()) << errors << "\n"
-                                << source.substr(source.find("// ---- generated"));
+    EXPECT_TRUE(errors.empty()) << errors << "\n" << source.substr(source.find("// ---- generated"));
   }
 }
 #endif

@@ -369,14 +369,7 @@ class NpyTest : public ::testing::Test {
     }
   }
 
-  std::vector<std::string> files() const {
-    std::vector<std::string> names;
-    for (const auto& entry : fs::directory_iterator(dir_)) {
-      names.push_back(entry.path().filename().string());
-    }
-    std::sort(names.begin(), names.end());
-    return names;
-  }
+  std::vector<std::string> files() const { return test::file_names(dir_); }
 
   fs::path dir_;
 };
@@ -533,6 +526,75 @@ TEST_F(NpyTest, OverwritesAtomically) {
   EXPECT_EQ(back.dtype(), DType::kI64);
   EXPECT_EQ(back.at(2), 42.0);
   EXPECT_EQ(files(), std::vector<std::string>{"a.npy"});
+}
+
+// ---- OutputFiles: a set of outputs written all or nothing ---------------------------------------
+
+HostTensor counting(double first) {
+  HostTensor tensor(DType::kF32, {2, 3});
+  for (std::int64_t i = 0; i < tensor.numel(); ++i) tensor.set(i, first + static_cast<double>(i));
+  return tensor;
+}
+
+TEST_F(NpyTest, OutputFilesCommitEveryFileAndLeaveNothingElse) {
+  write_raw("a.npy", "old a");
+  OutputFiles outputs;
+  outputs.add_npy(path("a.npy"), counting(1));
+  outputs.add_npy(path("b.npy"), counting(10));
+  outputs.add_bytes(path("c.json"), "{}");
+  EXPECT_EQ(test::read_text(path("a.npy")), "old a");  // nothing changes before commit()
+  EXPECT_FALSE(fs::exists(path("b.npy")));
+  outputs.commit();
+  EXPECT_EQ(files(), (std::vector<std::string>{"a.npy", "b.npy", "c.json"}));
+  EXPECT_EQ(read_npy(path("a.npy")).at(5), 6.0);
+  EXPECT_EQ(read_npy(path("b.npy")).at(0), 10.0);
+  EXPECT_EQ(test::read_text(path("c.json")), "{}");
+}
+
+TEST_F(NpyTest, OutputFilesDestroyedWithoutCommitChangeNothing) {
+  write_raw("a.npy", "old a");
+  {
+    OutputFiles outputs;
+    outputs.add_npy(path("a.npy"), counting(1));
+    outputs.add_npy(path("b.npy"), counting(2));
+  }
+  EXPECT_EQ(files(), (std::vector<std::string>{"a.npy"}));
+  EXPECT_EQ(test::read_text(path("a.npy")), "old a");
+}
+
+// The rename of one temporary failing during commit() (its destination turned into a folder
+// after add) puts back every file already replaced and removes every file already created.
+TEST_F(NpyTest, OutputFilesFailedRenamePutsBackReplacedFilesAndRemovesCreatedOnes) {
+  write_raw("a.npy", "old a");
+  OutputFiles outputs;
+  outputs.add_npy(path("a.npy"), counting(1));  // replaces a file
+  outputs.add_npy(path("b.npy"), counting(2));  // creates one
+  outputs.add_npy(path("c.npy"), counting(3));  // its rename will fail
+  fs::create_directory(path("c.npy"));
+  try {
+    outputs.commit();
+    ADD_FAILURE() << "commit() succeeded onto a folder";
+  } catch (const Error& error) {
+    EXPECT_EQ(error.code(), ErrorCode::kIo) << error.what();
+    EXPECT_NE(std::string(error.what()).find("no output changed"), std::string::npos)
+        << error.what();
+  }
+  EXPECT_EQ(test::read_text(path("a.npy")), "old a");
+  EXPECT_EQ(files(), (std::vector<std::string>{"a.npy", "c.npy"}));  // no temporary, no backup
+}
+
+// A destination that is not a regular file is refused when it is added. A FIFO stands for device
+// nodes too: a test that tried /dev/null would replace it when run against the defect.
+TEST_F(NpyTest, OutputFilesRefuseANonRegularDestination) {
+  OutputFiles outputs;
+  outputs.add_npy(path("a.npy"), counting(1));
+  ASSERT_EQ(::mkfifo(path("fifo").c_str(), 0600), 0);
+  try {
+    outputs.add_npy(path("fifo"), counting(2));
+    ADD_FAILURE() << "a FIFO was accepted";
+  } catch (const Error& error) {
+    EXPECT_EQ(error.code(), ErrorCode::kInvalidArgument) << error.what();
+  }
 }
 
 }  // namespace
