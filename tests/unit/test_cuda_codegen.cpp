@@ -197,6 +197,8 @@ std::string flush_body(const std::string& source) {
 
 TEST(CudaCodegenBackward, SoftcapHasAScoreGradient) {
   SKIP_WITHOUT_CUDA_ENGINE();
+  // The mma.sync kernels on every machine (an sm_90 device would get the wgmma ones).
+  const test::ScopedEnvironment mma_sync("FLEXATTN_CUDA_WGMMA", "0");
   GeneratedCase softcap{"softcap", DType::kBF16, 64, 64, "30 * tanh(score / 30)", "q >= kv",
                         {}, {}, Layout::kBSHD, {}};
   const std::string source =
@@ -1173,10 +1175,13 @@ TEST(CudaForwardCompile, StagedTensorCompilesForSm90a) {
                       "staged_pipelined.cu", kCapability, choice.architecture_suffix());
     }
   }
-  // Without the experiment the generated code has no staged read.
+  // The mma.sync kernel (no sm_90) never stages: its generated code has no staged read.
   const Problem plain =
       staging_problem("score + bias[h, q, kv]", TensorDecl{DType::kBF16, {4, 128, 128}});
-  const std::string source = cuda_engine()->generated_source(plain);
+  const cuda::KernelChoice mma_sync = cuda::choose_kernel(plain, 0).choice;
+  ASSERT_EQ(mma_sync.kind, cuda::KernelKind::kMma);
+  const std::string source = cuda::generate_translation_unit(
+      plain, cuda::bind_modifier(plain).bindings, mma_sync, nullptr);
   EXPECT_EQ(source.find("staged_bf16(*staged"), std::string::npos);
   EXPECT_NE(source.find("kStagedTensor = -1;"), std::string::npos);
 }
