@@ -290,6 +290,54 @@ TEST(CpuSemantics, Int64ElementsWrapToI32AsOnEveryEngine) {
   expect_same_as_reference(desc, inputs);
 }
 
+// A masked position never contributes, whatever its value (no 0 * NaN), and a non-finite value
+// in a kept position reaches exactly what cpu_ref's arithmetic reaches (docs/design.md,
+// "Non-finite values"). Each case plants one value in batch 0, kv head 1 (query heads 2 and 3)
+// under a causal mask, so the planted key (40) is masked for queries 0..39 and kept for the rest,
+// and the planted query row (10) keeps keys 0..10 only. The plain problem runs the fused backward
+// where the threads allow; the learned-tensor one the key and query passes with the statistics
+// pass (as 16-bit storage does).
+void plant(HostTensor& tensor, std::int64_t token, std::int64_t head, double value) {
+  const TensorView view = tensor.view();  // (batch, seq, heads, dim)
+  ASSERT_EQ(view.shape.size(), 4u);
+  for (std::int64_t d = 0; d < view.shape[3]; d += 7) {
+    view.store(token * view.strides[1] + head * view.strides[2] + d * view.strides[3], value);
+  }
+}
+
+TEST(CpuSemantics, MaskedNonFiniteValuesNeverContribute) {
+  const double nan = std::numeric_limits<double>::quiet_NaN();
+  const double inf = std::numeric_limits<double>::infinity();
+  struct Planted {
+    const char* name;
+    HostTensor Inputs::*tensor;
+    std::int64_t token, head;
+    double value;
+  };
+  const Planted planted[] = {{"v key 40 NaN", &Inputs::v, 40, 1, nan},
+                             {"v key 40 -inf", &Inputs::v, 40, 1, -inf},
+                             {"k key 40 +inf", &Inputs::k, 40, 1, inf},
+                             {"q row 10 NaN", &Inputs::q, 10, 3, nan},
+                             {"dout row 10 NaN", &Inputs::dout, 10, 2, nan}};
+  ProblemDesc plain = base_desc(100, 77);
+  plain.mask_mod = ir::parse("kv <= q");
+  ProblemDesc learned = learned_tensors_desc();
+  learned.mask_mod = ir::parse("kv <= q");
+  // -inf from the score modifier removes a position like the mask does.
+  ProblemDesc minus_infinity = base_desc(100, 77);
+  minus_infinity.score_mod = ir::parse("where(kv > q, -inf, score)");
+  const std::pair<const char*, ProblemDesc> problems[] = {
+      {"causal", plain}, {"causal, learned tensors", learned}, {"-inf modifier", minus_infinity}};
+  for (const auto& [problem_name, desc] : problems) {
+    for (const Planted& p : planted) {
+      SCOPED_TRACE(std::string(problem_name) + ", " + p.name);
+      Inputs inputs = random_inputs(Problem(desc), 23);
+      plant(inputs.*p.tensor, p.token, p.head, p.value);
+      expect_same_as_reference(desc, inputs);
+    }
+  }
+}
+
 // ---- determinism ------------------------------------------------------------------------------
 
 bool bit_identical(const HostTensor& a, const HostTensor& b) {

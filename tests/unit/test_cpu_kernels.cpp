@@ -9,6 +9,7 @@
 #include <vector>
 
 #include "engines/cpu/kernels.hpp"
+#include "engines/cpu/skipping_product.hpp"
 #include "engines/cpu/tape.hpp"
 #include "flexattn/flexattn.hpp"
 
@@ -158,6 +159,66 @@ TEST(CpuKernels, SoftmaxStepAndGradientAgreeAcrossKernelSets) {
   for (std::size_t s = 1; s < results.size(); ++s) {
     for (std::size_t i = 0; i < results[0].size(); ++i) {
       EXPECT_NEAR(results[s][i], results[0][i], 1e-6 * (1.0 + std::fabs(results[0][i]))) << i;
+    }
+  }
+}
+
+// A zero coefficient skips its term whatever the data holds (no 0 * NaN): column_dot in every
+// kernel set, and gemm_skipping_zeros with the data as either operand, against a scalar loop that
+// skips. Nonzero coefficients against NaN and +-inf data stay IEEE (NaN, or the infinity).
+TEST(CpuKernels, ZeroCoefficientsSkipNonFiniteData) {
+  const float nan = std::numeric_limits<float>::quiet_NaN();
+  constexpr std::int64_t kRows = 3, kWidth = 16, kLd = 16;
+  std::vector<float> coefficients = random_values(kRows * kLd, 9);
+  std::vector<float> data = random_values(kRows * kLd, 10);
+  coefficients[2] = 0.0f;
+  data[2] = nan;  // skipped: column 2 stays finite
+  data[5] = nan;  // kept: column 5 becomes NaN
+  coefficients[kLd + 6] = 0.0f;
+  data[kLd + 6] = kInfinity;  // skipped
+  for (const Kernels* set : kernel_sets()) {
+    std::vector<float> out(kWidth, 0.0f);
+    set->column_dot(coefficients.data(), data.data(), kRows, kWidth, kLd, out.data());
+    EXPECT_TRUE(std::isfinite(out[2])) << set->isa;
+    EXPECT_TRUE(std::isnan(out[5])) << set->isa;
+    EXPECT_TRUE(std::isfinite(out[6])) << set->isa;
+  }
+
+  // C (m x n) = A (m x k) B (k x n): a k-wide band of zeros and non-finite values in each form.
+  constexpr std::int64_t m = 4, k = 5, n = 8;
+  for (const DataOperand which : {DataOperand::kA, DataOperand::kB}) {
+    std::vector<float> a = random_values(m * k, 11), b = random_values(k * n, 12);
+    std::vector<float>& values = which == DataOperand::kA ? a : b;
+    std::vector<float>& weights = which == DataOperand::kA ? b : a;
+    for (std::size_t i = 0; i < weights.size(); i += 3) weights[i] = 0.0f;
+    values[1] = nan;
+    values[6] = kInfinity;
+    values[7] = -kInfinity;
+    for (const Kernels* set : kernel_sets()) {
+      std::vector<float> c(m * n, 1.0f), scratch;
+      gemm_skipping_zeros(*set, {m, n, k, a.data(), k, 1, b.data(), n, c.data(), n, true}, which,
+                          scratch);
+      for (std::int64_t i = 0; i < m; ++i) {
+        for (std::int64_t j = 0; j < n; ++j) {
+          double expected = 1.0;
+          for (std::int64_t p = 0; p < k; ++p) {
+            const double x = a[static_cast<std::size_t>(i * k + p)];
+            const double y = b[static_cast<std::size_t>(p * n + j)];
+            const double weight = which == DataOperand::kA ? y : x;
+            if (weight != 0.0) expected += x * y;
+          }
+          const float got = c[static_cast<std::size_t>(i * n + j)];
+          const std::string what = std::string(set->isa) + " C(" + std::to_string(i) + ", " +
+                                   std::to_string(j) + ")";
+          if (std::isnan(expected)) {
+            EXPECT_TRUE(std::isnan(got)) << what;
+          } else if (std::isinf(expected)) {
+            EXPECT_EQ(got, expected) << what;
+          } else {
+            EXPECT_NEAR(got, expected, 1e-5) << what;
+          }
+        }
+      }
     }
   }
 }

@@ -18,6 +18,7 @@
 #include <limits>
 
 #include "engines/cpu/kernels.hpp"
+#include "engines/cpu/skipping_product.hpp"
 #include "engines/cpu/tile_io.hpp"
 
 namespace flexattn::cpu {
@@ -140,9 +141,21 @@ void BackwardContext::recompute(TileClass tile_class, std::int64_t k0, std::int6
     // +inf: exp(inf - inf) would be NaN and reach dK and dV through the products.
     std::fill(prob_row + nq, prob_row + lanes, kNegativeInfinity);
   }
+  // A row whose LSE (or max or reciprocal sum) is NaN (a NaN among its kept scores) gets P = NaN
+  // everywhere, where its removed positions (S' = -inf) must stay 0: their S' wait in ds_raw
+  // (written only by softmax_gradient below) and are put back as 0 after the exponential.
+  bool nan_rows = false;
+  for (std::int64_t r = 0; r < lanes; ++r) {
+    nan_rows = nan_rows || std::isnan(s.lse_shift[to_size(r)]) ||
+               (statistics != nullptr && std::isnan(s.row_scale[to_size(r)]));
+  }
+  if (nan_rows) std::copy_n(probs, nk * ld, s.ds_raw.data());
   // P^T = exp(S'^T - LSE), or exp(S'^T - max) / sum from the statistics pass
   kernel.exp_shifted(probs, nk, lanes, ld, s.lse_shift.data(),
                      statistics != nullptr ? s.row_scale.data() : nullptr);
+  for (std::int64_t at = 0; nan_rows && at < nk * ld; ++at) {
+    if (s.ds_raw[to_size(at)] == kNegativeInfinity) probs[at] = 0.0f;
+  }
   // dP^T = V dO^T, then dS = P (dP - D) (d loss / d modified score) and dS * d score_mod / d
   // score (d loss / d raw score).
   kernel.gemm(
@@ -254,14 +267,21 @@ void CpuPlan::key_tile(const BackwardContext& x, const std::vector<float>& delta
       x.load_query_tile(b, h, q0, nq, delta, s);
       x.recompute(tile_class, k0, nk, nq, keys, values, s);
       // dV += P^T dO;  dK += dS^T Q (the scale is applied once, at the end)
-      x.kernel.gemm({nk, x.dim_v_padded, lanes, s.probs.data(), x.ld, 1, s.douts.data(), x.douts_ld,
-                     state.dv.data(), x.dim_v_padded, true});
-      x.kernel.gemm({nk, x.dim_qk_padded, lanes, s.ds_raw.data(), x.ld, 1, s.queries.data(),
-                     x.queries_ld, state.dk.data(), x.dim_qk_padded, true});
+      // (P and dS are 0 where nothing may contribute: see skipping_product.hpp)
+      gemm_skipping_zeros(x.kernel,
+                          {nk, x.dim_v_padded, lanes, s.probs.data(), x.ld, 1, s.douts.data(),
+                           x.douts_ld, state.dv.data(), x.dim_v_padded, true},
+                          DataOperand::kB, s.cleaned);
+      gemm_skipping_zeros(x.kernel,
+                          {nk, x.dim_qk_padded, lanes, s.ds_raw.data(), x.ld, 1, s.queries.data(),
+                           x.queries_ld, state.dk.data(), x.dim_qk_padded, true},
+                          DataOperand::kB, s.cleaned);
       if (dq_blocks != nullptr) {  // dQ^T += K^T dS^T, exactly as the query pass adds it
         float* dq_t = dq_blocks + (g * tile_grid.query_tiles + qt) * dq_block;
-        x.kernel.gemm(
-            {x.dim_qk, lanes, nk, keys.rows, 1, keys.ld, s.ds_raw.data(), x.ld, dq_t, x.ld, true});
+        gemm_skipping_zeros(
+            x.kernel,
+            {x.dim_qk, lanes, nk, keys.rows, 1, keys.ld, s.ds_raw.data(), x.ld, dq_t, x.ld, true},
+            DataOperand::kA, s.cleaned);
       }
     }
   }

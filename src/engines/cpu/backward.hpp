@@ -29,6 +29,7 @@ struct BackwardState {
   std::vector<float> ds;                           // dS^T w.r.t. the modified score
   std::vector<float> ds_raw;                       // dS^T w.r.t. the raw score
   std::vector<float> lse_shift, row_scale, delta;  // (block_q,): P = exp(S' - shift) * scale
+  std::vector<float> cleaned;  // gemm_skipping_zeros's copy of a tile with non-finite values
 };
 
 // The key pass's per-thread state: tile buffers and the dK / dV accumulators of one key tile,

@@ -14,6 +14,7 @@
 
 #include "engines/cpu/kernels.hpp"
 #include "engines/cpu/plan.hpp"
+#include "engines/cpu/skipping_product.hpp"
 #include "engines/cpu/tile_io.hpp"
 
 namespace flexattn::cpu {
@@ -34,6 +35,7 @@ struct ForwardState {
   std::vector<float> row_max, row_sum, alpha;  // (block_q,) each
   std::vector<float> row_delta;                // (block_q,): statistics pass, unnormalised D
   std::vector<float> scratch;                  // (block_q, max(head_dim_qk, head_dim_v))
+  std::vector<float> cleaned;                  // gemm_skipping_zeros's copy of a non-finite tile
 };
 
 }  // namespace
@@ -146,10 +148,12 @@ void CpuPlan::forward_pass(const ForwardArgs& args, const TensorView* dout,
                                                s.row_sum.data(), s.alpha.data());
       if (with_output) {
         if (rescale) kernel.scale_columns(s.out_t.data(), dim_v, lanes, ld, s.alpha.data());
-        kernel.gemm(
-            {dim_v, lanes, nk, values.rows, 1, values.ld, probs, ld, s.out_t.data(), ld, true});
+        gemm_skipping_zeros(
+            kernel, {dim_v, lanes, nk, values.rows, 1, values.ld, probs, ld, s.out_t.data(), ld, true},
+            DataOperand::kA, s.cleaned);
       }
       if (dout != nullptr) {  // D += P . dP, rescaled like the sum: dP^T = V dO^T in `scores`
+        // (column_dot skips P = 0, where dP may be NaN from a masked non-finite V row)
         if (rescale) kernel.scale_columns(s.row_delta.data(), 1, lanes, ld, s.alpha.data());
         kernel.gemm(
             {nk, lanes, dim_v, values.rows, values.ld, 1, s.out_t.data(), ld, scores, ld, false});

@@ -47,7 +47,7 @@ using SoftmaxStepFunction = bool (*)(float* tile, std::int64_t rows, std::int64_
 using ScaleColumnsFunction = void (*)(float* tile, std::int64_t rows, std::int64_t width,
                                       std::int64_t ld, const float* scale);
 // out[c] += sum over r < rows of a[r * ld + c] * b[r * ld + c], for c < width (a multiple of
-// kVectorWidth).
+// kVectorWidth); a term with a == 0 is skipped (exactly 0 whatever b holds, NaN included).
 using ColumnDotFunction = void (*)(const float* a, const float* b, std::int64_t rows,
                                    std::int64_t width, std::int64_t ld, float* out);
 // The softmax backward of a tile: with p = probs[r][c], on entry ds holds dP; on exit

@@ -241,10 +241,14 @@ FLEXATTN_AVX2 void scale_columns_avx2(float* tile, std::int64_t rows, std::int64
 
 FLEXATTN_AVX2 void column_dot_avx2(const float* a, const float* b, std::int64_t rows,
                                    std::int64_t width, std::int64_t ld, float* out) {
+  const __m256 zero = _mm256_setzero_ps();
   for (std::int64_t c = 0; c < width; c += kFloats) {
     __m256 sum = _mm256_loadu_ps(out + c);
     for (std::int64_t r = 0; r < rows; ++r) {
-      sum = _mm256_fmadd_ps(_mm256_loadu_ps(a + r * ld + c), _mm256_loadu_ps(b + r * ld + c), sum);
+      const __m256 coefficient = _mm256_loadu_ps(a + r * ld + c);
+      const __m256 kept = _mm256_cmp_ps(coefficient, zero, _CMP_NEQ_UQ);
+      const __m256 term = _mm256_mul_ps(coefficient, _mm256_loadu_ps(b + r * ld + c));
+      sum = _mm256_add_ps(sum, _mm256_and_ps(kept, term));
     }
     _mm256_storeu_ps(out + c, sum);
   }

@@ -77,7 +77,10 @@ void scale_columns_generic(float* tile, std::int64_t rows, std::int64_t width, s
 void column_dot_generic(const float* a, const float* b, std::int64_t rows, std::int64_t width,
                         std::int64_t ld, float* out) {
   for (std::int64_t r = 0; r < rows; ++r) {
-    for (std::int64_t c = 0; c < width; ++c) out[c] += a[r * ld + c] * b[r * ld + c];
+    for (std::int64_t c = 0; c < width; ++c) {
+      const float term = a[r * ld + c] * b[r * ld + c];
+      out[c] += a[r * ld + c] != 0.0f ? term : 0.0f;
+    }
   }
 }
 

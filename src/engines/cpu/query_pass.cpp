@@ -15,6 +15,7 @@
 #include <string>
 
 #include "engines/cpu/backward.hpp"
+#include "engines/cpu/skipping_product.hpp"
 #include "flexattn/error.hpp"
 
 namespace flexattn::cpu {
@@ -196,8 +197,10 @@ void CpuPlan::query_pass(const BackwardContext& x, const std::vector<float>& del
       const RowsView values = float_rows(x.args.v, {v_rows, k0, nk, x.dim_v}, s.values.data());
       x.recompute(tile_class, k0, nk, nq, keys, values, s);
       // dQ^T += K^T dS^T
-      x.kernel.gemm({x.dim_qk, lanes, nk, keys.rows, 1, keys.ld, s.ds_raw.data(), x.ld,
-                     state.dq_t.data(), x.ld, true});
+      gemm_skipping_zeros(x.kernel,
+                          {x.dim_qk, lanes, nk, keys.rows, 1, keys.ld, s.ds_raw.data(), x.ld,
+                           state.dq_t.data(), x.ld, true},
+                          DataOperand::kA, s.cleaned);
       if (windows != nullptr) scatter(s, k0, nk, nq, *windows);
     }
     const RowBlock dq_block{sequence_rows(p, x.args.dq, true, b, h), q0, nq, x.dim_qk};
