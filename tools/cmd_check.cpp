@@ -1,6 +1,6 @@
-// `flexattn check [--engines LIST] [--tier quick|full] [--json FILE]`: every engine on every case
-// of the conformance matrix against cpu_ref, as a table a person reads at a glance, then a summary
-// per engine. What a user runs after installing on a new machine or a new cuDNN.
+// `flexattn check [--engines LIST] [--tier quick|full|non-finite] [--json FILE]`: every engine on
+// every case of the conformance matrix against cpu_ref, as a table a person reads at a glance, then
+// a summary per engine. What a user runs after installing on a new machine or a new cuDNN.
 #include "cmd_check.hpp"
 
 #include <fmt/format.h>
@@ -75,8 +75,9 @@ void add_check_command(CLI::App& app, CheckFlags& flags) {
       "check", "Run the conformance matrix: every engine against cpu_ref on every case");
   check->add_option("--engines", flags.engines,
                     "Comma-separated engine name globs (default: every engine but cpu_ref)");
-  check->add_option("--tier", flags.tier, "quick (CI) or full")
-      ->check(CLI::IsMember({"quick", "full"}));
+  check->add_option("--tier", flags.tier,
+                    "quick (CI), full, or non-finite (NaN and inf planted in the inputs)")
+      ->check(CLI::IsMember({"quick", "full", "non-finite"}));
   check->add_option("--json", flags.json_file, "Write every result to this JSON file");
   check->add_option("--filter", flags.filter, "Only cases whose name contains this text");
   check->add_flag("--verbose", flags.verbose, "Print passing cases too");

@@ -15,8 +15,17 @@
 
 namespace flexattn::conformance {
 
-enum class Tier { kQuick, kFull };
-Tier parse_tier(std::string_view text);  // "quick" | "full"
+// kNonFinite: the non-finite semantics of docs/design.md section 2 (Case::planted).
+enum class Tier { kQuick, kFull, kNonFinite };
+Tier parse_tier(std::string_view text);  // "quick" | "full" | "non-finite"
+
+// One non-finite value planted in the inputs of a case (bshd layout), in the last kv head (and
+// its last query head): NaN in V at key 2/5 of the keys, +inf in K there, NaN in Q or in dO at
+// query 1/10 of the queries, each in every 7th element of the row. Under the catalogue's masks
+// the planted key is removed for some queries and kept for others, and the planted query row
+// keeps some keys only, so a masked position that contributed (0 * NaN) shows.
+enum class Planted { kNone, kNanValue, kInfKey, kNanQuery, kNanOutputGradient };
+std::string_view to_string(Planted planted);  // "nanv", "infk", "nanq", "nando"
 
 struct Shape {
   std::int64_t batch, heads_q, heads_kv, seq_len_q, seq_len_kv, head_dim_qk, head_dim_v;
@@ -38,6 +47,7 @@ struct Case {
   // custom_case turns it off: a random expression (the fuzz test) may legitimately be close to
   // the identity, and the fuzz test checks the engine, not the case.
   bool prove_discriminating = true;
+  Planted planted = Planted::kNone;
 };
 
 // A case with a custom score modifier (see Case::custom_score_mod), not proven discriminating.
@@ -45,7 +55,8 @@ Case custom_case(const Shape& shape, Layout layout, DType dtype, std::string sco
                  std::string mask, bool backward);
 
 // The cases of a tier, in a fixed order. kQuick covers every modifier, mask, layout, dtype and
-// shape feature at least once, within CI's budget; kFull is a larger product of them.
+// shape feature at least once, within CI's budget; kFull is a larger product of them; kNonFinite
+// plants each kind of non-finite value under masks and a -inf modifier, forward and backward.
 std::vector<Case> cases(Tier tier);
 
 // The problem of a case for an engine on `device`, with its extra tensors' contents.

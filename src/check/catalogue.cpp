@@ -135,7 +135,24 @@ Case custom_case(const Shape& shape, Layout layout, DType dtype, std::string sco
 Tier parse_tier(std::string_view text) {
   if (text == "quick") return Tier::kQuick;
   if (text == "full") return Tier::kFull;
-  throw_invalid(fmt::format("unknown tier '{}' (expected quick or full)", text));
+  if (text == "non-finite") return Tier::kNonFinite;
+  throw_invalid(fmt::format("unknown tier '{}' (expected quick, full or non-finite)", text));
+}
+
+std::string_view to_string(Planted planted) {
+  switch (planted) {
+    case Planted::kNone:
+      return "none";
+    case Planted::kNanValue:
+      return "nanv";
+    case Planted::kInfKey:
+      return "infk";
+    case Planted::kNanQuery:
+      return "nanq";
+    case Planted::kNanOutputGradient:
+      return "nando";
+  }
+  return "?";
 }
 
 std::string_view to_string(Status status) {
@@ -150,7 +167,47 @@ std::string_view to_string(Status status) {
   return "?";
 }
 
+namespace {
+
+// The non-finite tier: each planted value under masks that remove the planted key for some
+// queries (causal, sliding window, documents) and under a modifier that gives -inf instead of a
+// mask, in fp32 and bf16, forward and backward (dO only backward).
+std::vector<Case> non_finite_cases() {
+  const Shape shape{1, 4, 2, 100, 100, 64, 64};
+  std::vector<Case> result;
+  for (DType dtype : {DType::kF32, DType::kBF16}) {
+    std::vector<Case> bases;
+    for (const auto& [modifier, mask] : std::vector<std::pair<const char*, const char*>>{
+             {"none", "causal"}, {"softcap30", "causal"}, {"alibi", "window"},
+             {"bias", "document"}}) {
+      bases.push_back(make_case(shape, Layout::kBSHD, dtype, modifier, mask, false));
+    }
+    Case minus_infinity =
+        custom_case(shape, Layout::kBSHD, dtype, "where(kv > q, -inf, score)", "none", false);
+    bases.push_back(minus_infinity);
+    for (const Case& base : bases) {
+      for (bool backward : {false, true}) {
+        for (Planted planted : {Planted::kNanValue, Planted::kInfKey, Planted::kNanQuery,
+                                Planted::kNanOutputGradient}) {
+          if (planted == Planted::kNanOutputGradient && !backward) continue;
+          Case c = base;
+          c.backward = backward;
+          c.planted = planted;
+          c.name = fmt::format("{}/{}_{}_{}{}", shape_name(c),
+                               c.modifier == "custom" ? "neginfcausal" : c.modifier, c.mask,
+                               to_string(planted), backward ? "_bwd" : "");
+          result.push_back(std::move(c));
+        }
+      }
+    }
+  }
+  return result;
+}
+
+}  // namespace
+
 std::vector<Case> cases(Tier tier) {
+  if (tier == Tier::kNonFinite) return non_finite_cases();
   std::vector<Case> result;
   const Shape base{2, 4, 2, 100, 100, 64, 64};  // GQA 2:1, a length no tile size divides
 

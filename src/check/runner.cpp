@@ -124,6 +124,41 @@ HostTensor random_input(const TensorView& expected, DType dtype, std::uint64_t s
   return tensor;
 }
 
+// Case::planted: the value in every 7th element of one row (token, head) of a bshd tensor.
+void plant(HostTensor& tensor, std::int64_t token, std::int64_t head, double value) {
+  constexpr std::int64_t kEvery = 7;
+  const TensorView view = tensor.view();  // (batch, seq, heads, dim), batch entry 0
+  for (std::int64_t d = 0; d < view.shape[3]; d += kEvery) {
+    view.store(token * view.strides[1] + head * view.strides[2] + d * view.strides[3], value);
+  }
+}
+
+void plant_case(const Case& c, HostTensor& q, HostTensor& k, HostTensor& v, HostTensor& dout) {
+  if (c.planted == Planted::kNone) return;
+  if (c.layout != Layout::kBSHD) {
+    throw_internal(fmt::format("conformance case {}: values are planted in bshd only", c.name));
+  }
+  const double nan = std::numeric_limits<double>::quiet_NaN();
+  const std::int64_t key = 2 * c.shape.seq_len_kv / 5, query = c.shape.seq_len_q / 10;
+  const std::int64_t head_kv = c.shape.heads_kv - 1, head = c.shape.heads_q - 1;
+  switch (c.planted) {
+    case Planted::kNone:
+      break;
+    case Planted::kNanValue:
+      plant(v, key, head_kv, nan);
+      break;
+    case Planted::kInfKey:
+      plant(k, key, head_kv, std::numeric_limits<double>::infinity());
+      break;
+    case Planted::kNanQuery:
+      plant(q, query, head, nan);
+      break;
+    case Planted::kNanOutputGradient:
+      plant(dout, query, head, nan);
+      break;
+  }
+}
+
 HostTensor host_output(const TensorView& expected, DType dtype) {
   return HostTensor(dtype, expected.shape);
 }
@@ -178,12 +213,13 @@ Outcome run_case(const Engine& engine, const Case& test_case, std::uint64_t seed
   const DType stats_dtype = DType::kF32;
 
   // The same inputs for all three, in the storage dtype; float64 copies for the reference.
-  const HostTensor q = random_input(problem.expected("q"), dtype, seed * 4 + 0,
-                                    instance.query_key_mean, instance.query_key_stddev);
-  const HostTensor k = random_input(problem.expected("k"), dtype, seed * 4 + 1,
-                                    instance.query_key_mean, instance.query_key_stddev);
-  const HostTensor v = random_input(problem.expected("v"), dtype, seed * 4 + 2);
-  const HostTensor dout = random_input(problem.expected("o"), dtype, seed * 4 + 3);
+  HostTensor q = random_input(problem.expected("q"), dtype, seed * 4 + 0, instance.query_key_mean,
+                              instance.query_key_stddev);
+  HostTensor k = random_input(problem.expected("k"), dtype, seed * 4 + 1, instance.query_key_mean,
+                              instance.query_key_stddev);
+  HostTensor v = random_input(problem.expected("v"), dtype, seed * 4 + 2);
+  HostTensor dout = random_input(problem.expected("o"), dtype, seed * 4 + 3);
+  plant_case(test_case, q, k, v, dout);
 
   ProblemDesc reference_desc = instance.desc;
   reference_desc.dtype = DType::kF64;

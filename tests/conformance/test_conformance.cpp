@@ -44,8 +44,10 @@ Tier tier_from_environment() {
   return text == nullptr ? Tier::kQuick : parse_tier(text);
 }
 
+// The tier of the environment, then the non-finite tier (docs/design.md, "Non-finite values").
 void register_matrix() {
-  const std::vector<Case> all_cases = cases(tier_from_environment());
+  std::vector<Case> all_cases = cases(tier_from_environment());
+  for (Case& c : cases(Tier::kNonFinite)) all_cases.push_back(std::move(c));
   for (const std::shared_ptr<const Engine>& engine : builtin_engines()) {
     if (engine->name() == "cpu_ref") continue;  // the oracle is not compared with itself
     for (const Case& test_case : all_cases) {
@@ -157,6 +159,23 @@ TEST(Catalogue, QuickTierCoversEveryFeature) {
   EXPECT_TRUE(unequal_lengths);
   EXPECT_TRUE(unequal_head_dims);
   EXPECT_TRUE(backward);
+}
+
+// Every planted kind, forward and backward (dO backward only), under a mask and the -inf modifier.
+TEST(Catalogue, NonFiniteTierPlantsEveryKindForwardAndBackward) {
+  std::set<std::pair<std::string, bool>> planted;
+  std::set<std::string> masks;
+  for (const Case& c : cases(Tier::kNonFinite)) {
+    EXPECT_NE(c.planted, Planted::kNone) << c.name;
+    planted.emplace(std::string(to_string(c.planted)), c.backward);
+    masks.insert(c.mask);
+    if (c.modifier == "custom") {
+      EXPECT_NE(c.custom_score_mod.find("-inf"), std::string::npos) << c.name;
+    }
+  }
+  EXPECT_EQ(planted.size(), 7u);
+  EXPECT_TRUE(planted.count({"nando", true}));
+  EXPECT_GE(masks.size(), 4u);  // causal, window, document, and none with the -inf modifier
 }
 
 }  // namespace
