@@ -369,9 +369,9 @@ SampledOutputs reference_outputs(const Problem& problem, const CanaryInputs& inp
   const std::int64_t dim_qk = problem.head_dim_qk(), dim_v = problem.head_dim_v();
   const bool backward = problem.wants_backward();
   const std::vector<std::string> gradients = differentiated_tensors(problem);
-  const auto engine = make_cpu_ref_engine(variant == Variant::kDerivativeReplacedByOne
-                                              ? ScoreDerivative::kReplacedByOne
-                                              : ScoreDerivative::kExact);
+  const auto engine = internal::make_cpu_ref_engine(variant == Variant::kDerivativeReplacedByOne
+                                                        ? ScoreDerivative::kReplacedByOne
+                                                        : ScoreDerivative::kExact);
   std::string rows_name = "canary_rows";
   while (original.tensors.contains(rows_name)) rows_name += "_";
 
