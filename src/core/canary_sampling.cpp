@@ -121,7 +121,9 @@ Sample sample_rows(const Problem& problem) {
   const std::int64_t group = problem.heads_q() / problem.heads_kv();
   const std::pair<std::int64_t, std::int64_t> candidates[] = {
       {0, 0}, {last_batch, last_head}, {last_batch / 2, last_head / 2}};
-  for (const auto& [b, h] : candidates) {
+  for (const auto& candidate : candidates) {
+    // Named copies, not a structured binding: Clang before 16 cannot capture one in a lambda.
+    const std::int64_t b = candidate.first, h = candidate.second;
     const bool seen = std::any_of(sample.pairs.begin(), sample.pairs.end(),
                                   [&](const SampledPair& p) { return p.b == b && p.h == h; });
     if (seen) continue;

@@ -25,18 +25,20 @@ work="$build/tests/consumer-deb"
 rm -rf "$work"
 mkdir -p "$work"
 if [[ $system -eq 1 ]]; then
-  if dpkg-query -W flexattn > /dev/null 2>&1; then
+  if dpkg-query -W -f='${Status}' flexattn 2> /dev/null | grep -q "install ok installed"; then
     echo "deb.sh: a flexattn package is installed already; not replacing it" >&2
     exit 1
   fi
-  trap 'dpkg -r flexattn > /dev/null' EXIT
+  trap 'dpkg --purge flexattn > /dev/null' EXIT
   DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends "$deb" > /dev/null
   prefix=/usr
+  how="installed into the system"
 else
   dpkg-deb -x "$deb" "$work/root"
   prefix="$work/root/usr"
+  how="extracted into $work/root"
 fi
 cmake -DPREFIX="$prefix" -DSOURCE_DIR="$PWD" -DWORK_DIR="$work/consumer" \
   -DCXX_COMPILER="$(cache_value CMAKE_CXX_COMPILER)" -DGENERATOR="$(cache_value CMAKE_GENERATOR)" \
   -DREADELF="$(cache_value CMAKE_READELF)" -DSHARED=$shared -P tests/consumer/run.cmake
-echo "deb.sh: $(basename "$deb") ($(dpkg-deb -f "$deb" Depends)) installed and used"
+echo "deb.sh: $(basename "$deb") ($(dpkg-deb -f "$deb" Depends)) $how, consumer built and run against it"
