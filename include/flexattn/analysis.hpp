@@ -8,6 +8,7 @@
 #include <string>
 #include <vector>
 
+#include "flexattn/export.hpp"
 #include "flexattn/graph.hpp"
 #include "flexattn/tensor.hpp"
 
@@ -29,17 +30,17 @@ struct Bindings {
 // Evaluates in float64: f32 nodes in double precision, i32 nodes with exact integer semantics
 // (floor division/modulo, x / 0 == 0). bool results are 0.0 / 1.0. A load index outside its tensor
 // throws Error(kInternal): the problem's load analysis must have proven or clamped every index.
-double evaluate(const Graph& graph, const EvalPoint& point, const Bindings& bindings);
+FLEXATTN_API double evaluate(const Graph& graph, const EvalPoint& point, const Bindings& bindings);
 
 // Evaluates every node; `values` is resized to nodes().size(). For engines that want the
 // intermediate values (e.g. the loaded values for tensor gradients).
-void evaluate_all(const Graph& graph, const EvalPoint& point, const Bindings& bindings,
-                  std::vector<double>& values);
+FLEXATTN_API void evaluate_all(const Graph& graph, const EvalPoint& point, const Bindings& bindings,
+                               std::vector<double>& values);
 
 // ---- differentiation -----------------------------------------------------------------------
 
 // d score_mod / d score, as a canonical f32 graph (0 where the modifier is piecewise constant).
-Graph derivative_wrt_score(const Graph& score_mod);
+FLEXATTN_API Graph derivative_wrt_score(const Graph& score_mod);
 
 // For every distinct float tensor load `name[i...]` in the score modifier: the index expressions
 // and d score_mod / d (the loaded value). The tensor's gradient is the sum, over every kept
@@ -49,7 +50,7 @@ struct LoadDerivative {
   std::vector<Graph> indices;  // i32 graphs over the leaves
   Graph derivative;            // f32 graph over the leaves (may read score and tensors)
 };
-std::vector<LoadDerivative> derivatives_wrt_tensors(const Graph& score_mod);
+FLEXATTN_API std::vector<LoadDerivative> derivatives_wrt_tensors(const Graph& score_mod);
 
 // ---- interval analysis ---------------------------------------------------------------------
 
@@ -74,15 +75,16 @@ enum class LoadSafety { kInBounds, kClamped };
 // dimension 1"), or on a rank mismatch / unbound tensor. Index expressions that depend on loaded
 // data cannot be decided and are wrapped in clamp(index, 0, extent - 1). Returns the rewritten
 // graph (equal to the input when nothing needed clamping).
-Graph check_and_clamp_loads(const Graph& graph, const LeafRanges& ranges,
-                            const std::map<std::string, std::vector<std::int64_t>>& shapes);
+FLEXATTN_API Graph
+check_and_clamp_loads(const Graph& graph, const LeafRanges& ranges,
+                      const std::map<std::string, std::vector<std::int64_t>>& shapes);
 
 // The interval every node of `graph` can take over `ranges` (index by node). Loads of float
 // tensors and data-dependent values are (-inf, inf); bool nodes are within [0, 1].
-std::vector<Interval> node_intervals(const Graph& graph, const LeafRanges& ranges);
+FLEXATTN_API std::vector<Interval> node_intervals(const Graph& graph, const LeafRanges& ranges);
 
 enum class TileClass { kAllFalse, kAllTrue, kMixed };
-std::string_view to_string(TileClass tile_class);
+FLEXATTN_API std::string_view to_string(TileClass tile_class);
 
 // Classifies a bool mask over the rectangle query in [query_begin, query_end) x key in
 // [key_begin, key_end) (half-open), with the other leaves over `ranges`. kAllFalse: every element
@@ -91,6 +93,7 @@ std::string_view to_string(TileClass tile_class);
 struct TileRect {
   std::int64_t query_begin, query_end, key_begin, key_end;
 };
-TileClass classify_tile(const Graph& mask, const LeafRanges& ranges, const TileRect& tile);
+FLEXATTN_API TileClass classify_tile(const Graph& mask, const LeafRanges& ranges,
+                                     const TileRect& tile);
 
 }  // namespace flexattn

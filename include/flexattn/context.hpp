@@ -12,6 +12,7 @@
 #include <vector>
 
 #include "flexattn/engine.hpp"
+#include "flexattn/export.hpp"
 
 namespace flexattn {
 
@@ -32,7 +33,7 @@ namespace flexattn {
 //   CPU-only build simply leaves nothing allowed, and the selection error says so), but `force`
 //   must name an engine of the context: Context's constructor throws Error(kInvalidArgument)
 //   listing the engines otherwise.
-struct Policy {
+struct FLEXATTN_API Policy {
   std::string force;
   std::vector<std::string> patterns;
   // Where the patterns came from, named in "denied by policy ..." reasons: "FLEXATTN_ENGINES"
@@ -50,18 +51,18 @@ struct Policy {
 };
 
 // Whether `name` matches the glob `pattern` (`*`, `?`), over the whole name.
-bool glob_match(std::string_view pattern, std::string_view name);
+FLEXATTN_API bool glob_match(std::string_view pattern, std::string_view name);
 
 enum class LogLevel { kOff, kInfo, kDebug };
 // FLEXATTN_LOG=off|info|debug (unset or empty: off). info logs one line per selection (the chosen
 // engine and its plan); debug adds every engine's verdict. Another value is
 // Error(kInvalidArgument).
-LogLevel log_level_from_environment();
+FLEXATTN_API LogLevel log_level_from_environment();
 
 // FLEXATTN_CANARY=0 switches the plan canary off (unset, empty or 1: on); another value is
 // Error(kInvalidArgument). See ContextOptions::canary for what it guards and the risk of turning
 // it off.
-bool canary_from_environment();
+FLEXATTN_API bool canary_from_environment();
 
 struct ContextOptions {
   Policy policy = Policy::from_environment();
@@ -83,7 +84,7 @@ struct Verdict {
   Support support = Support::no("not asked");
 };
 
-class Context {
+class FLEXATTN_API Context {
  public:
   explicit Context(ContextOptions options = {});
 
@@ -126,9 +127,9 @@ class Context {
 // A one-line summary of a problem for messages and logs: direction, layout, dtype, device, sizes
 // and the canonical modifiers ("fwd bshd fp32 cpu, batch 2, heads 8/8, seq 1024/1024, head_dim
 // 128/128, score_mod 30 * tanh(score / 30), mask_mod q >= kv").
-std::string problem_summary(const Problem& problem);
+FLEXATTN_API std::string problem_summary(const Problem& problem);
 
 // The built-in engines of this build, in preference order (src/engines/registry.cpp).
-std::vector<std::shared_ptr<const Engine>> builtin_engines();
+FLEXATTN_API std::vector<std::shared_ptr<const Engine>> builtin_engines();
 
 }  // namespace flexattn

@@ -6,13 +6,17 @@
 #include <cstring>
 #include <string_view>
 
+#include "flexattn/export.hpp"
+
 namespace flexattn {
 
 enum class DType { kF64, kF32, kF16, kBF16, kI32, kI64 };
 
-std::string_view to_string(DType dtype);  // "fp64", "fp32", "fp16", "bf16", "int32", "int64"
-DType parse_dtype(std::string_view text);  // accepts the names above; throws kInvalidArgument
-std::size_t size_of(DType dtype);
+// "fp64", "fp32", "fp16", "bf16", "int32", "int64"; parse_dtype accepts these names and throws
+// kInvalidArgument for others.
+FLEXATTN_API std::string_view to_string(DType dtype);
+FLEXATTN_API DType parse_dtype(std::string_view text);
+FLEXATTN_API std::size_t size_of(DType dtype);
 inline bool is_floating(DType dtype) {
   return dtype == DType::kF64 || dtype == DType::kF32 || dtype == DType::kF16 ||
          dtype == DType::kBF16;
@@ -37,7 +41,7 @@ inline BFloat16 to_bfloat16(float value) {
   return BFloat16{static_cast<std::uint16_t>((bits + rounding) >> 16)};
 }
 
-float to_float(Half value);
-Half to_half(float value);
+FLEXATTN_API float to_float(Half value);
+FLEXATTN_API Half to_half(float value);
 
 }  // namespace flexattn

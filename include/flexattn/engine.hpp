@@ -9,6 +9,7 @@
 #include <string>
 #include <string_view>
 
+#include "flexattn/export.hpp"
 #include "flexattn/problem.hpp"
 #include "flexattn/tensor.hpp"
 
@@ -63,9 +64,9 @@ struct PlanInfo {
 // modifier (Problem::modifier_hash) and, for a problem that wants gradients, the requested
 // derivatives (Problem::backward_hash); otherwise a one-line reason naming the engine and the
 // part that differs. Selection and the conformance runner both apply it.
-std::string plan_proof_failure(const PlanInfo& info, const Problem& problem);
+FLEXATTN_API std::string plan_proof_failure(const PlanInfo& info, const Problem& problem);
 
-class Plan {
+class FLEXATTN_API Plan {
  public:
   explicit Plan(PlanInfo info) : info_(std::move(info)) {}
   virtual ~Plan() = default;
@@ -89,12 +90,12 @@ class Plan {
 };
 
 // Validates arguments against a problem (what Plan::forward/backward call first).
-void check_forward_args(const Problem& problem, const ForwardArgs& args);
-void check_backward_args(const Problem& problem, const BackwardArgs& args);
+FLEXATTN_API void check_forward_args(const Problem& problem, const ForwardArgs& args);
+FLEXATTN_API void check_backward_args(const Problem& problem, const BackwardArgs& args);
 
 // How a client (the CLI, the conformance runner) moves data to and from an engine's device.
 // CPU engines have none: their views point at host memory.
-class DeviceMemory {
+class FLEXATTN_API DeviceMemory {
  public:
   virtual ~DeviceMemory() = default;
   virtual void* allocate(std::size_t bytes) const = 0;
@@ -104,7 +105,7 @@ class DeviceMemory {
   virtual void synchronize() const = 0;
 };
 
-class Engine {
+class FLEXATTN_API Engine {
  public:
   virtual ~Engine() = default;
   virtual std::string_view name() const = 0;

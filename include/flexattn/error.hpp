@@ -5,6 +5,8 @@
 #include <string>
 #include <string_view>
 
+#include "flexattn/export.hpp"
+
 namespace flexattn {
 
 enum class ErrorCode {
@@ -17,9 +19,9 @@ enum class ErrorCode {
   kInternal,         // a broken invariant inside flexattn: a bug
 };
 
-std::string_view to_string(ErrorCode code);
+FLEXATTN_API std::string_view to_string(ErrorCode code);
 
-class Error : public std::runtime_error {
+class FLEXATTN_API Error : public std::runtime_error {
  public:
   Error(ErrorCode code, const std::string& message) : std::runtime_error(message), code_(code) {}
   ErrorCode code() const { return code_; }

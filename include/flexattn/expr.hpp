@@ -15,10 +15,12 @@
 #include <string_view>
 #include <vector>
 
+#include "flexattn/export.hpp"
+
 namespace flexattn {
 
 enum class Type : std::uint8_t { kF32, kI32, kBool };
-std::string_view to_string(Type type);  // "f32", "i32", "bool"
+FLEXATTN_API std::string_view to_string(Type type);  // "f32", "i32", "bool"
 
 // Every operation of the IR. Switches over Op have no `default:`, so adding an op breaks the
 // build until every engine lowers or rejects it.
@@ -80,9 +82,10 @@ enum class Op : std::uint8_t {
 // every elementwise op alike switches on the others and handles these in one place.
 constexpr bool is_elementwise(Op op) { return op >= Op::kAdd; }
 
-std::string_view to_string(Op op);  // the text-syntax spelling: "+", "tanh", "where", "score", ...
-int arity(Op op);                   // -1 for kLoad (rank-dependent), 0 for leaves
-bool is_commutative(Op op);         // + * min max == != && ||
+// The text-syntax spelling: "+", "tanh", "where", "score", ...
+FLEXATTN_API std::string_view to_string(Op op);
+FLEXATTN_API int arity(Op op);            // -1 for kLoad (rank-dependent), 0 for leaves
+FLEXATTN_API bool is_commutative(Op op);  // + * min max == != && ||
 
 namespace ir {
 
@@ -90,7 +93,7 @@ struct ExprNode;
 
 // A handle to an immutable, typed expression node. Cheap to copy. Construction type-checks and
 // throws Error(kInvalidArgument) naming the offending sub-expression.
-class Expr {
+class FLEXATTN_API Expr {
  public:
   Expr(double value);        // f32 literal (implicit, so `30.0 * tanh(s / 30.0)` reads naturally)
   Expr(int value);           // i32 literal
@@ -117,54 +120,55 @@ struct ExprNode {
 };
 
 // Leaves.
-Expr score();
-Expr batch();         // b
-Expr head();          // h
-Expr query();         // q
-Expr key();           // kv
-Expr query_length();  // Q_LEN
-Expr key_length();    // KV_LEN
-Expr literal_f32(double value);
-Expr literal_i32(std::int64_t value);  // throws if outside the i32 range
-Expr literal_bool(bool value);
-Expr infinity();  // f32 +inf
-Expr param(std::string name);
-Expr load(std::string tensor, Type element_type, std::vector<Expr> indices);  // element: f32 or i32
+FLEXATTN_API Expr score();
+FLEXATTN_API Expr batch();         // b
+FLEXATTN_API Expr head();          // h
+FLEXATTN_API Expr query();         // q
+FLEXATTN_API Expr key();           // kv
+FLEXATTN_API Expr query_length();  // Q_LEN
+FLEXATTN_API Expr key_length();    // KV_LEN
+FLEXATTN_API Expr literal_f32(double value);
+FLEXATTN_API Expr literal_i32(std::int64_t value);  // throws if outside the i32 range
+FLEXATTN_API Expr literal_bool(bool value);
+FLEXATTN_API Expr infinity();  // f32 +inf
+FLEXATTN_API Expr param(std::string name);
+// A load of `tensor` at `indices`; the element type is f32 or i32.
+FLEXATTN_API Expr load(std::string tensor, Type element_type, std::vector<Expr> indices);
 
 // Generic construction from an op and operands (used by the parser and the builder operators).
-Expr make(Op op, std::vector<Expr> args);
+FLEXATTN_API Expr make(Op op, std::vector<Expr> args);
 
-Expr operator+(const Expr& a, const Expr& b);
-Expr operator-(const Expr& a, const Expr& b);
-Expr operator*(const Expr& a, const Expr& b);
-Expr operator/(const Expr& a, const Expr& b);
-Expr operator%(const Expr& a, const Expr& b);
-Expr operator-(const Expr& a);
-Expr operator<(const Expr& a, const Expr& b);
-Expr operator<=(const Expr& a, const Expr& b);
-Expr operator>(const Expr& a, const Expr& b);
-Expr operator>=(const Expr& a, const Expr& b);
-Expr operator==(const Expr& a, const Expr& b);
-Expr operator!=(const Expr& a, const Expr& b);
-Expr operator&&(const Expr& a, const Expr& b);
-Expr operator||(const Expr& a, const Expr& b);
-Expr operator!(const Expr& a);
-Expr where(const Expr& condition, const Expr& if_true, const Expr& if_false);
-Expr min(const Expr& a, const Expr& b);
-Expr max(const Expr& a, const Expr& b);
-Expr clamp(const Expr& x, const Expr& lo, const Expr& hi);
-Expr abs(const Expr& x);
-Expr exp(const Expr& x);
-Expr exp2(const Expr& x);
-Expr log(const Expr& x);
-Expr log2(const Expr& x);
-Expr sqrt(const Expr& x);
-Expr rsqrt(const Expr& x);
-Expr tanh(const Expr& x);
-Expr sigmoid(const Expr& x);
-Expr floor(const Expr& x);
-Expr to_float(const Expr& x);
-Expr to_int(const Expr& x);
+FLEXATTN_API Expr operator+(const Expr& a, const Expr& b);
+FLEXATTN_API Expr operator-(const Expr& a, const Expr& b);
+FLEXATTN_API Expr operator*(const Expr& a, const Expr& b);
+FLEXATTN_API Expr operator/(const Expr& a, const Expr& b);
+FLEXATTN_API Expr operator%(const Expr& a, const Expr& b);
+FLEXATTN_API Expr operator-(const Expr& a);
+FLEXATTN_API Expr operator<(const Expr& a, const Expr& b);
+FLEXATTN_API Expr operator<=(const Expr& a, const Expr& b);
+FLEXATTN_API Expr operator>(const Expr& a, const Expr& b);
+FLEXATTN_API Expr operator>=(const Expr& a, const Expr& b);
+FLEXATTN_API Expr operator==(const Expr& a, const Expr& b);
+FLEXATTN_API Expr operator!=(const Expr& a, const Expr& b);
+FLEXATTN_API Expr operator&&(const Expr& a, const Expr& b);
+FLEXATTN_API Expr operator||(const Expr& a, const Expr& b);
+FLEXATTN_API Expr operator!(const Expr& a);
+FLEXATTN_API Expr where(const Expr& condition, const Expr& if_true, const Expr& if_false);
+FLEXATTN_API Expr min(const Expr& a, const Expr& b);
+FLEXATTN_API Expr max(const Expr& a, const Expr& b);
+FLEXATTN_API Expr clamp(const Expr& x, const Expr& lo, const Expr& hi);
+FLEXATTN_API Expr abs(const Expr& x);
+FLEXATTN_API Expr exp(const Expr& x);
+FLEXATTN_API Expr exp2(const Expr& x);
+FLEXATTN_API Expr log(const Expr& x);
+FLEXATTN_API Expr log2(const Expr& x);
+FLEXATTN_API Expr sqrt(const Expr& x);
+FLEXATTN_API Expr rsqrt(const Expr& x);
+FLEXATTN_API Expr tanh(const Expr& x);
+FLEXATTN_API Expr sigmoid(const Expr& x);
+FLEXATTN_API Expr floor(const Expr& x);
+FLEXATTN_API Expr to_float(const Expr& x);
+FLEXATTN_API Expr to_int(const Expr& x);
 
 // Names the parser may resolve besides the built-in leaves and functions.
 struct Scope {
@@ -178,7 +182,7 @@ struct Scope {
 
 // Parses the text syntax. Errors are Error(kInvalidArgument) with the position and the offending
 // text, e.g. `unknown name 'kvv' at column 6 in "q >= kvv"` (columns count from 1).
-Expr parse(std::string_view text, const Scope& scope = {});
+FLEXATTN_API Expr parse(std::string_view text, const Scope& scope = {});
 
 // Builds a score modifier from a C++ callable taking the score: trace([](Expr s) { ... }).
 inline Expr trace(const std::function<Expr(Expr)>& score_mod) { return score_mod(score()); }

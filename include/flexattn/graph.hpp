@@ -8,6 +8,7 @@
 #include <string>
 #include <vector>
 
+#include "flexattn/export.hpp"
 #include "flexattn/expr.hpp"
 
 namespace flexattn {
@@ -21,7 +22,7 @@ struct GraphNode {
   std::uint64_t hash = 0;             // structural hash of the sub-expression rooted here
 };
 
-class Graph {
+class FLEXATTN_API Graph {
  public:
   // The identity score modifier (`score`).
   Graph();
@@ -56,7 +57,7 @@ class Graph {
 };
 
 // Combines hashes in a fixed, platform-independent way.
-std::uint64_t hash_combine(std::uint64_t seed, std::uint64_t value);
-std::string hash_to_hex(std::uint64_t hash);  // 16 lower-case hex digits
+FLEXATTN_API std::uint64_t hash_combine(std::uint64_t seed, std::uint64_t value);
+FLEXATTN_API std::string hash_to_hex(std::uint64_t hash);  // 16 lower-case hex digits
 
 }  // namespace flexattn

@@ -7,6 +7,7 @@
 #include <string_view>
 #include <vector>
 
+#include "flexattn/export.hpp"
 #include "flexattn/problem.hpp"
 #include "flexattn/tensor.hpp"
 
@@ -27,7 +28,7 @@ struct CatalogueTensor {
   } contents = Contents::kNormal;
 };
 
-struct NamedModifier {
+struct FLEXATTN_API NamedModifier {
   std::string name;         // "softcap", "alibi", "causal", ...
   std::string description;  // one line
   std::string score_mod;    // IR text; empty for none
@@ -42,15 +43,16 @@ struct NamedModifier {
 // softcap (30), alibi, relative_bias (T5 buckets), post_scale_bias, causal (top-left),
 // causal_bottom_right, sliding_window (window 256), document_mask, prefix_lm (prefix 128), and
 // the combinations used by the demo and benchmarks (e.g. softcap_causal).
-const std::vector<NamedModifier>& modifier_catalogue();
+FLEXATTN_API const std::vector<NamedModifier>& modifier_catalogue();
 // Throws Error(kInvalidArgument) listing the known names.
-const NamedModifier& find_modifier(std::string_view name);
+FLEXATTN_API const NamedModifier& find_modifier(std::string_view name);
 
 // Fills `tensor` (allocated with the shape above) for `dims`, deterministically from `seed`.
-HostTensor make_catalogue_tensor(const NamedModifier& modifier, const CatalogueTensor& tensor,
-                                 const CatalogueDims& dims, std::uint64_t seed);
+FLEXATTN_API HostTensor make_catalogue_tensor(const NamedModifier& modifier,
+                                              const CatalogueTensor& tensor,
+                                              const CatalogueDims& dims, std::uint64_t seed);
 
 // Adds the modifier's expressions and tensor declarations to `desc` (parsing with desc.scope()).
-void apply_modifier(const NamedModifier& modifier, ProblemDesc& desc);
+FLEXATTN_API void apply_modifier(const NamedModifier& modifier, ProblemDesc& desc);
 
 }  // namespace flexattn

@@ -6,6 +6,7 @@
 #include <string_view>
 #include <vector>
 
+#include "flexattn/export.hpp"
 #include "flexattn/tensor.hpp"
 
 namespace flexattn {
@@ -13,11 +14,11 @@ namespace flexattn {
 // Reads a C-order, little-endian .npy file (format versions 1, 2 and 3) of dtype <f8, <f4, <f2,
 // <i4 or <i8. Any other dtype, Fortran order, or a malformed or truncated file throws
 // Error(kInvalidArgument) with a one-line message naming the file.
-HostTensor read_npy(const std::string& path);
+FLEXATTN_API HostTensor read_npy(const std::string& path);
 
 // Writes `tensor` as a .npy file, atomically (OutputFiles of one file). bf16 has no NumPy dtype:
 // convert first.
-void write_npy(const std::string& path, const HostTensor& tensor);
+FLEXATTN_API void write_npy(const std::string& path, const HostTensor& tensor);
 
 // Output files written all or nothing. add_npy() (a tensor as .npy) and add_bytes() write a
 // file's contents to a new temporary file in its destination's folder (created exclusively, under
@@ -32,7 +33,7 @@ void write_npy(const std::string& path, const HostTensor& tensor);
 // written. A replaced file keeps its permission bits; a new one gets 0666 less the umask. Errors:
 // kInvalidArgument for a destination refused up front, kIo for what the system refuses (a full
 // disk, permissions).
-class OutputFiles {
+class FLEXATTN_API OutputFiles {
  public:
   OutputFiles() = default;
   OutputFiles(const OutputFiles&) = delete;
@@ -59,10 +60,10 @@ class OutputFiles {
 
 // Throws Error(kInvalidArgument), naming `path`, unless OutputFiles can write it: its folder
 // exists, and it does not exist or is a regular file (links resolved).
-void check_output_file(const std::string& path);
+FLEXATTN_API void check_output_file(const std::string& path);
 
 // The file `path` names once symbolic links are resolved (also when it does not exist yet: its
 // folder's resolved path and its name), for comparing outputs with each other and with inputs.
-std::string resolved_file(const std::string& path);
+FLEXATTN_API std::string resolved_file(const std::string& path);
 
 }  // namespace flexattn

@@ -10,6 +10,7 @@
 
 #include "flexattn/analysis.hpp"
 #include "flexattn/dtype.hpp"
+#include "flexattn/export.hpp"
 #include "flexattn/expr.hpp"
 #include "flexattn/graph.hpp"
 #include "flexattn/tensor.hpp"
@@ -19,8 +20,8 @@ namespace flexattn {
 // Q, K, V, O (and their gradients) in one of these orders. `thd` packs the sequences of a batch
 // one after another: (total_tokens, heads, head_dim), with offsets cu_seqlens (batch + 1 entries).
 enum class Layout { kBSHD, kSBHD, kBHSD, kTHD };
-std::string_view to_string(Layout layout);   // "bshd", ...
-Layout parse_layout(std::string_view text);  // throws kInvalidArgument
+FLEXATTN_API std::string_view to_string(Layout layout);   // "bshd", ...
+FLEXATTN_API Layout parse_layout(std::string_view text);  // throws kInvalidArgument
 
 enum class Direction { kForward, kForwardBackward };
 
@@ -29,7 +30,7 @@ struct TensorDecl {
   std::vector<std::int64_t> shape;
 };
 
-struct ProblemDesc {
+struct FLEXATTN_API ProblemDesc {
   std::int64_t batch = 1;
   std::int64_t heads_q = 1;
   std::int64_t heads_kv = 0;    // 0: same as heads_q
@@ -56,7 +57,7 @@ struct ProblemDesc {
   ir::Scope scope() const;
 };
 
-class Problem {
+class FLEXATTN_API Problem {
  public:
   // Validates (heads_q % heads_kv, positive sizes, unit last stride, tensors bound and of the
   // declared rank, every tensor load in bounds or clamped, thd offsets, ...) and canonicalises
@@ -116,17 +117,18 @@ class Problem {
 
 // The hash a plan must prove it implements (Problem::modifier_hash and every engine's
 // PlanInfo::lowered_hash use this one formula).
-std::uint64_t modifier_hash(const Graph& score_mod, const Graph& mask_mod, double scale);
+FLEXATTN_API std::uint64_t modifier_hash(const Graph& score_mod, const Graph& mask_mod,
+                                         double scale);
 
 // The hash of a backward's derivatives a plan must prove (Problem::backward_hash and every
 // engine's PlanInfo::lowered_backward_hash use this one formula): d score_mod / d score, then, in
 // the order of derivatives_wrt_tensors, each float tensor load's tensor name, index graphs and
 // d score_mod / d load.
-std::uint64_t backward_hash(const Graph& score_derivative,
-                            const std::vector<LoadDerivative>& load_derivatives);
+FLEXATTN_API std::uint64_t backward_hash(const Graph& score_derivative,
+                                         const std::vector<LoadDerivative>& load_derivatives);
 
 // FLOPs per docs/design.md section 6 (forward; forward+backward is 3.5x). Counts only kept tiles'
 // worth for causal-like masks via `kept_fraction` (1.0 dense, 0.5 causal).
-double attention_flops(const Problem& problem, double kept_fraction);
+FLEXATTN_API double attention_flops(const Problem& problem, double kept_fraction);
 
 }  // namespace flexattn

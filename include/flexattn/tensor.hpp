@@ -9,15 +9,16 @@
 #include <vector>
 
 #include "flexattn/dtype.hpp"
+#include "flexattn/export.hpp"
 
 namespace flexattn {
 
 enum class Device { kCpu, kCuda };
 
-std::string_view to_string(Device device);
+FLEXATTN_API std::string_view to_string(Device device);
 
 // Strides are in elements, not bytes. Shapes and strides have the same rank.
-struct TensorView {
+struct FLEXATTN_API TensorView {
   void* data = nullptr;
   DType dtype = DType::kF32;
   std::vector<std::int64_t> shape;
@@ -36,10 +37,10 @@ struct TensorView {
   std::int64_t load_index(std::int64_t offset) const;  // integer tensors
 };
 
-std::vector<std::int64_t> contiguous_strides(const std::vector<std::int64_t>& shape);
+FLEXATTN_API std::vector<std::int64_t> contiguous_strides(const std::vector<std::int64_t>& shape);
 
 // An owning, contiguous (C order), 64-byte aligned host tensor.
-class HostTensor {
+class FLEXATTN_API HostTensor {
  public:
   HostTensor() = default;
   HostTensor(DType dtype, std::vector<std::int64_t> shape);  // zero-filled
@@ -70,6 +71,6 @@ class HostTensor {
 };
 
 // Copies `source` into the strided `destination` (same shape), converting dtypes (CPU only).
-void copy_into(const TensorView& source, const TensorView& destination);
+FLEXATTN_API void copy_into(const TensorView& source, const TensorView& destination);
 
 }  // namespace flexattn

@@ -68,9 +68,10 @@ ReferenceOutputs run_reference(const ProblemDesc& desc, const ReferenceInputs& i
   if (variant == ReferenceVariant::kWithoutScoreModifier) variant_desc.score_mod.reset();
   if (variant == ReferenceVariant::kWithoutMask) variant_desc.mask_mod.reset();
   const Problem problem(variant_desc);
-  const auto engine = make_cpu_ref_engine(variant == ReferenceVariant::kScoreDerivativeOne
-                                              ? ScoreDerivative::kReplacedByOne
-                                              : ScoreDerivative::kExact);
+  const ScoreDerivative derivative = variant == ReferenceVariant::kScoreDerivativeOne
+                                         ? ScoreDerivative::kReplacedByOne
+                                         : ScoreDerivative::kExact;
+  const auto engine = internal::make_cpu_ref_engine(derivative);
   const std::unique_ptr<Plan> plan = engine->plan(problem);
   ReferenceOutputs result;
   result.out = HostTensor(DType::kF64, problem.expected("o").shape);

@@ -121,7 +121,9 @@ Sample sample_rows(const Problem& problem) {
   const std::int64_t group = problem.heads_q() / problem.heads_kv();
   const std::pair<std::int64_t, std::int64_t> candidates[] = {
       {0, 0}, {last_batch, last_head}, {last_batch / 2, last_head / 2}};
-  for (const auto& [b, h] : candidates) {
+  for (const auto& candidate : candidates) {
+    // Named copies, not a structured binding: Clang before 16 cannot capture one in a lambda.
+    const std::int64_t b = candidate.first, h = candidate.second;
     const bool seen = std::any_of(sample.pairs.begin(), sample.pairs.end(),
                                   [&](const SampledPair& p) { return p.b == b && p.h == h; });
     if (seen) continue;
@@ -369,9 +371,9 @@ SampledOutputs reference_outputs(const Problem& problem, const CanaryInputs& inp
   const std::int64_t dim_qk = problem.head_dim_qk(), dim_v = problem.head_dim_v();
   const bool backward = problem.wants_backward();
   const std::vector<std::string> gradients = differentiated_tensors(problem);
-  const auto engine = make_cpu_ref_engine(variant == Variant::kDerivativeReplacedByOne
-                                              ? ScoreDerivative::kReplacedByOne
-                                              : ScoreDerivative::kExact);
+  const auto engine = internal::make_cpu_ref_engine(variant == Variant::kDerivativeReplacedByOne
+                                                        ? ScoreDerivative::kReplacedByOne
+                                                        : ScoreDerivative::kExact);
   std::string rows_name = "canary_rows";
   while (original.tensors.contains(rows_name)) rows_name += "_";
 

@@ -221,7 +221,7 @@ TEST(Canary, RefusesAnEngineThatDropsOnlyTheMask) {
 }
 
 TEST(Canary, RefusesABackwardWithTheDerivativeReplacedByOne) {
-  const auto wrong = make_cpu_ref_engine(ScoreDerivative::kReplacedByOne);
+  const auto wrong = internal::make_cpu_ref_engine(ScoreDerivative::kReplacedByOne);
   Context context(options_with({wrong}, forced(std::string(wrong->name()))));
   const Error error =
       select_error(context, softcap_causal(DType::kF32, Direction::kForwardBackward));
@@ -259,7 +259,7 @@ TEST(Canary, PassesAnEngineThatRoundsPAndDsToTheStorageDtype) {
 TEST(Canary, QuickTierCpuPassesAndMutantsAreRefused) {
   const auto cpu = test::builtin_engine("cpu");
   const auto lying = testing::make_lying_engine();
-  const auto wrong_derivative = make_cpu_ref_engine(ScoreDerivative::kReplacedByOne);
+  const auto wrong_derivative = internal::make_cpu_ref_engine(ScoreDerivative::kReplacedByOne);
   const MaskDroppingEngine mask_dropping;
   int compared = 0;
   for (const conformance::Case& c : conformance::cases(conformance::Tier::kQuick)) {

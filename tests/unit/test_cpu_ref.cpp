@@ -269,7 +269,7 @@ TEST(CpuRef, ScoreDerivativeReplacedByOneIsTheDenseBackwardWithSlopeOne) {
   ProblemDesc desc = make_desc(1, 2, 2, 16, 16, 64, 64);
   desc.score_mod = kCap * tanh(score() / kCap);
   const Problem problem(desc);
-  const auto mutant = make_cpu_ref_engine(ScoreDerivative::kReplacedByOne);
+  const auto mutant = internal::make_cpu_ref_engine(ScoreDerivative::kReplacedByOne);
   EXPECT_EQ(mutant->name(), "cpu_ref_score_derivative_one");
   EXPECT_EQ(mutant->plan(problem)->info().lowered_hash, problem.modifier_hash());
   NaiveModifier modifier;

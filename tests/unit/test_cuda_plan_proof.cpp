@@ -204,7 +204,9 @@ const std::vector<std::string> kNonCommutative = {"ir_sub", "ir_div", "ir_mod", 
 
 std::vector<Mutant> mutants(const std::string& source) {
   std::vector<Mutant> result;
-  const auto [begin, end] = modifier_span(source);
+  // Named copies, not a structured binding: Clang before 16 cannot capture one in a lambda.
+  const std::pair<std::size_t, std::size_t> span = modifier_span(source);
+  const std::size_t begin = span.first, end = span.second;
   const auto add = [&](std::string description, std::size_t from, std::size_t to,
                        const std::string& replacement) {
     std::string mutated = source;

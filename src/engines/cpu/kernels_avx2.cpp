@@ -11,6 +11,7 @@
 
 #if defined(__x86_64__) && defined(__GNUC__)
 
+#include <cpuid.h>
 #include <immintrin.h>
 
 #include <cmath>
@@ -286,8 +287,11 @@ FLEXATTN_AVX2 void half_to_float_avx2(const std::uint16_t* in, float* out, std::
 const Kernels* avx2_kernels() {
   static const bool kSupported = [] {
     __builtin_cpu_init();
-    return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
-           __builtin_cpu_supports("f16c");
+    // "avx2" also checks that the OS saves the ymm registers. F16C is read from CPUID leaf 1
+    // (ECX), since Clang's __builtin_cpu_supports does not know "f16c".
+    unsigned eax = 0, ebx = 0, ecx = 0, edx = 0;
+    const bool f16c = __get_cpuid(1, &eax, &ebx, &ecx, &edx) != 0 && (ecx & bit_F16C) != 0;
+    return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && f16c;
   }();
   static const Kernels kAvx2{"avx2+fma",        gemm_avx2,
                              exp_avx2,          tanh_avx2,

@@ -471,10 +471,10 @@ class CpuRefEngine final : public Engine {
 }  // namespace
 
 std::shared_ptr<const Engine> make_cpu_ref_engine() {
-  return make_cpu_ref_engine(ScoreDerivative::kExact);
+  return internal::make_cpu_ref_engine(ScoreDerivative::kExact);
 }
 
-std::shared_ptr<const Engine> make_cpu_ref_engine(ScoreDerivative score_derivative) {
+std::shared_ptr<const Engine> internal::make_cpu_ref_engine(ScoreDerivative score_derivative) {
   return std::make_shared<CpuRefEngine>(score_derivative);
 }
 

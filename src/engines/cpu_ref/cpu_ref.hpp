@@ -4,6 +4,7 @@
 #include <memory>
 
 #include "flexattn/engine.hpp"
+#include "flexattn/export.hpp"
 
 namespace flexattn {
 
@@ -22,6 +23,12 @@ enum class ScoreDerivative {
 // it to prove a case discriminates a wrong derivative, and tests use it as an engine that passes
 // the plan proof but computes the wrong gradients. Not in the engine registry, so selection never
 // reaches it; its name is "cpu_ref_score_derivative_one".
-std::shared_ptr<const Engine> make_cpu_ref_engine(ScoreDerivative score_derivative);
+//
+// The one internal function a shared libflexattn exports besides the API, in namespace
+// flexattn::internal: the conformance runner (src/check), which the flexattn tool links against
+// the shared library, builds both references with it. Not API: this header is not installed.
+namespace internal {
+FLEXATTN_API std::shared_ptr<const Engine> make_cpu_ref_engine(ScoreDerivative score_derivative);
+}  // namespace internal
 
 }  // namespace flexattn

@@ -86,7 +86,8 @@ class FaultyEngine final : public Engine {
                               : "test fixture: float64 attention that drops the score modifier "
                                 "and claims the requested hashes";
     info.signature = problem.signature();
-    std::unique_ptr<Plan> dropped_plan = make_cpu_ref_engine()->plan(dropped);
+    std::unique_ptr<Plan> dropped_plan =
+        internal::make_cpu_ref_engine(ScoreDerivative::kExact)->plan(dropped);
     result.plan = std::make_unique<FaultyPlan>(std::move(info), problem, std::move(dropped_plan));
     return result;
   }
