@@ -1,0 +1,112 @@
+"""flexattn.attention and flexattn.explain over torch tensors: input checks, tracing, the op."""
+
+from __future__ import annotations
+
+import torch
+
+from . import _flexattn as _ext
+from . import _torch as ops
+from ._trace import TraceError, fetch, trace
+
+_LAYOUTS = ("bhsd", "bshd", "sbhd")
+
+
+def _check_inputs(query, key, value, layout, enable_gqa, engine, scale):
+    for name, t in (("query", query), ("key", key), ("value", value)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, not {type(t).__name__}")
+        if t.dim() != 4:
+            raise ValueError(f"{name} has {t.dim()} dimensions {tuple(t.shape)}; layout {layout} "
+                             "needs 4")
+    if layout not in _LAYOUTS:
+        extra = (" (thd needs cu_seqlens offsets, which the Python API does not take yet)"
+                 if layout == "thd" else "")
+        raise ValueError(f"unknown layout '{layout}': one of {', '.join(_LAYOUTS)}{extra}")
+    if not isinstance(engine, str):
+        raise TypeError(f"engine must be a string ('auto' or an engine name), not "
+                        f"{type(engine).__name__}")
+    if scale is not None and not isinstance(scale, (int, float)):
+        raise TypeError(f"scale must be a number or None, not {type(scale).__name__}")
+    ops.dtype_name(query, "query")
+    if key.dtype != query.dtype or value.dtype != query.dtype:
+        raise ValueError(f"query, key and value must have one dtype; got {query.dtype}, "
+                         f"{key.dtype}, {value.dtype}")
+    if key.device != query.device or value.device != query.device:
+        raise ValueError(f"query, key and value must be on one device; got {query.device}, "
+                         f"{key.device}, {value.device}")
+    if query.device.type not in ("cpu", "cuda"):
+        raise ValueError(f"tensors on {query.device}: flexattn runs on cpu and cuda")
+    d = ops.dims(layout, query, key, value)
+    if d["heads_q"] != d["heads_kv"] and not enable_gqa:
+        raise ValueError(f"query has {d['heads_q']} heads and key/value {d['heads_kv']}; pass "
+                         "enable_gqa=True for grouped-query attention")
+    if value.shape[:3] != key.shape[:3]:
+        raise ValueError(f"key {tuple(key.shape)} and value {tuple(value.shape)} differ outside "
+                         "the head dimension")
+
+
+def _captured(query, score_mod, mask_mod, tensors):
+    """(score_mod text, mask_mod text, names, tensors)."""
+    if torch.compiler.is_compiling():
+        score_text, mask_text, names, paths = _constant_trace(score_mod, mask_mod, tensors)
+        functions = [score_mod if callable(score_mod) else None,
+                     mask_mod if callable(mask_mod) else None]
+        values = [tensors[name] if path is None else fetch(functions, path)
+                  for name, path in zip(names, paths)]
+        return score_text, mask_text, list(names), values
+    traced = trace(score_mod, mask_mod, tensors)
+    names = [c.name for c in traced.captured]
+    values = [c.tensor for c in traced.captured]
+    for name, t in zip(names, values):
+        if t.device != query.device:
+            raise ValueError(f"the tensor '{name}' the modifiers read is on {t.device}, query on "
+                             f"{query.device}")
+    return traced.score_mod, traced.mask_mod, names, values
+
+
+def _constant_trace(score_mod, mask_mod, tensors):
+    traced = trace(score_mod, mask_mod, tensors)
+    for c in traced.captured:
+        if c.path is None and not (tensors and c.name in tensors):
+            raise TraceError(f"under torch.compile, the tensor '{c.name}' the modifiers read "
+                             "must be reachable from the function (a closure variable, a global "
+                             "or an attribute of one), or passed in tensors=")
+    return (traced.score_mod, traced.mask_mod, tuple(c.name for c in traced.captured),
+            tuple(c.path for c in traced.captured))
+
+
+_constant_trace = torch._dynamo.assume_constant_result(_constant_trace)
+
+
+def attention(query, key, value, score_mod=None, mask_mod=None, *, scale=None, enable_gqa=False,
+              return_lse=False, engine="auto", layout="bhsd", tensors=None):
+    _check_inputs(query, key, value, layout, enable_gqa, engine, scale)
+    score_text, mask_text, names, values = _captured(query, score_mod, mask_mod, tensors)
+    out, lse = ops.attention_op(query, key, value, values, ",".join(names), score_text,
+                                mask_text, None if scale is None else float(scale), layout,
+                                engine)
+    return (out, lse) if return_lse else out
+
+
+def explain(query, key, value, score_mod=None, mask_mod=None, *, scale=None, enable_gqa=False,
+            engine="auto", layout="bhsd", tensors=None, backward=None):
+    from . import Explanation
+
+    _check_inputs(query, key, value, layout, enable_gqa, engine, scale)
+    score_text, mask_text, names, values = _captured(query, score_mod, mask_mod, tensors)
+    if backward is None:
+        backward = torch.is_grad_enabled() and any(
+            t.requires_grad for t in [query, key, value, *values])
+    q, k, v = (ops.usable(t) for t in (query, key, value))
+    shape, _ = ops.out_shape(layout, q, v)
+    problem = ops.dims(layout, q, k, v)
+    problem.update({
+        "layout": layout, "dtype": ops.dtype_name(q, "query"),
+        "scale": None if scale is None else float(scale), "device": q.device.type,
+        "backward": bool(backward), "score_mod": score_text, "mask_mod": mask_text,
+        "q_strides": ops.view(q)[3], "k_strides": ops.view(k)[3], "v_strides": ops.view(v)[3],
+        "tensors": {n: (ops.dtype_name(t, f"tensor '{n}'") if t.is_floating_point()
+                        else ops._DTYPES.get(t.dtype, str(t.dtype)), list(t.shape))
+                    for n, t in zip(names, values)},
+    })
+    return Explanation(_ext.explain(problem, engine))

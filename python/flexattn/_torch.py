@@ -1,0 +1,212 @@
+"""The PyTorch side: the custom ops flexattn::attention / flexattn::attention_backward (real and
+fake implementations, autograd), and the plan cache that turns torch tensors into C++ views by
+pointer and strides."""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from . import _flexattn as _ext
+
+_DTYPES = {
+    torch.float32: "fp32",
+    torch.float16: "fp16",
+    torch.bfloat16: "bf16",
+    torch.float64: "fp64",
+    torch.int32: "int32",
+    torch.int64: "int64",
+}
+_LAYOUTS = ("bhsd", "bshd", "sbhd")
+
+# Problem description -> selected plan (C++). The C++ Context caches plans as well; this cache
+# skips building and validating the Problem on repeated calls.
+_plans: dict = {}
+
+
+def dtype_name(tensor: torch.Tensor, what: str) -> str:
+    name = _DTYPES.get(tensor.dtype)
+    if name is None:
+        raise ValueError(f"{what} has dtype {tensor.dtype}; flexattn takes float32, float16, "
+                         "bfloat16 or float64")
+    return name
+
+
+def dims(layout: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> dict:
+    """batch, heads, sequence lengths and head dims of q, k, v in `layout`."""
+    if layout == "bhsd":
+        (b, hq, sq, d), (_, hkv, skv, _), dv = q.shape, k.shape, v.shape[3]
+    elif layout == "bshd":
+        (b, sq, hq, d), (_, skv, hkv, _), dv = q.shape, k.shape, v.shape[3]
+    else:  # sbhd
+        (sq, b, hq, d), (skv, _, hkv, _), dv = q.shape, k.shape, v.shape[3]
+    return {"batch": b, "heads_q": hq, "heads_kv": hkv, "seq_len_q": sq, "seq_len_kv": skv,
+            "head_dim_qk": d, "head_dim_v": dv}
+
+
+def out_shape(layout: str, q: torch.Tensor, v: torch.Tensor) -> tuple[list, list]:
+    d = dims(layout, q, v, v)
+    b, h, s, dv = d["batch"], d["heads_q"], d["seq_len_q"], v.shape[3]
+    shape = {"bhsd": [b, h, s, dv], "bshd": [b, s, h, dv], "sbhd": [s, b, h, dv]}[layout]
+    return shape, [b, h, s]
+
+
+def lse_dtype(q: torch.Tensor) -> torch.dtype:
+    return torch.float64 if q.dtype == torch.float64 else torch.float32
+
+
+def _is_dense(t: torch.Tensor) -> bool:
+    """Whether the tensor's elements are distinct and cover one contiguous block (any order)."""
+    return t.is_non_overlapping_and_dense()
+
+
+def usable(t: torch.Tensor) -> torch.Tensor:
+    """The tensor itself when the engines can read it (last stride 1), else a contiguous copy."""
+    if t.stride(-1) != 1 and t.shape[-1] != 1:
+        return t.contiguous()
+    return t
+
+
+def view(t: torch.Tensor) -> tuple:
+    strides = list(t.stride())
+    if t.shape[-1] == 1:
+        strides[-1] = 1  # a size-1 last axis has any stride
+    return (t.data_ptr(), _DTYPES[t.dtype], list(t.shape), strides)
+
+
+def _stream(t: torch.Tensor) -> int:
+    if t.device.type == "cuda":
+        if t.device.index not in (None, 0):
+            raise ValueError(f"tensors are on {t.device}; flexattn's CUDA engines use device 0 "
+                             "(set CUDA_VISIBLE_DEVICES to choose the GPU)")
+        return torch.cuda.current_stream(t.device).cuda_stream
+    return 0
+
+
+def _names(tensor_names: str) -> list[str]:
+    return tensor_names.split(",") if tensor_names else []
+
+
+def select(q, k, v, out, tensors, names, score_mod, mask_mod, scale, layout, engine, backward):
+    """The plan for these views (from the cache when seen before)."""
+    key = (score_mod, mask_mod, scale, layout, engine, backward, q.dtype, q.device.type,
+           tuple(q.shape), q.stride(), tuple(k.shape), k.stride(), tuple(v.shape), v.stride(),
+           tuple(out.shape), out.stride(),
+           tuple((n, t.dtype, tuple(t.shape)) for n, t in zip(names, tensors)))
+    plan = _plans.get(key)
+    if plan is not None:
+        return plan
+    problem = dims(layout, q, k, v)
+    problem.update({
+        "layout": layout, "dtype": _DTYPES[q.dtype], "scale": scale, "device": q.device.type,
+        "backward": backward, "score_mod": score_mod, "mask_mod": mask_mod,
+        "q_strides": view(q)[3], "k_strides": view(k)[3], "v_strides": view(v)[3],
+        "o_strides": view(out)[3],
+        "tensors": {n: (_DTYPES[t.dtype], list(t.shape)) for n, t in zip(names, tensors)},
+    })
+    plan = _ext.select(problem, engine)
+    _plans[key] = plan
+    return plan
+
+
+def _grad_like(t: torch.Tensor) -> torch.Tensor:
+    """An uninitialised gradient for `t` with the strides the backward gives it."""
+    if _is_dense(t) and t.stride(-1) == 1:
+        return torch.empty_like(t)
+    return torch.empty(t.shape, dtype=t.dtype, device=t.device)
+
+
+def _backward_input(t: torch.Tensor) -> torch.Tensor:
+    """`t` when its gradient can share its strides (dense), else a contiguous copy."""
+    if _is_dense(t) and t.stride(-1) == 1:
+        return t
+    return t.contiguous()
+
+
+# ---- the custom ops -------------------------------------------------------------------------
+
+
+@torch.library.custom_op("flexattn::attention", mutates_args=())
+def attention_op(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                 tensors: list[torch.Tensor], tensor_names: str, score_mod: str, mask_mod: str,
+                 scale: Optional[float], layout: str,
+                 engine: str) -> tuple[torch.Tensor, torch.Tensor]:
+    q, k, v = usable(query), usable(key), usable(value)
+    tensors = [t.contiguous() for t in tensors]
+    names = _names(tensor_names)
+    shape, lse_shape = out_shape(layout, q, v)
+    out = torch.empty(shape, dtype=q.dtype, device=q.device)
+    lse = torch.empty(lse_shape, dtype=lse_dtype(q), device=q.device)
+    plan = select(q, k, v, out, tensors, names, score_mod, mask_mod, scale, layout, engine, False)
+    plan.forward(view(q), view(k), view(v), view(out), view(lse),
+                 {n: view(t) for n, t in zip(names, tensors)}, _stream(q))
+    return out, lse
+
+
+@attention_op.register_fake
+def _(query, key, value, tensors, tensor_names, score_mod, mask_mod, scale, layout, engine):
+    shape, lse_shape = out_shape(layout, query, value)
+    return (query.new_empty(shape),
+            query.new_empty(lse_shape, dtype=lse_dtype(query)))
+
+
+@torch.library.custom_op("flexattn::attention_backward", mutates_args=())
+def attention_backward_op(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                          out: torch.Tensor, lse: torch.Tensor, grad_out: torch.Tensor,
+                          tensors: list[torch.Tensor], tensor_names: str, grad_names: str,
+                          score_mod: str, mask_mod: str, scale: Optional[float], layout: str,
+                          engine: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor,
+                                                list[torch.Tensor]]:
+    q, k, v = (_backward_input(usable(t)) for t in (query, key, value))
+    tensors = [t.contiguous() for t in tensors]
+    names = _names(tensor_names)
+    wanted = _names(grad_names)
+    dout = grad_out.to(out.dtype)
+    if dout.stride() != out.stride():
+        dout = torch.empty_like(out).copy_(dout)
+    dq, dk, dv = _grad_like(q), _grad_like(k), _grad_like(v)
+    by_name = dict(zip(names, tensors))
+    grads = {n: torch.empty(by_name[n].shape, dtype=lse_dtype(by_name[n]), device=q.device)
+             for n in wanted}
+    plan = select(q, k, v, out, tensors, names, score_mod, mask_mod, scale, layout, engine, True)
+    plan.backward(view(q), view(k), view(v), view(out), view(lse), view(dout), view(dq),
+                  view(dk), view(dv), {n: view(t) for n, t in zip(names, tensors)},
+                  {n: view(g) for n, g in grads.items()}, _stream(q))
+    return dq, dk, dv, [grads[n].to(by_name[n].dtype) for n in wanted]
+
+
+@attention_backward_op.register_fake
+def _(query, key, value, out, lse, grad_out, tensors, tensor_names, grad_names, score_mod,
+      mask_mod, scale, layout, engine):
+    by_name = dict(zip(_names(tensor_names), tensors))
+    q, k, v = (usable(t) for t in (query, key, value))
+    return (_grad_like(q), _grad_like(k), _grad_like(v),
+            [by_name[n].new_empty(by_name[n].shape) for n in _names(grad_names)])
+
+
+def _setup_context(ctx, inputs, output):
+    query, key, value, tensors, tensor_names, score_mod, mask_mod, scale, layout, engine = inputs
+    out, lse = output
+    ctx.save_for_backward(query, key, value, out, lse, *tensors)
+    ctx.strings = (tensor_names, score_mod, mask_mod, scale, layout, engine)
+    ctx.mark_non_differentiable(lse)
+
+
+def _backward(ctx, grad_out, grad_lse):
+    query, key, value, out, lse, *tensors = ctx.saved_tensors
+    tensor_names, score_mod, mask_mod, scale, layout, engine = ctx.strings
+    names = _names(tensor_names)
+    needs = ctx.needs_input_grad
+    tensor_needs = needs[3] if isinstance(needs[3], (list, tuple)) else [needs[3]] * len(names)
+    wanted = [n for n, t, need in zip(names, tensors, tensor_needs)
+              if need and t.is_floating_point()]
+    dq, dk, dv, grads = attention_backward_op(query, key, value, out, lse, grad_out, tensors,
+                                              tensor_names, ",".join(wanted), score_mod,
+                                              mask_mod, scale, layout, engine)
+    by_name = dict(zip(wanted, grads))
+    tensor_grads = [by_name.get(n) for n in names]
+    return dq, dk, dv, tensor_grads, None, None, None, None, None, None
+
+
+attention_op.register_autograd(_backward, setup_context=_setup_context)
