@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import sys
+import types
+
 import torch
 
 from . import _flexattn as _ext
@@ -48,12 +51,7 @@ def _check_inputs(query, key, value, layout, enable_gqa, engine, scale):
 def _captured(query, score_mod, mask_mod, tensors):
     """(score_mod text, mask_mod text, names, tensors)."""
     if torch.compiler.is_compiling():
-        score_text, mask_text, names, paths = _constant_trace(score_mod, mask_mod, tensors)
-        functions = [score_mod if callable(score_mod) else None,
-                     mask_mod if callable(mask_mod) else None]
-        values = [tensors[name] if path is None else fetch(functions, path)
-                  for name, path in zip(names, paths)]
-        return score_text, mask_text, list(names), values
+        return _captured_compiling(score_mod, mask_mod, tensors)
     traced = trace(score_mod, mask_mod, tensors)
     names = [c.name for c in traced.captured]
     values = [c.tensor for c in traced.captured]
@@ -64,7 +62,56 @@ def _captured(query, score_mod, mask_mod, tensors):
     return traced.score_mod, traced.mask_mod, names, values
 
 
-def _constant_trace(score_mod, mask_mod, tensors):
+# Under torch.compile (Dynamo), the trace runs once, at compile time, as a constant
+# (assume_constant_result): Dynamo hands it each function's code, module and closure cells (the
+# parts it can pass for functions defined inside the compiled code too), the trace rebuilds the
+# functions from them, and returns the IR text with where each tensor it reads lives. The
+# tensors are then read from those places in traced code, so they are graph inputs.
+
+
+def _parts(function):
+    if not callable(function):
+        return function, None, 0, []
+    cells = [cell.cell_contents for cell in function.__closure__] if function.__closure__ else []
+    return function.__code__, function.__module__, len(cells), cells
+
+
+def _captured_compiling(score_mod, mask_mod, tensors):
+    score_code, score_module, score_count, score_cells = _parts(score_mod)
+    mask_code, mask_module, mask_count, mask_cells = _parts(mask_mod)
+    given = dict(tensors or {})
+    score_text, mask_text, names, paths = _constant_trace(
+        score_code, score_module, score_count, mask_code, mask_module, mask_count,
+        tuple(given), *score_cells, *mask_cells, *given.values())
+    cells = [score_cells, mask_cells]
+    modules = [score_module, mask_module]
+    values = []
+    for name, path in zip(names, paths):
+        if path is None:
+            values.append(given[name])
+            continue
+        kind, number, key = path[0], path[1], path[2]
+        value = cells[number][key] if kind == "closure" else getattr(
+            sys.modules[modules[number]], key)
+        for attribute in path[3:]:
+            value = value.reshape(1) if attribute == "#flat" else getattr(value, attribute)
+        values.append(value)
+    return score_text, mask_text, list(names), values
+
+
+def _rebuild(code, module, cells):
+    if not isinstance(code, types.CodeType):
+        return code  # IR text or None
+    closure = tuple(types.CellType(cell) for cell in cells) if cells else None
+    return types.FunctionType(code, sys.modules[module].__dict__, code.co_name, None, closure)
+
+
+def _constant_trace(score_code, score_module, score_count, mask_code, mask_module, mask_count,
+                    tensor_names, *values):
+    score_mod = _rebuild(score_code, score_module, values[:score_count])
+    count = score_count + mask_count
+    mask_mod = _rebuild(mask_code, mask_module, values[score_count:count])
+    tensors = dict(zip(tensor_names, values[count:]))
     traced = trace(score_mod, mask_mod, tensors)
     for c in traced.captured:
         if c.path is None and not (tensors and c.name in tensors):

@@ -58,7 +58,14 @@ def lse_dtype(q: torch.Tensor) -> torch.dtype:
 
 def _is_dense(t: torch.Tensor) -> bool:
     """Whether the tensor's elements are distinct and cover one contiguous block (any order)."""
-    return t.is_non_overlapping_and_dense()
+    expected = 1
+    for size, stride in sorted(zip(t.shape, t.stride()), key=lambda pair: pair[1]):
+        if size == 1:
+            continue
+        if stride != expected:
+            return False
+        expected *= size
+    return True
 
 
 def usable(t: torch.Tensor) -> torch.Tensor:

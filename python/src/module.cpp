@@ -314,6 +314,8 @@ nb::list engines() {
 NB_MODULE(_flexattn, m) {
   m.doc() = "flexattn's C++ core (the Python package 'flexattn' is the interface)";
   m.attr("__version__") = version();
+  // Plans cached by the Python layer live until interpreter exit, past nanobind's leak check.
+  nb::set_leak_warnings(false);
 
   static nb::object error = nb::steal(PyErr_NewExceptionWithDoc(
       "flexattn._flexattn.Error", "An error flexattn reports (the C++ message).",
