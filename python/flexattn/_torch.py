@@ -27,7 +27,7 @@ _plans: dict = {}
 
 def dtype_name(tensor: torch.Tensor, what: str) -> str:
     name = _DTYPES.get(tensor.dtype)
-    if name is None:
+    if name is None or not tensor.is_floating_point():
         raise ValueError(f"{what} has dtype {tensor.dtype}; flexattn takes float32, float16, "
                          "bfloat16 or float64")
     return name

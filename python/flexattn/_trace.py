@@ -511,11 +511,16 @@ class _Tracer:
         torch = _torch()
         handler = _handlers().get(func)
         if handler is None:
-            name = getattr(func, "__qualname__", None) or getattr(func, "__name__", repr(func))
-            module = getattr(func, "__module__", None) or "torch"
-            if module.startswith("torch._C"):
-                module = "torch"
-            _fail(f"{module}.{name} (not in flexattn's IR)")
+            name = getattr(func, "__name__", None) or repr(func)
+            qualname = getattr(func, "__qualname__", "") or ""
+            if qualname.startswith(("TensorBase.", "_TensorBase.", "Tensor.")):
+                spelled = f"Tensor.{name}"
+            else:
+                module = getattr(func, "__module__", None) or "torch"
+                if module.startswith("torch._C") or module == "torch._VariableFunctions":
+                    module = "torch"
+                spelled = f"{module}.{name}"
+            _fail(f"{spelled} (not in flexattn's IR)")
         del torch
         return handler(self, *args, **kwargs)
 
@@ -631,7 +636,7 @@ def _result_text(tracer: _Tracer, result, kind: str) -> str:
         if value.type == "i32":
             value = tracer.to_type(value, "f32")
     elif value.type != "bool":
-        raise TraceError(f"the mask_mod returns a {value.type} value; a mask_mod returns bool "
+        raise TraceError(f"the mask_mod returns an {value.type} value; a mask_mod returns bool "
                          "(True keeps the score)")
     return str(value.expr)
 
