@@ -89,3 +89,25 @@ def test_ir_text_and_named_tensors_compile():
     (grad,) = torch.autograd.grad(out.sum(), bias)
     torch.testing.assert_close(out, eager)
     torch.testing.assert_close(grad, eager_grad)
+
+
+def test_opcheck_fake_schema_and_autograd():
+    # torch.library.opcheck runs the op under the fake-tensor, schema and autograd checks:
+    # GQA, Dv != D, seq_len_q != seq_len_kv, a captured tensor, fp64 and fp32, two layouts.
+    from flexattn import _torch as ops
+
+    g = torch.Generator().manual_seed(2)
+    shapes = {"bhsd": ((1, 4, 3, 8), (1, 2, 5, 8), (1, 2, 5, 6)),
+              "bshd": ((1, 3, 4, 8), (1, 5, 2, 8), (1, 5, 2, 6))}
+    for layout, dtype in (("bhsd", torch.float64), ("bshd", torch.float32)):
+        q, k, v = (torch.randn(*shape, generator=g).to(dtype).requires_grad_()
+                   for shape in shapes[layout])
+        bias = torch.randn(15, generator=g).to(dtype).requires_grad_()
+        args = (q, k, v, [bias], "bias", "score + bias[q * 5 + kv]", "q + 2 >= kv", 0.5,
+                layout, "auto")
+        torch.library.opcheck(ops.attention_op, args)
+        out, lse = ops.attention_op(*args)
+        grad_out = torch.randn(out.shape, generator=g).to(dtype)
+        torch.library.opcheck(ops.attention_backward_op,
+                              (q.detach(), k.detach(), v.detach(), out.detach(), lse, grad_out,
+                               [bias.detach()], "bias", "bias", *args[5:]))
