@@ -52,6 +52,10 @@ def _captured(query, score_mod, mask_mod, tensors):
     """(score_mod text, mask_mod text, names, tensors)."""
     if torch.compiler.is_compiling():
         return _captured_compiling(score_mod, mask_mod, tensors)
+    if not tensors and not callable(score_mod) and not callable(mask_mod):
+        if not isinstance(score_mod or "", str) or not isinstance(mask_mod or "", str):
+            trace(score_mod, mask_mod)  # raises the TypeError naming the argument
+        return score_mod or "", mask_mod or "", [], []
     traced = trace(score_mod, mask_mod, tensors)
     names = [c.name for c in traced.captured]
     values = [c.tensor for c in traced.captured]
@@ -129,9 +133,8 @@ def attention(query, key, value, score_mod=None, mask_mod=None, *, scale=None, e
               return_lse=False, engine="auto", layout="bhsd", tensors=None):
     _check_inputs(query, key, value, layout, enable_gqa, engine, scale)
     score_text, mask_text, names, values = _captured(query, score_mod, mask_mod, tensors)
-    out, lse = ops.attention_op(query, key, value, values, ",".join(names), score_text,
-                                mask_text, None if scale is None else float(scale), layout,
-                                engine)
+    out, lse = ops.attention(query, key, value, values, ",".join(names), score_text, mask_text,
+                             None if scale is None else float(scale), layout, engine)
     return (out, lse) if return_lse else out
 
 

@@ -95,8 +95,11 @@ def _names(tensor_names: str) -> list[str]:
     return tensor_names.split(",") if tensor_names else []
 
 
-def select(q, k, v, out, tensors, names, score_mod, mask_mod, scale, layout, engine, backward):
-    """The plan for these views (from the cache when seen before)."""
+def select(q, k, v, out, tensors, names, score_mod, mask_mod, scale, layout, engine, backward,
+           lse=None):
+    """The plan for these views (from the cache when seen before). The key holds every shape,
+    stride and dtype; a new forward plan checks the views (with `lse`) before it is cached, so a
+    cached plan can take data pointers alone."""
     key = (score_mod, mask_mod, scale, layout, engine, backward, q.dtype, q.device.type,
            tuple(q.shape), q.stride(), tuple(k.shape), k.stride(), tuple(v.shape), v.stride(),
            tuple(out.shape), out.stride(),
@@ -113,6 +116,9 @@ def select(q, k, v, out, tensors, names, score_mod, mask_mod, scale, layout, eng
         "tensors": {n: (_DTYPES[t.dtype], list(t.shape)) for n, t in zip(names, tensors)},
     })
     plan = _ext.select(problem, engine)
+    if lse is not None:
+        plan.check_forward(view(q), view(k), view(v), view(out), view(lse),
+                           {n: view(t) for n, t in zip(names, tensors)})
     _plans[key] = plan
     return plan
 
@@ -131,40 +137,29 @@ def _backward_input(t: torch.Tensor) -> torch.Tensor:
     return t.contiguous()
 
 
-# ---- the custom ops -------------------------------------------------------------------------
+# ---- the computation (shared by the custom ops and the eager path) ---------------------------
 
 
-@torch.library.custom_op("flexattn::attention", mutates_args=())
-def attention_op(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                 tensors: list[torch.Tensor], tensor_names: str, score_mod: str, mask_mod: str,
-                 scale: Optional[float], layout: str,
-                 engine: str) -> tuple[torch.Tensor, torch.Tensor]:
+def forward(query, key, value, tensors, tensor_names, score_mod, mask_mod, scale, layout, engine):
+    """Output and LSE of the selected plan; views by pointer and strides, copies only where the
+    engines cannot read a tensor as it is (docs/python.md)."""
     q, k, v = usable(query), usable(key), usable(value)
     tensors = [t.contiguous() for t in tensors]
     names = _names(tensor_names)
     shape, lse_shape = out_shape(layout, q, v)
     out = torch.empty(shape, dtype=q.dtype, device=q.device)
     lse = torch.empty(lse_shape, dtype=lse_dtype(q), device=q.device)
-    plan = select(q, k, v, out, tensors, names, score_mod, mask_mod, scale, layout, engine, False)
-    plan.forward(view(q), view(k), view(v), view(out), view(lse),
-                 {n: view(t) for n, t in zip(names, tensors)}, _stream(q))
+    plan = select(q, k, v, out, tensors, names, score_mod, mask_mod, scale, layout, engine, False,
+                  lse)
+    plan.forward_pointers(q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(),
+                          lse.data_ptr(), {n: t.data_ptr() for n, t in zip(names, tensors)},
+                          _stream(q))
     return out, lse
 
 
-@attention_op.register_fake
-def _(query, key, value, tensors, tensor_names, score_mod, mask_mod, scale, layout, engine):
-    shape, lse_shape = out_shape(layout, query, value)
-    return (query.new_empty(shape),
-            query.new_empty(lse_shape, dtype=lse_dtype(query)))
-
-
-@torch.library.custom_op("flexattn::attention_backward", mutates_args=())
-def attention_backward_op(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                          out: torch.Tensor, lse: torch.Tensor, grad_out: torch.Tensor,
-                          tensors: list[torch.Tensor], tensor_names: str, grad_names: str,
-                          score_mod: str, mask_mod: str, scale: Optional[float], layout: str,
-                          engine: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor,
-                                                list[torch.Tensor]]:
+def backward(query, key, value, out, lse, grad_out, tensors, tensor_names, grad_names, score_mod,
+             mask_mod, scale, layout, engine):
+    """dq, dk, dv and the gradients of the tensors named in grad_names (in the tensors' dtype)."""
     q, k, v = (_backward_input(usable(t)) for t in (query, key, value))
     tensors = [t.contiguous() for t in tensors]
     names = _names(tensor_names)
@@ -181,6 +176,41 @@ def attention_backward_op(query: torch.Tensor, key: torch.Tensor, value: torch.T
                   view(dk), view(dv), {n: view(t) for n, t in zip(names, tensors)},
                   {n: view(g) for n, g in grads.items()}, _stream(q))
     return dq, dk, dv, [grads[n].to(by_name[n].dtype) for n in wanted]
+
+
+def _wanted(tensor_names, tensors, tensor_needs) -> str:
+    return ",".join(n for n, t, need in zip(_names(tensor_names), tensors, tensor_needs)
+                    if need and t.is_floating_point())
+
+
+# ---- the custom ops -------------------------------------------------------------------------
+
+
+@torch.library.custom_op("flexattn::attention", mutates_args=())
+def attention_op(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                 tensors: list[torch.Tensor], tensor_names: str, score_mod: str, mask_mod: str,
+                 scale: Optional[float], layout: str,
+                 engine: str) -> tuple[torch.Tensor, torch.Tensor]:
+    return forward(query, key, value, tensors, tensor_names, score_mod, mask_mod, scale, layout,
+                   engine)
+
+
+@attention_op.register_fake
+def _(query, key, value, tensors, tensor_names, score_mod, mask_mod, scale, layout, engine):
+    shape, lse_shape = out_shape(layout, query, value)
+    return (query.new_empty(shape),
+            query.new_empty(lse_shape, dtype=lse_dtype(query)))
+
+
+@torch.library.custom_op("flexattn::attention_backward", mutates_args=())
+def attention_backward_op(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                          out: torch.Tensor, lse: torch.Tensor, grad_out: torch.Tensor,
+                          tensors: list[torch.Tensor], tensor_names: str, grad_names: str,
+                          score_mod: str, mask_mod: str, scale: Optional[float], layout: str,
+                          engine: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor,
+                                                list[torch.Tensor]]:
+    return backward(query, key, value, out, lse, grad_out, tensors, tensor_names, grad_names,
+                    score_mod, mask_mod, scale, layout, engine)
 
 
 @attention_backward_op.register_fake
@@ -206,14 +236,61 @@ def _backward(ctx, grad_out, grad_lse):
     names = _names(tensor_names)
     needs = ctx.needs_input_grad
     tensor_needs = needs[3] if isinstance(needs[3], (list, tuple)) else [needs[3]] * len(names)
-    wanted = [n for n, t, need in zip(names, tensors, tensor_needs)
-              if need and t.is_floating_point()]
+    wanted = _wanted(tensor_names, tensors, tensor_needs)
     dq, dk, dv, grads = attention_backward_op(query, key, value, out, lse, grad_out, tensors,
-                                              tensor_names, ",".join(wanted), score_mod,
-                                              mask_mod, scale, layout, engine)
-    by_name = dict(zip(wanted, grads))
-    tensor_grads = [by_name.get(n) for n in names]
-    return dq, dk, dv, tensor_grads, None, None, None, None, None, None
+                                              tensor_names, wanted, score_mod, mask_mod, scale,
+                                              layout, engine)
+    by_name = dict(zip(_names(wanted), grads))
+    return dq, dk, dv, [by_name.get(n) for n in names], None, None, None, None, None, None
 
 
 attention_op.register_autograd(_backward, setup_context=_setup_context)
+
+
+# ---- the eager path --------------------------------------------------------------------------
+# In plain eager mode (no torch.compile, no tracing or dispatch mode, plain tensors) the same
+# computation runs through an autograd.Function, which skips the dispatcher's Python overhead of
+# the custom op; everything else (compile, export, fake tensors, subclasses) takes the op.
+
+
+class _Attention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, query, key, value, tensor_names, score_mod, mask_mod, scale, layout,
+                engine, *tensors):
+        out, lse = forward(query, key, value, list(tensors), tensor_names, score_mod, mask_mod,
+                           scale, layout, engine)
+        ctx.save_for_backward(query, key, value, out, lse, *tensors)
+        ctx.strings = (tensor_names, score_mod, mask_mod, scale, layout, engine)
+        ctx.mark_non_differentiable(lse)
+        return out, lse
+
+    @staticmethod
+    def backward(ctx, grad_out, grad_lse):
+        query, key, value, out, lse, *tensors = ctx.saved_tensors
+        tensor_names, score_mod, mask_mod, scale, layout, engine = ctx.strings
+        wanted = _wanted(tensor_names, tensors, ctx.needs_input_grad[9:])
+        dq, dk, dv, grads = backward(query, key, value, out, lse, grad_out, tensors,
+                                     tensor_names, wanted, score_mod, mask_mod, scale, layout,
+                                     engine)
+        by_name = dict(zip(_names(wanted), grads))
+        needs = ctx.needs_input_grad
+        return (dq if needs[0] else None, dk if needs[1] else None, dv if needs[2] else None,
+                None, None, None, None, None, None,
+                *[by_name.get(n) for n in _names(tensor_names)])
+
+
+def _plain(tensors) -> bool:
+    return all(type(t) is torch.Tensor for t in tensors)
+
+
+def attention(query, key, value, tensors, tensor_names, score_mod, mask_mod, scale, layout,
+              engine):
+    """(out, lse) through the eager path or the custom op (see above)."""
+    if (not torch.compiler.is_compiling() and _plain((query, key, value, *tensors))
+            and torch._C._get_dispatch_mode(torch._C._TorchDispatchModeKey.FAKE) is None
+            and not torch._C._len_torch_dispatch_stack()
+            and not torch._C._len_torch_function_stack()):
+        return _Attention.apply(query, key, value, tensor_names, score_mod, mask_mod, scale,
+                                layout, engine, *tensors)
+    return attention_op(query, key, value, tensors, tensor_names, score_mod, mask_mod, scale,
+                        layout, engine)

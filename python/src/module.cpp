@@ -234,7 +234,70 @@ class PyPlan {
     plan_->backward(args);
   }
 
+  // Checks the views of a forward call against the plan's problem (what forward runs first),
+  // without running: the Python layer checks a new plan's views once before it calls
+  // forward_pointers with the same layout.
+  void check_forward(const ViewTuple& q, const ViewTuple& k, const ViewTuple& v,
+                     const ViewTuple& out, const ViewTuple& lse,
+                     const std::map<std::string, ViewTuple>& tensors) const {
+    const Device device = plan_->problem().device();
+    ForwardArgs args;
+    args.q = to_view(q, device);
+    args.k = to_view(k, device);
+    args.v = to_view(v, device);
+    args.out = to_view(out, device);
+    args.lse = to_view(lse, device);
+    for (const auto& [name, tuple] : tensors) args.tensors[name] = to_view(tuple, device);
+    check_forward_args(plan_->problem(), args);
+  }
+
+  // The same calls with data pointers alone: the views take the shapes, strides and dtypes of
+  // the problem the plan was built for. The Python layer calls these only with tensors whose
+  // layout is the plan's (its plan cache is keyed by every shape, stride and dtype); the plan
+  // still checks every view before running.
+  void forward_pointers(std::uintptr_t q, std::uintptr_t k, std::uintptr_t v, std::uintptr_t out,
+                        std::uintptr_t lse, const std::map<std::string, std::uintptr_t>& tensors,
+                        std::uintptr_t stream) const {
+    const Problem& problem = plan_->problem();
+    ForwardArgs args;
+    args.q = expected(problem, "q", q);
+    args.k = expected(problem, "k", k);
+    args.v = expected(problem, "v", v);
+    args.out = expected(problem, "o", out);
+    args.lse = expected(problem, "lse", lse);
+    args.tensors = tensor_views(problem, tensors);
+    args.stream = reinterpret_cast<void*>(stream);
+    const nb::gil_scoped_release release;
+    plan_->forward(args);
+  }
+
  private:
+  static TensorView expected(const Problem& problem, std::string_view which,
+                             std::uintptr_t data) {
+    TensorView view = problem.expected(which);
+    view.data = reinterpret_cast<void*>(data);
+    return view;
+  }
+
+  static std::map<std::string, TensorView> tensor_views(
+      const Problem& problem, const std::map<std::string, std::uintptr_t>& pointers) {
+    std::map<std::string, TensorView> views;
+    for (const auto& [name, data] : pointers) {
+      const auto decl = problem.desc().tensors.find(name);
+      if (decl == problem.desc().tensors.end()) {
+        throw_invalid("tensor '" + name + "' is not declared by the problem");
+      }
+      TensorView view;
+      view.data = reinterpret_cast<void*>(data);
+      view.dtype = decl->second.dtype;
+      view.shape = decl->second.shape;
+      view.strides = contiguous_strides(view.shape);
+      view.device = problem.device();
+      views[name] = view;
+    }
+    return views;
+  }
+
   std::shared_ptr<const Plan> plan_;
 };
 
@@ -362,6 +425,10 @@ NB_MODULE(_flexattn, m) {
       .def_prop_ro("mask_mod", &PyPlan::mask_mod)
       .def("forward", &PyPlan::forward, nb::arg("q"), nb::arg("k"), nb::arg("v"), nb::arg("out"),
            nb::arg("lse").none(), nb::arg("tensors"), nb::arg("stream"))
+      .def("check_forward", &PyPlan::check_forward, nb::arg("q"), nb::arg("k"), nb::arg("v"),
+           nb::arg("out"), nb::arg("lse"), nb::arg("tensors"))
+      .def("forward_pointers", &PyPlan::forward_pointers, nb::arg("q"), nb::arg("k"),
+           nb::arg("v"), nb::arg("out"), nb::arg("lse"), nb::arg("tensors"), nb::arg("stream"))
       .def("backward", &PyPlan::backward, nb::arg("q"), nb::arg("k"), nb::arg("v"),
            nb::arg("out"), nb::arg("lse"), nb::arg("dout"), nb::arg("dq"), nb::arg("dk"),
            nb::arg("dv"), nb::arg("tensors"), nb::arg("tensor_grads"), nb::arg("stream"));

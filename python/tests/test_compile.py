@@ -111,3 +111,16 @@ def test_opcheck_fake_schema_and_autograd():
         torch.library.opcheck(ops.attention_backward_op,
                               (q.detach(), k.detach(), v.detach(), out.detach(), lse, grad_out,
                                [bias.detach()], "bias", "bias", *args[5:]))
+
+
+def test_fake_tensors_take_the_custom_op():
+    # Outside torch.compile, fake tensors (shape propagation) reach the op's fake implementation.
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode():
+        q = torch.empty(2, 4, 10, 8)
+        v = torch.empty(2, 2, 12, 6)
+        out, lse = flexattn.attention(q, torch.empty(2, 2, 12, 8), v, "30 * tanh(score / 30)",
+                                      enable_gqa=True, return_lse=True)
+        assert out.shape == (2, 4, 10, 6) and lse.shape == (2, 4, 10)
+        assert lse.dtype == torch.float32
