@@ -124,3 +124,26 @@ def test_fake_tensors_take_the_custom_op():
                                       enable_gqa=True, return_lse=True)
         assert out.shape == (2, 4, 10, 6) and lse.shape == (2, 4, 10)
         assert lse.dtype == torch.float32
+
+
+def test_tensor_computed_inside_the_compiled_code():
+    torch._dynamo.reset()
+
+    class RelativeBias(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.table = torch.nn.Parameter(torch.randn(31, generator=torch.Generator()
+                                                        .manual_seed(4)))
+
+        def forward(self, q, k, v):
+            bias = torch.tanh(self.table) * 2  # an intermediate the modifier reads
+            return flexattn.attention(q, k, v, lambda s, b, h, qi, kv: s + bias[qi - kv + 15])
+
+    model = RelativeBias()
+    q = torch.randn(1, 2, 16, 8)
+    eager = model(q, q, q)
+    (eager_grad,) = torch.autograd.grad(eager.square().sum(), model.table)
+    out = torch.compile(model, fullgraph=True)(q, q, q)
+    (grad,) = torch.autograd.grad(out.square().sum(), model.table)
+    torch.testing.assert_close(out, eager)
+    torch.testing.assert_close(grad, eager_grad)
