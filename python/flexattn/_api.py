@@ -76,6 +76,9 @@ def _captured(query, score_mod, mask_mod, tensors):
 def _parts(function):
     if not callable(function):
         return function, None, 0, []
+    if not isinstance(function, types.FunctionType):
+        raise TraceError(f"under torch.compile, a modifier must be a Python function (def or "
+                         f"lambda) or IR text, not {type(function).__name__}")
     cells = [cell.cell_contents for cell in function.__closure__] if function.__closure__ else []
     return function.__code__, function.__module__, len(cells), cells
 

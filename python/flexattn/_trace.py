@@ -43,10 +43,11 @@ class TraceError(ValueError):
 
 def _user_location() -> str:
     """'file:line: source' of the innermost frame outside flexattn and torch."""
+    torch_dir = os.path.dirname(os.path.abspath(_torch().__file__)) + os.sep
     frame = sys._getframe(1)
     while frame is not None:
         filename = os.path.abspath(frame.f_code.co_filename)
-        inside = filename.startswith(_PACKAGE_DIR) or f"{os.sep}torch{os.sep}" in filename
+        inside = filename.startswith(_PACKAGE_DIR + os.sep) or filename.startswith(torch_dir)
         if not inside:
             line = linecache.getline(frame.f_code.co_filename, frame.f_lineno).strip()
             where = f"{frame.f_code.co_filename}:{frame.f_lineno}"
@@ -187,6 +188,8 @@ class Value:
     def logical_not(self): return self.tracer.logic("not", self, name="logical_not")
 
     def __getattr__(self, name: str):
+        if name.startswith("__"):  # protocol probes (numpy's __array_ufunc__, ...)
+            raise AttributeError(name)
         _fail(f"attribute or method '.{name}' of a traced value (not in flexattn's IR)")
 
     @classmethod
@@ -222,6 +225,8 @@ class TensorSlice:
         _fail("Python control flow on a partly indexed tensor")
 
     def __getattr__(self, name: str):
+        if name.startswith("__"):
+            raise AttributeError(name)
         _fail(f"'.{name}' of a partly indexed tensor (index every dimension first)")
 
     @classmethod

@@ -1,5 +1,6 @@
 """Bad inputs and untraceable modifiers give the documented exceptions with one-line messages."""
 
+import math
 import re
 
 import pytest
@@ -52,6 +53,14 @@ def unsupported_method(s, b, h, q_idx, kv_idx):
     return s.sin()
 
 
+def python_math(s, b, h, q_idx, kv_idx):
+    return 30 * math.tanh(s / 30)
+
+
+def partial_index(s, b, h, q_idx, kv_idx):
+    return s + BIAS[h, q_idx]
+
+
 def bool_tensor(s, b, h, q_idx, kv_idx):
     return s + BIAS.bool()[h, q_idx, kv_idx]
 
@@ -65,6 +74,8 @@ UNTRACEABLE = [
     (data_dependent, None, "float(kv_idx)", "float() of a traced value"),
     (unsupported_method, None, "s.sin()", "'.sin'"),
     (bool_tensor, None, "BIAS.bool()", "dtype torch.bool"),
+    (python_math, None, "math.tanh", "float() of a traced value"),
+    (partial_index, None, "BIAS[h, q_idx]", "indexed in 2 of its 3 dimensions"),
 ]
 
 
