@@ -180,6 +180,12 @@ class Value:
     clip = clamp
     def clamp_min(self, min): return self.tracer.clamp(self, min, None)
     def clamp_max(self, max): return self.tracer.clamp(self, None, max)
+    def div(self, other, rounding_mode=None):
+        if rounding_mode is None:
+            return self.tracer.true_divide(self, other)
+        if rounding_mode == "floor":
+            return self.tracer.floor_divide(self, other)
+        _fail(f"division with rounding_mode={rounding_mode!r}")
     def minimum(self, other): return self.tracer.op("min", self, other, name="minimum")
     def maximum(self, other): return self.tracer.op("max", self, other, name="maximum")
     def where(self, condition, other): return self.tracer.where(condition, self, other)
@@ -513,7 +519,6 @@ class _Tracer:
         return self.load(tensor, indices)
 
     def torch_function(self, func, args, kwargs):
-        torch = _torch()
         handler = _handlers().get(func)
         if handler is None:
             name = getattr(func, "__name__", None) or repr(func)
@@ -526,7 +531,6 @@ class _Tracer:
                     module = "torch"
                 spelled = f"{module}.{name}"
             _fail(f"{spelled} (not in flexattn's IR)")
-        del torch
         return handler(self, *args, **kwargs)
 
 
@@ -537,27 +541,53 @@ def _handlers() -> dict:
     torch = _torch()
     T = torch.Tensor
 
+    # Handlers take exactly the arguments they trace: an extra one (torch.add's alpha, an out=)
+    # would change the meaning, so it is refused rather than ignored.
+    def exact(function, spelling):
+        def handler(tracer, *args, **kwargs):
+            try:
+                return function(tracer, *args, **kwargs)
+            except TypeError:
+                _fail(f"{spelling} with these arguments (flexattn traces {spelling}"
+                      f"{function.__doc__ or ''})")
+        return handler
+
     def unary(op):
-        return lambda tracer, x, *rest, **kw: tracer.op(op, x, name=op)
+        def function(tracer, x):
+            """(x)"""
+            return tracer.op(op, x, name=op)
+        return exact(function, op)
 
     def binary(op, spelling):
-        return lambda tracer, a, b, **kw: tracer.op(op, a, b, name=spelling)
+        def function(tracer, a, b):
+            """(a, b)"""
+            return tracer.op(op, a, b, name=spelling)
+        return exact(function, spelling)
 
     def logic(op, spelling):
-        return lambda tracer, *args, **kw: tracer.logic(op, *args, name=spelling)
+        def function(tracer, *args):
+            return tracer.logic(op, *args, name=spelling)
+        return exact(function, spelling)
 
-    def divide(tracer, a, b, rounding_mode=None, **kw):
+    def divide(tracer, a, b, *, rounding_mode=None):
         if rounding_mode is None:
             return tracer.true_divide(a, b)
         if rounding_mode == "floor":
             return tracer.floor_divide(a, b)
         _fail(f"division with rounding_mode={rounding_mode!r}")
 
-    def clamp(tracer, x, min=None, max=None, **kw):
+    def clamp(tracer, x, min=None, max=None):
         return tracer.clamp(x, min, max)
 
-    def full_like(tracer, x, value, **kw):
-        return tracer.lift(value)
+    def full_like(tracer, x, value, *, dtype=None):
+        literal = tracer.lift(value)
+        return literal if dtype is None else tracer.to(literal, dtype)
+
+    def like(value):
+        def function(tracer, x, *, dtype=None):
+            literal = tracer.to_type(tracer.lift(value), tracer.lift(x).type)
+            return literal if dtype is None else tracer.to(literal, dtype)
+        return function
 
     def minmax(op):
         def handler(tracer, a, b=None, *rest, **kw):
@@ -587,19 +617,18 @@ def _handlers() -> dict:
         torch.abs: unary("abs"), T.abs: unary("abs"), T.__abs__: unary("abs"),
         torch.floor: unary("floor"), T.floor: unary("floor"),
         torch.neg: unary("neg"), T.neg: unary("neg"), T.__neg__: unary("neg"),
-        torch.nn.functional.sigmoid if hasattr(torch.nn.functional, "sigmoid") else torch.sigmoid:
-            unary("sigmoid"),
-        torch.nn.functional.tanh if hasattr(torch.nn.functional, "tanh") else torch.tanh:
-            unary("tanh"),
-        torch.add: binary("add", "+"), torch.sub: binary("sub", "-"),
-        torch.mul: binary("mul", "*"),
-        torch.div: divide, torch.true_divide: lambda t, a, b, **k: t.true_divide(a, b),
-        torch.floor_divide: lambda t, a, b, **k: t.floor_divide(a, b),
+        torch.nn.functional.sigmoid: unary("sigmoid"), torch.nn.functional.tanh: unary("tanh"),
+        torch.add: binary("add", "torch.add"), torch.sub: binary("sub", "torch.sub"),
+        torch.mul: binary("mul", "torch.mul"),
+        torch.div: exact(divide, "torch.div"), T.div: exact(divide, "Tensor.div"),
+        torch.true_divide: exact(lambda t, a, b: t.true_divide(a, b), "torch.true_divide"),
+        torch.floor_divide: exact(lambda t, a, b: t.floor_divide(a, b), "torch.floor_divide"),
         torch.remainder: binary("mod", "%"),
         torch.minimum: binary("min", "minimum"), torch.maximum: binary("max", "maximum"),
         torch.min: minmax("min"), torch.max: minmax("max"),
-        torch.where: lambda t, c, a, b, **k: t.where(c, a, b),
-        torch.clamp: clamp, torch.clip: clamp, T.clamp: clamp,
+        torch.where: exact(lambda t, c, a, b: t.where(c, a, b), "torch.where"),
+        torch.clamp: exact(clamp, "clamp"), torch.clip: exact(clamp, "clip"),
+        T.clamp: exact(clamp, "clamp"),
         torch.eq: binary("eq", "=="), torch.ne: binary("ne", "!="),
         torch.lt: binary("lt", "<"), torch.le: binary("le", "<="),
         torch.gt: binary("gt", ">"), torch.ge: binary("ge", ">="),
@@ -607,13 +636,13 @@ def _handlers() -> dict:
         torch.logical_or: logic("or", "logical_or"),
         torch.logical_not: logic("not", "logical_not"),
         torch.logical_xor: logic("ne", "logical_xor"),
-        torch.zeros_like: lambda t, x, **k: t.to_type(t.lift(0), t.lift(x).type),
-        torch.ones_like: lambda t, x, **k: t.to_type(t.lift(1), t.lift(x).type),
-        torch.full_like: full_like,
+        torch.zeros_like: exact(like(0), "torch.zeros_like"),
+        torch.ones_like: exact(like(1), "torch.ones_like"),
+        torch.full_like: exact(full_like, "torch.full_like"),
         T.__getitem__: getitem,
-        T.__add__: tensor_method("add"), T.__radd__: lambda t, a, b, **k: t.op("add", b, a, name="+"),
-        T.__sub__: tensor_method("sub"), T.__rsub__: lambda t, a, b, **k: t.op("sub", b, a, name="-"),
-        T.__mul__: tensor_method("mul"), T.__rmul__: lambda t, a, b, **k: t.op("mul", b, a, name="*"),
+        T.__add__: tensor_method("add"), T.__radd__: lambda t, a, b: t.op("add", b, a, name="+"),
+        T.__sub__: tensor_method("sub"), T.__rsub__: lambda t, a, b: t.op("sub", b, a, name="-"),
+        T.__mul__: tensor_method("mul"), T.__rmul__: lambda t, a, b: t.op("mul", b, a, name="*"),
         T.__truediv__: lambda t, a, b, **k: t.true_divide(a, b),
         T.__rtruediv__: lambda t, a, b, **k: t.true_divide(b, a),
         T.__lt__: binary("lt", "<"), T.__le__: binary("le", "<="),
