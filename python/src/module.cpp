@@ -61,6 +61,7 @@ void translate_error(const std::exception_ptr& pointer, void*) {
 
 // The operations a traced Python function may produce, by the names the Python tracer uses.
 const std::map<std::string, Op, std::less<>>& operations() {
+  // clang-format off
   static const std::map<std::string, Op, std::less<>> kOperations = {
       {"add", Op::kAdd},         {"sub", Op::kSub},         {"mul", Op::kMul},
       {"div", Op::kDiv},         {"mod", Op::kMod},         {"neg", Op::kNeg},
@@ -74,6 +75,7 @@ const std::map<std::string, Op, std::less<>>& operations() {
       {"sigmoid", Op::kSigmoid}, {"floor", Op::kFloor},     {"float", Op::kToFloat},
       {"int", Op::kToInt},
   };
+  // clang-format on
   return kOperations;
 }
 
@@ -149,8 +151,8 @@ ProblemDesc problem_desc(const nb::dict& dict) {
   } else {
     throw_invalid("unknown device '" + device + "' (cpu or cuda)");
   }
-  desc.direction = get<bool>(dict, "backward", false) ? Direction::kForwardBackward
-                                                      : Direction::kForward;
+  desc.direction =
+      get<bool>(dict, "backward", false) ? Direction::kForwardBackward : Direction::kForward;
   using Strides = std::optional<std::vector<std::int64_t>>;
   desc.q_strides = get<Strides>(dict, "q_strides", std::nullopt);
   desc.k_strides = get<Strides>(dict, "k_strides", std::nullopt);
@@ -272,8 +274,7 @@ class PyPlan {
   }
 
  private:
-  static TensorView expected(const Problem& problem, std::string_view which,
-                             std::uintptr_t data) {
+  static TensorView expected(const Problem& problem, std::string_view which, std::uintptr_t data) {
     TensorView view = problem.expected(which);
     view.data = reinterpret_cast<void*>(data);
     return view;
@@ -380,17 +381,16 @@ NB_MODULE(_flexattn, m) {
   // Plans cached by the Python layer live until interpreter exit, past nanobind's leak check.
   nb::set_leak_warnings(false);
 
-  static nb::object error = nb::steal(PyErr_NewExceptionWithDoc(
-      "flexattn._flexattn.Error", "An error flexattn reports (the C++ message).",
-      PyExc_RuntimeError, nullptr));
-  error_type = error.ptr();
-  m.attr("Error") = error;
-  static nb::object no_engine = nb::steal(
-      PyErr_NewExceptionWithDoc("flexattn._flexattn.NoEngineError",
-                                "No engine (or not the requested one) can run the problem.",
-                                error_type, nullptr));
-  no_engine_error_type = no_engine.ptr();
-  m.attr("NoEngineError") = no_engine;
+  // The exception types live as long as the process (module state is never torn down).
+  error_type =
+      PyErr_NewExceptionWithDoc("flexattn.Error", "An error flexattn reports (the C++ message).",
+                                PyExc_RuntimeError, nullptr);
+  no_engine_error_type = PyErr_NewExceptionWithDoc(
+      "flexattn.NoEngineError", "No engine (or not the requested one) can run the problem.",
+      error_type, nullptr);
+  if (error_type == nullptr || no_engine_error_type == nullptr) throw nb::python_error();
+  m.attr("Error") = nb::borrow(error_type);
+  m.attr("NoEngineError") = nb::borrow(no_engine_error_type);
   nb::register_exception_translator(translate_error);
 
   nb::class_<ir::Expr>(m, "Expr")
@@ -427,11 +427,11 @@ NB_MODULE(_flexattn, m) {
            nb::arg("lse").none(), nb::arg("tensors"), nb::arg("stream"))
       .def("check_forward", &PyPlan::check_forward, nb::arg("q"), nb::arg("k"), nb::arg("v"),
            nb::arg("out"), nb::arg("lse"), nb::arg("tensors"))
-      .def("forward_pointers", &PyPlan::forward_pointers, nb::arg("q"), nb::arg("k"),
-           nb::arg("v"), nb::arg("out"), nb::arg("lse"), nb::arg("tensors"), nb::arg("stream"))
-      .def("backward", &PyPlan::backward, nb::arg("q"), nb::arg("k"), nb::arg("v"),
-           nb::arg("out"), nb::arg("lse"), nb::arg("dout"), nb::arg("dq"), nb::arg("dk"),
-           nb::arg("dv"), nb::arg("tensors"), nb::arg("tensor_grads"), nb::arg("stream"));
+      .def("forward_pointers", &PyPlan::forward_pointers, nb::arg("q"), nb::arg("k"), nb::arg("v"),
+           nb::arg("out"), nb::arg("lse"), nb::arg("tensors"), nb::arg("stream"))
+      .def("backward", &PyPlan::backward, nb::arg("q"), nb::arg("k"), nb::arg("v"), nb::arg("out"),
+           nb::arg("lse"), nb::arg("dout"), nb::arg("dq"), nb::arg("dk"), nb::arg("dv"),
+           nb::arg("tensors"), nb::arg("tensor_grads"), nb::arg("stream"));
   m.def("select", &select_plan, nb::arg("problem"), nb::arg("engine"));
   m.def("explain", &explain, nb::arg("problem"), nb::arg("engine"));
   m.def("engines", &engines);
