@@ -34,24 +34,29 @@ def trace(score_mod=None, mask_mod=None, tensors=None) -> dict:
 
 
 def attention(query, key, value, score_mod=None, mask_mod=None, *, scale=None,
-              enable_gqa=False, return_lse=False, engine="auto", layout="bhsd", tensors=None):
+              enable_gqa=False, return_lse=False, engine="auto", layout="bhsd", tensors=None,
+              cu_seqlens_q=None, cu_seqlens_kv=None):
     """Scaled-dot-product attention with a score modifier and a mask (torch tensors).
 
     Shaped like torch.nn.attention.flex_attention.flex_attention: query (B, Hq, Sq, D), key
     (B, Hkv, Skv, D), value (B, Hkv, Skv, Dv) in the default layout "bhsd" ("bshd" and "sbhd"
-    too). score_mod(score, b, h, q_idx, kv_idx) and mask_mod(b, h, q_idx, kv_idx) are Python
+    too; "thd": packed sequences (T, H, D) with offsets cu_seqlens_q/cu_seqlens_kv).
+    score_mod(score, b, h, q_idx, kv_idx) and mask_mod(b, h, q_idx, kv_idx) are Python
     functions (traced into the IR) or IR text; `tensors` names the tensors IR text reads.
-    Returns the output (like query, with Dv) and, with return_lse, the log-sum-exp (B, Hq, Sq).
+    Returns the output (like query, with Dv) and, with return_lse, the log-sum-exp (B, Hq, Sq;
+    thd: Hq, T).
     """
     from . import _api
 
     return _api.attention(query, key, value, score_mod, mask_mod, scale=scale,
                           enable_gqa=enable_gqa, return_lse=return_lse, engine=engine,
-                          layout=layout, tensors=tensors)
+                          layout=layout, tensors=tensors, cu_seqlens_q=cu_seqlens_q,
+                          cu_seqlens_kv=cu_seqlens_kv)
 
 
 def explain(query, key, value, score_mod=None, mask_mod=None, *, scale=None, enable_gqa=False,
-            engine="auto", layout="bhsd", tensors=None, backward=None) -> "Explanation":
+            engine="auto", layout="bhsd", tensors=None, backward=None, cu_seqlens_q=None,
+            cu_seqlens_kv=None) -> "Explanation":
     """What flexattn makes of this call, like `flexattn explain`: the canonical modifiers, their
     hash and derivatives, and every engine's verdict (nothing runs). backward: None asks for
     gradients when an input requires grad."""
@@ -59,7 +64,7 @@ def explain(query, key, value, score_mod=None, mask_mod=None, *, scale=None, ena
 
     return _api.explain(query, key, value, score_mod, mask_mod, scale=scale,
                         enable_gqa=enable_gqa, engine=engine, layout=layout, tensors=tensors,
-                        backward=backward)
+                        backward=backward, cu_seqlens_q=cu_seqlens_q, cu_seqlens_kv=cu_seqlens_kv)
 
 
 class Explanation(dict):

@@ -11,20 +11,19 @@ from . import _flexattn as _ext
 from . import _torch as ops
 from ._trace import TraceError, fetch, trace
 
-_LAYOUTS = ("bhsd", "bshd", "sbhd")
+_LAYOUTS = ("bhsd", "bshd", "sbhd", "thd")
 
 
 def _check_inputs(query, key, value, layout, enable_gqa, engine, scale):
+    if layout not in _LAYOUTS:
+        raise ValueError(f"unknown layout '{layout}': one of {', '.join(_LAYOUTS)}")
+    rank = 3 if layout == "thd" else 4
     for name, t in (("query", query), ("key", key), ("value", value)):
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"{name} must be a torch.Tensor, not {type(t).__name__}")
-        if t.dim() != 4:
+        if t.dim() != rank:
             raise ValueError(f"{name} has {t.dim()} dimensions {tuple(t.shape)}; layout {layout} "
-                             "needs 4")
-    if layout not in _LAYOUTS:
-        extra = (" (thd needs cu_seqlens offsets, which the Python API does not take yet)"
-                 if layout == "thd" else "")
-        raise ValueError(f"unknown layout '{layout}': one of {', '.join(_LAYOUTS)}{extra}")
+                             f"needs {rank}")
     if not isinstance(engine, str):
         raise TypeError(f"engine must be a string ('auto' or an engine name), not "
                         f"{type(engine).__name__}")
@@ -43,7 +42,7 @@ def _check_inputs(query, key, value, layout, enable_gqa, engine, scale):
     if d["heads_q"] != d["heads_kv"] and not enable_gqa:
         raise ValueError(f"query has {d['heads_q']} heads and key/value {d['heads_kv']}; pass "
                          "enable_gqa=True for grouped-query attention")
-    if value.shape[:3] != key.shape[:3]:
+    if value.shape[:rank - 1] != key.shape[:rank - 1]:
         raise ValueError(f"key {tuple(key.shape)} and value {tuple(value.shape)} differ outside "
                          "the head dimension")
 
@@ -132,9 +131,19 @@ def _constant_trace(score_code, score_module, score_count, mask_code, mask_modul
 _constant_trace = torch._dynamo.assume_constant_result(_constant_trace)
 
 
+def _layout_argument(layout, cu_seqlens_q, cu_seqlens_kv) -> str:
+    if layout == "thd":
+        return ops.thd_layout(cu_seqlens_q, cu_seqlens_kv)
+    if cu_seqlens_q is not None or cu_seqlens_kv is not None:
+        raise ValueError(f"cu_seqlens_q/cu_seqlens_kv belong to layout thd, not {layout}")
+    return layout
+
+
 def attention(query, key, value, score_mod=None, mask_mod=None, *, scale=None, enable_gqa=False,
-              return_lse=False, engine="auto", layout="bhsd", tensors=None):
+              return_lse=False, engine="auto", layout="bhsd", tensors=None, cu_seqlens_q=None,
+              cu_seqlens_kv=None):
     _check_inputs(query, key, value, layout, enable_gqa, engine, scale)
+    layout = _layout_argument(layout, cu_seqlens_q, cu_seqlens_kv)
     score_text, mask_text, names, values = _captured(query, score_mod, mask_mod, tensors)
     out, lse = ops.attention(query, key, value, values, ",".join(names), score_text, mask_text,
                              None if scale is None else float(scale), layout, engine)
@@ -142,10 +151,12 @@ def attention(query, key, value, score_mod=None, mask_mod=None, *, scale=None, e
 
 
 def explain(query, key, value, score_mod=None, mask_mod=None, *, scale=None, enable_gqa=False,
-            engine="auto", layout="bhsd", tensors=None, backward=None):
+            engine="auto", layout="bhsd", tensors=None, backward=None, cu_seqlens_q=None,
+            cu_seqlens_kv=None):
     from . import Explanation
 
     _check_inputs(query, key, value, layout, enable_gqa, engine, scale)
+    layout = _layout_argument(layout, cu_seqlens_q, cu_seqlens_kv)
     score_text, mask_text, names, values = _captured(query, score_mod, mask_mod, tensors)
     if backward is None:
         backward = torch.is_grad_enabled() and any(
@@ -153,8 +164,10 @@ def explain(query, key, value, score_mod=None, mask_mod=None, *, scale=None, ena
     q, k, v = (ops.usable(t) for t in (query, key, value))
     shape, _ = ops.out_shape(layout, q, v)
     problem = ops.dims(layout, q, k, v)
+    name, cu_q, cu_kv = ops.parse_layout(layout)
     problem.update({
-        "layout": layout, "dtype": ops.dtype_name(q, "query"),
+        "layout": name, "cu_seqlens_q": cu_q, "cu_seqlens_kv": cu_kv,
+        "dtype": ops.dtype_name(q, "query"),
         "scale": None if scale is None else float(scale), "device": q.device.type,
         "backward": bool(backward), "score_mod": score_text, "mask_mod": mask_text,
         "q_strides": ops.view(q)[3], "k_strides": ops.view(k)[3], "v_strides": ops.view(v)[3],

@@ -33,8 +33,39 @@ def dtype_name(tensor: torch.Tensor, what: str) -> str:
     return name
 
 
+def parse_layout(layout: str) -> tuple[str, list, list]:
+    """(name, cu_seqlens_q, cu_seqlens_kv) of a layout argument: "bhsd", "bshd", "sbhd", or
+    "thd:<cu_seqlens_q>;<cu_seqlens_kv>" (comma-separated offsets; the op's constant argument)."""
+    if not layout.startswith("thd:"):
+        return layout, [], []
+    q_text, kv_text = layout[4:].split(";")
+    return "thd", [int(x) for x in q_text.split(",")], [int(x) for x in kv_text.split(",")]
+
+
+def thd_layout(cu_seqlens_q, cu_seqlens_kv) -> str:
+    def offsets(value, what):
+        if value is None:
+            raise ValueError(f"layout thd needs {what} (batch + 1 offsets starting at 0)")
+        if isinstance(value, torch.Tensor):
+            if value.dim() != 1 or value.is_floating_point():
+                raise ValueError(f"{what} must be a 1-D integer tensor or a list of ints")
+            value = value.tolist()
+        if not all(isinstance(x, int) and not isinstance(x, bool) for x in value):
+            raise ValueError(f"{what} must hold ints")
+        return ",".join(str(x) for x in value)
+
+    q_text = offsets(cu_seqlens_q, "cu_seqlens_q")
+    kv_text = q_text if cu_seqlens_kv is None else offsets(cu_seqlens_kv, "cu_seqlens_kv")
+    return f"thd:{q_text};{kv_text}"
+
+
 def dims(layout: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> dict:
     """batch, heads, sequence lengths and head dims of q, k, v in `layout`."""
+    name, cu_q, _ = parse_layout(layout)
+    if name == "thd":  # sequence lengths come from the offsets (0: derived)
+        return {"batch": max(len(cu_q) - 1, 1), "heads_q": q.shape[1], "heads_kv": k.shape[1],
+                "seq_len_q": 0, "seq_len_kv": 0, "head_dim_qk": q.shape[2],
+                "head_dim_v": v.shape[2]}
     if layout == "bhsd":
         (b, hq, sq, d), (_, hkv, skv, _), dv = q.shape, k.shape, v.shape[3]
     elif layout == "bshd":
@@ -46,6 +77,8 @@ def dims(layout: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> dict
 
 
 def out_shape(layout: str, q: torch.Tensor, v: torch.Tensor) -> tuple[list, list]:
+    if layout.startswith("thd:"):
+        return [q.shape[0], q.shape[1], v.shape[2]], [q.shape[1], q.shape[0]]
     d = dims(layout, q, v, v)
     b, h, s, dv = d["batch"], d["heads_q"], d["seq_len_q"], v.shape[3]
     shape = {"bhsd": [b, h, s, dv], "bshd": [b, s, h, dv], "sbhd": [s, b, h, dv]}[layout]
@@ -108,8 +141,9 @@ def select(q, k, v, out, tensors, names, score_mod, mask_mod, scale, layout, eng
     if plan is not None:
         return plan
     problem = dims(layout, q, k, v)
+    name, cu_q, cu_kv = parse_layout(layout)
     problem.update({
-        "layout": layout, "dtype": _DTYPES[q.dtype], "scale": scale, "device": q.device.type,
+        "layout": name, "cu_seqlens_q": cu_q, "cu_seqlens_kv": cu_kv, "dtype": _DTYPES[q.dtype], "scale": scale, "device": q.device.type,
         "backward": backward, "score_mod": score_mod, "mask_mod": mask_mod,
         "q_strides": view(q)[3], "k_strides": view(k)[3], "v_strides": view(v)[3],
         "o_strides": view(out)[3],
@@ -265,6 +299,7 @@ class _Attention(torch.autograd.Function):
         return out, lse
 
     @staticmethod
+    @torch.autograd.function.once_differentiable
     def backward(ctx, grad_out, grad_lse):
         query, key, value, out, lse, *tensors = ctx.saved_tensors
         tensor_names, score_mod, mask_mod, scale, layout, engine = ctx.strings

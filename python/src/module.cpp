@@ -158,6 +158,9 @@ ProblemDesc problem_desc(const nb::dict& dict) {
   desc.k_strides = get<Strides>(dict, "k_strides", std::nullopt);
   desc.v_strides = get<Strides>(dict, "v_strides", std::nullopt);
   desc.o_strides = get<Strides>(dict, "o_strides", std::nullopt);
+  using Offsets = std::vector<std::int64_t>;
+  desc.cu_seqlens_q = get<Offsets>(dict, "cu_seqlens_q", {});
+  desc.cu_seqlens_kv = get<Offsets>(dict, "cu_seqlens_kv", {});
   using Decls = std::map<std::string, std::pair<std::string, std::vector<std::int64_t>>>;
   for (const auto& [name, decl] : get<Decls>(dict, "tensors", {})) {
     desc.tensors[name] = TensorDecl{parse_dtype(decl.first), decl.second};

@@ -133,3 +133,11 @@ def test_integer_and_frozen_tensors_get_no_gradient():
                              + slopes[h] * docs[kv])
     out.sum().backward()
     assert bias.grad is None and slopes.grad is not None and q.grad is not None
+
+
+def test_second_order_gradients_are_refused():
+    q, k, v = inputs(b=1, hq=2, sq=8, grad=True)
+    out = flexattn.attention(q, k, v)
+    (dq,) = torch.autograd.grad(out.sum(), q, create_graph=True)
+    with pytest.raises(RuntimeError):
+        dq.sum().backward()

@@ -97,14 +97,19 @@ def test_opcheck_fake_schema_and_autograd():
     from flexattn import _torch as ops
 
     g = torch.Generator().manual_seed(2)
+    thd = "thd:0,1,3;0,2,5"  # two sequences: 1 and 2 queries, 2 and 3 keys
     shapes = {"bhsd": ((1, 4, 3, 8), (1, 2, 5, 8), (1, 2, 5, 6)),
-              "bshd": ((1, 3, 4, 8), (1, 5, 2, 8), (1, 5, 2, 6))}
-    for layout, dtype in (("bhsd", torch.float64), ("bshd", torch.float32)):
+              "bshd": ((1, 3, 4, 8), (1, 5, 2, 8), (1, 5, 2, 6)),
+              thd: ((3, 4, 8), (5, 2, 8), (5, 2, 6))}
+    for layout, dtype in (("bhsd", torch.float64), ("bshd", torch.float32),
+                          (thd, torch.float64)):
         q, k, v = (torch.randn(*shape, generator=g).to(dtype).requires_grad_()
                    for shape in shapes[layout])
         bias = torch.randn(15, generator=g).to(dtype).requires_grad_()
         args = (q, k, v, [bias], "bias", "score + bias[q * 5 + kv]", "q + 2 >= kv", 0.5,
                 layout, "auto")
+        if layout == thd:
+            args = args[:5] + ("score + bias[b * 5 + kv]",) + args[6:]
         torch.library.opcheck(ops.attention_op, args)
         out, lse = ops.attention_op(*args)
         grad_out = torch.randn(out.shape, generator=g).to(dtype)

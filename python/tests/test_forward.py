@@ -4,7 +4,7 @@ import pytest
 import torch
 
 import flexattn
-from conftest import flex, inputs
+from conftest import flex, inputs, reference
 
 S = 48
 H = 4
@@ -179,3 +179,50 @@ def test_explain_and_engines():
     explanation = flexattn.explain(q.float(), k.float(), v.float(), learned_bias)
     assert explanation["selected"] == "cpu"
     assert explanation["derivatives_wrt_tensors"][0][0] == "BIAS[h, q, kv]"
+
+
+@pytest.mark.parametrize("offsets_kv", [None, [0, 9, 30, 36]])
+def test_thd_packed_sequences(offsets_kv):
+    # Three sequences packed along the token axis; b is the sequence, q and kv count from its start.
+    offsets_q = [0, 7, 20, 33]
+    offsets = offsets_kv or offsets_q
+    g = torch.Generator().manual_seed(11)
+    q = torch.randn(offsets_q[-1], 4, 16, generator=g, dtype=torch.float64, requires_grad=True)
+    k = torch.randn(offsets[-1], 2, 16, generator=g, dtype=torch.float64, requires_grad=True)
+    v = torch.randn(offsets[-1], 2, 8, generator=g, dtype=torch.float64, requires_grad=True)
+    slopes = torch.tensor([0.5, 0.25, 0.125, 0.0625], dtype=torch.float64, requires_grad=True)
+    score_mod = lambda s, b, h, qi, kv: s + slopes[h] * (kv - qi) - b  # noqa: E731
+    out, lse = flexattn.attention(q, k, v, score_mod, causal, layout="thd", enable_gqa=True,
+                                  cu_seqlens_q=offsets_q, cu_seqlens_kv=offsets_kv,
+                                  return_lse=True)
+    assert out.shape == (33, 4, 8) and lse.shape == (4, 33)
+    grad_out = torch.randn(out.shape, generator=g, dtype=torch.float64)
+    got = torch.autograd.grad(out, (q, k, v, slopes), grad_out)
+    # The reference: each sequence alone in bhsd (b fixed to the sequence's number).
+    outs, lses = [], []
+    for number in range(3):
+        rows = slice(offsets_q[number], offsets_q[number + 1])
+        keys = slice(offsets[number], offsets[number + 1])
+        one = [t[None].transpose(1, 2) for t in (q[rows], k[keys], v[keys])]
+        shifted = lambda s, b, h, qi, kv, n=number: score_mod(s, b + n, h, qi, kv)  # noqa: E731
+        o, l = reference(*one, shifted, causal)
+        outs.append(o[0].transpose(0, 1))
+        lses.append(l[0])
+    expected, expected_lse = torch.cat(outs), torch.cat(lses, dim=1)
+    torch.testing.assert_close(out, expected, rtol=1e-10, atol=1e-10)
+    torch.testing.assert_close(lse, expected_lse, rtol=1e-10, atol=1e-10)
+    want = torch.autograd.grad(expected, (q, k, v, slopes), grad_out)
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-9)
+
+
+def test_thd_needs_offsets():
+    q = torch.randn(10, 2, 8)
+    with pytest.raises(ValueError, match="layout thd needs cu_seqlens_q"):
+        flexattn.attention(q, q, q, layout="thd")
+    with pytest.raises(ValueError, match=r"argument q: expected fp32\[9, 2, 8\]"):
+        flexattn.attention(q, q, q, layout="thd", cu_seqlens_q=[0, 4, 9])  # 9 != 10 tokens
+    with pytest.raises(ValueError, match="cu_seqlens_q must start at 0"):
+        flexattn.attention(q, q, q, layout="thd", cu_seqlens_q=[1, 4, 10])
+    with pytest.raises(ValueError, match="belong to layout thd"):
+        flexattn.attention(q[None], q[None], q[None], cu_seqlens_q=[0, 10])
