@@ -100,6 +100,11 @@ void BackwardContext::load_query_tile(std::int64_t b, std::int64_t h, std::int64
     s.row_scale[r] = statistics != nullptr ? statistics->inverse_sum[to_size(at)] : 1.0f;
     s.delta[r] = delta[to_size(at)];
   }
+  s.nan_rows = false;
+  for (std::int64_t r = 0; r < nq; ++r) {
+    s.nan_rows =
+        s.nan_rows || std::isnan(s.lse_shift[to_size(r)]) || std::isnan(s.row_scale[to_size(r)]);
+  }
   if (s.runner) s.runner->set_queries(q0, nq);
   if (s.mask_runner) s.mask_runner->set_queries(q0, nq);
   if (s.gradient_runner) s.gradient_runner->set_queries(q0, nq);
@@ -144,11 +149,7 @@ void BackwardContext::recompute(TileClass tile_class, std::int64_t k0, std::int6
   // A row whose LSE (or max or reciprocal sum) is NaN (a NaN among its kept scores) gets P = NaN
   // everywhere, where its removed positions (S' = -inf) must stay 0: their S' wait in ds_raw
   // (written only by softmax_gradient below) and are put back as 0 after the exponential.
-  bool nan_rows = false;
-  for (std::int64_t r = 0; r < lanes; ++r) {
-    nan_rows = nan_rows || std::isnan(s.lse_shift[to_size(r)]) ||
-               (statistics != nullptr && std::isnan(s.row_scale[to_size(r)]));
-  }
+  const bool nan_rows = s.nan_rows;
   if (nan_rows) std::copy_n(probs, nk * ld, s.ds_raw.data());
   // P^T = exp(S'^T - LSE), or exp(S'^T - max) / sum from the statistics pass
   kernel.exp_shifted(probs, nk, lanes, ld, s.lse_shift.data(),

@@ -29,6 +29,7 @@ struct BackwardState {
   std::vector<float> ds;                           // dS^T w.r.t. the modified score
   std::vector<float> ds_raw;                       // dS^T w.r.t. the raw score
   std::vector<float> lse_shift, row_scale, delta;  // (block_q,): P = exp(S' - shift) * scale
+  bool nan_rows = false;  // some row's shift or scale is NaN (recompute keeps its removed P at 0)
   std::vector<float> cleaned;  // gemm_skipping_zeros's copy of a tile with non-finite values
 };
 
