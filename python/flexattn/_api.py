@@ -9,12 +9,32 @@ import torch
 
 from . import _flexattn as _ext
 from . import _torch as ops
-from ._trace import TraceError, fetch, trace
+from ._trace import TraceError, cached_trace, trace
 
 _LAYOUTS = ("bhsd", "bshd", "sbhd", "thd")
 
 
+# Arguments _check_inputs has accepted, by everything it looks at (a repeated call skips it).
+_accepted: set = set()
+
+
 def _check_inputs(query, key, value, layout, enable_gqa, engine, scale):
+    try:
+        memo = (type(query), type(key), type(value), layout, enable_gqa, engine, type(scale),
+                query.dtype, key.dtype, value.dtype, query.device, key.device, value.device,
+                query.shape, key.shape, value.shape)
+        if memo in _accepted:
+            return
+    except (AttributeError, TypeError):  # not tensors, or unhashable arguments: checked below
+        memo = None
+    _check_inputs_now(query, key, value, layout, enable_gqa, engine, scale)
+    if memo is not None:
+        if len(_accepted) >= 1024:
+            _accepted.clear()
+        _accepted.add(memo)
+
+
+def _check_inputs_now(query, key, value, layout, enable_gqa, engine, scale):
     if layout not in _LAYOUTS:
         raise ValueError(f"unknown layout '{layout}': one of {', '.join(_LAYOUTS)}")
     rank = 3 if layout == "thd" else 4
@@ -55,14 +75,12 @@ def _captured(query, score_mod, mask_mod, tensors):
         if not isinstance(score_mod or "", str) or not isinstance(mask_mod or "", str):
             trace(score_mod, mask_mod)  # raises the TypeError naming the argument
         return score_mod or "", mask_mod or "", [], []
-    traced = trace(score_mod, mask_mod, tensors)
-    names = [c.name for c in traced.captured]
-    values = [c.tensor for c in traced.captured]
+    score_text, mask_text, names, values = cached_trace(score_mod, mask_mod, tensors)
     for name, t in zip(names, values):
         if t.device != query.device:
             raise ValueError(f"the tensor '{name}' the modifiers read is on {t.device}, query on "
                              f"{query.device}")
-    return traced.score_mod, traced.mask_mod, names, values
+    return score_text, mask_text, names, values
 
 
 # Under torch.compile (Dynamo), the trace runs once, at compile time, as a constant

@@ -23,6 +23,9 @@ _LAYOUTS = ("bhsd", "bshd", "sbhd")
 # Problem description -> selected plan (C++). The C++ Context caches plans as well; this cache
 # skips building and validating the Problem on repeated calls.
 _plans: dict = {}
+# The forward's own key (without the output, which it allocates) -> (plan, output shape, LSE
+# shape, LSE dtype, tensor names).
+_forward_plans: dict = {}
 
 
 def dtype_name(tensor: torch.Tensor, what: str) -> str:
@@ -178,13 +181,25 @@ def forward(query, key, value, tensors, tensor_names, score_mod, mask_mod, scale
     """Output and LSE of the selected plan; views by pointer and strides, copies only where the
     engines cannot read a tensor as it is (docs/python.md)."""
     q, k, v = usable(query), usable(key), usable(value)
-    tensors = [t.contiguous() for t in tensors]
-    names = _names(tensor_names)
-    shape, lse_shape = out_shape(layout, q, v)
-    out = torch.empty(shape, dtype=q.dtype, device=q.device)
-    lse = torch.empty(lse_shape, dtype=lse_dtype(q), device=q.device)
-    plan = select(q, k, v, out, tensors, names, score_mod, mask_mod, scale, layout, engine, False,
-                  lse)
+    if tensors:
+        tensors = [t.contiguous() for t in tensors]
+    # The output and LSE are allocated here, contiguous: their layout follows from the key.
+    key_ = (score_mod, mask_mod, scale, layout, engine, q.dtype, q.device, q.shape, q.stride(),
+            k.shape, k.stride(), v.shape, v.stride(), tensor_names,
+            tuple((t.dtype, t.shape) for t in tensors) if tensors else ())
+    entry = _forward_plans.get(key_)
+    if entry is None:
+        names = _names(tensor_names)
+        shape, lse_shape = out_shape(layout, q, v)
+        out = torch.empty(shape, dtype=q.dtype, device=q.device)
+        lse = torch.empty(lse_shape, dtype=lse_dtype(q), device=q.device)
+        plan = select(q, k, v, out, tensors, names, score_mod, mask_mod, scale, layout, engine,
+                      False, lse)
+        _forward_plans[key_] = (plan, shape, lse_shape, lse.dtype, names)
+    else:
+        plan, shape, lse_shape, dtype, names = entry
+        out = torch.empty(shape, dtype=q.dtype, device=q.device)
+        lse = torch.empty(lse_shape, dtype=dtype, device=q.device)
     plan.forward_pointers(q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(),
                           lse.data_ptr(), {n: t.data_ptr() for n, t in zip(names, tensors)},
                           _stream(q))
@@ -325,6 +340,11 @@ def attention(query, key, value, tensors, tensor_names, score_mod, mask_mod, sca
             and torch._C._get_dispatch_mode(torch._C._TorchDispatchModeKey.FAKE) is None
             and not torch._C._len_torch_dispatch_stack()
             and not torch._C._len_torch_function_stack()):
+        if not (torch.is_grad_enabled() and (
+                query.requires_grad or key.requires_grad or value.requires_grad
+                or any(t.requires_grad for t in tensors))):
+            return forward(query, key, value, tensors, tensor_names, score_mod, mask_mod, scale,
+                           layout, engine)  # nothing to differentiate: no autograd node
         return _Attention.apply(query, key, value, tensor_names, score_mod, mask_mod, scale,
                                 layout, engine, *tensors)
     return attention_op(query, key, value, tensors, tensor_names, score_mod, mask_mod, scale,

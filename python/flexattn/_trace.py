@@ -17,6 +17,7 @@ import math
 import os
 import re
 import sys
+import types
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -708,3 +709,151 @@ def trace(score_mod: Callable | str | None, mask_mod: Callable | str | None,
                                  "float32, float16, bfloat16, float64, int32 or int64 tensors")
             captured.append(Captured(name, tensor, None))
     return Trace(texts[0], texts[1], captured)
+
+
+# ---- the trace cache ------------------------------------------------------------------------
+# An eager call traces its modifiers again only when something the trace could depend on has
+# changed. The key holds each function's code, default arguments, and a signature of everything
+# its code can reach by name: closure cells and the globals it names, one attribute level into
+# objects (self.bias, config.cap), and the functions it calls, recursively. Numbers and strings
+# enter the key by value (the trace bakes them into the IR); tensors by dtype, shape and which
+# other reachable tensor they are (their values are read at run time, from the paths the trace
+# recorded, so the cached IR reads the tensors the function holds now). Anything else (lists,
+# dicts, numpy values, objects whose attributes the key does not follow) makes the call
+# uncacheable: it is traced every time.
+
+_MAX_DEPTH = 3
+_CACHE_ENTRIES = 256
+_trace_cache: dict = {}
+
+
+class _Uncacheable(Exception):
+    pass
+
+
+def _signature(value, depth: int, tensors: dict, names: tuple):
+    """A hashable stand-in for `value` as the trace sees it (see above). `tensors` numbers the
+    distinct tensors met so far (which tensors are one changes the trace); `names` are the
+    attribute names the code that reaches `value` uses."""
+    kind = type(value)
+    if kind is _ModuleType and value.__name__.split(".")[0] in _LIBRARIES:
+        return value  # torch, math: the same for every call
+    torch = _torch()
+    if value is None or kind in (bool, int, str):
+        return (kind, value)
+    if kind is float:
+        return (float, value.hex())  # tells -0.0 from 0.0, and NaN equals NaN
+    if isinstance(value, torch.Tensor):
+        ordinal = tensors.setdefault(id(value), len(tensors))
+        return ("tensor", kind, ordinal, value.dtype, tuple(value.shape))
+    if kind is tuple:
+        return tuple(_signature(v, depth, tensors, names) for v in value)
+    if depth >= _MAX_DEPTH:
+        raise _Uncacheable
+    if kind is _FunctionType:
+        if _library(value):
+            return ("callable", value)
+        return _function_signature(value, depth + 1, tensors)
+    if kind is _MethodType:
+        function = value.__func__
+        inner = (_function_signature(function, depth + 1, tensors)
+                 if type(function) is _FunctionType and not _library(function)
+                 else ("callable", function))
+        method_names = getattr(getattr(function, "__code__", None), "co_names", ())
+        return ("method", inner, _signature(value.__self__, depth + 1, tensors, method_names))
+    if kind is _ModuleType:
+        members = value.__dict__
+        return ("module", value, tuple((name, _signature(members[name], depth + 1, tensors, names))
+                                       for name in names if name in members))
+    if isinstance(value, (_BuiltinType, type, torch.dtype, torch.device)) or _library(value):
+        return ("callable", value)
+    if (kind in _CONTAINERS or hasattr(kind, "__getitem__") or hasattr(value, "__array__")
+            or (callable(value) and not isinstance(value, torch.nn.Module))):
+        raise _Uncacheable  # indexing or calling could read values the key does not follow
+    # An object the code reads attributes of (self.bias, self.cap): those attributes.
+    attributes = []
+    for name in names:
+        try:
+            inner = getattr(value, name)
+        except AttributeError:
+            continue
+        except Exception:  # noqa: BLE001 (a property that raises: the trace does not read it)
+            raise _Uncacheable from None
+        attributes.append((name, _signature(inner, depth + 1, tensors, names)))
+    return ("object", kind, tuple(attributes))
+
+
+def _library(value) -> bool:
+    """Functions and objects of torch, math and flexattn: the same for every call."""
+    module = getattr(value, "__module__", None) or ""
+    return module.split(".")[0] in _LIBRARIES
+
+
+_LIBRARIES = ("torch", "math", "flexattn", "builtins")
+
+
+_CONTAINERS = (list, dict, set, frozenset, bytearray)
+
+
+def _function_signature(function, depth: int, tensors: dict):
+    code = function.__code__
+    names = code.co_names
+    cells = ()
+    if function.__closure__:
+        try:
+            cells = tuple(_signature(cell.cell_contents, depth, tensors, names)
+                          for cell in function.__closure__)
+        except ValueError:  # an empty cell
+            raise _Uncacheable from None
+    globals_ = function.__globals__
+    reached = tuple((name, _signature(globals_[name], depth, tensors, names))
+                    for name in names if name in globals_)
+    defaults = _signature(function.__defaults__, depth, tensors, ())
+    keyword_defaults = _signature(tuple(sorted((function.__kwdefaults__ or {}).items())), depth,
+                                  tensors, ())
+    return ("function", code, cells, reached, defaults, keyword_defaults)
+
+
+_FunctionType = types.FunctionType
+_MethodType = types.MethodType
+_ModuleType = types.ModuleType
+_BuiltinType = types.BuiltinFunctionType
+
+
+def _modifier_signature(modifier, tensors: dict):
+    if modifier is None or isinstance(modifier, str):
+        return modifier
+    if type(modifier) is not _FunctionType:
+        raise _Uncacheable
+    return _function_signature(modifier, 0, tensors)
+
+
+def cached_trace(score_mod, mask_mod, tensors: dict | None = None):
+    """(score_mod text, mask_mod text, names, tensors): trace() of the modifiers, from the cache
+    when the key (above) matches a previous call; the tensors are read from the functions as
+    they are now."""
+    try:
+        numbering: dict = {}
+        key = (_modifier_signature(score_mod, numbering), _modifier_signature(mask_mod, numbering),
+               tuple((name, _signature(t, 0, numbering, ())) for name, t in tensors.items())
+               if tensors else ())
+    except _Uncacheable:
+        key = None
+    entry = _trace_cache.get(key) if key is not None else None
+    if entry is None:
+        traced = trace(score_mod, mask_mod, tensors)
+        names = [c.name for c in traced.captured]
+        values = [c.tensor for c in traced.captured]
+        given = {id(t): n for n, t in (tensors or {}).items()}
+        sources = [c.path if c.path is not None else given.get(id(c.tensor))
+                   for c in traced.captured]
+        if key is not None and all(s is not None for s in sources):
+            if len(_trace_cache) >= _CACHE_ENTRIES:
+                _trace_cache.pop(next(iter(_trace_cache)))
+            _trace_cache[key] = (traced.score_mod, traced.mask_mod, names, sources)
+        return traced.score_mod, traced.mask_mod, names, values
+    score_text, mask_text, names, sources = entry
+    functions = [score_mod if callable(score_mod) else None,
+                 mask_mod if callable(mask_mod) else None]
+    values = [tensors[s] if isinstance(s, str) else fetch(functions, s) for s in sources]
+    return score_text, mask_text, names, values
