@@ -30,12 +30,38 @@ class Support {
   std::string reason_;
 };
 
+// Device memory the caller lends a call for its scratch (GPU engines): at least
+// Plan::workspace_bytes() of the pass, starting on a kWorkspaceAlignment boundary, on the
+// engine's device, and not used by anything else until the work the call enqueues on its stream
+// has completed (stream order: the next call on the same stream may reuse it at once).
+struct Workspace {
+  void* data = nullptr;
+  std::size_t bytes = 0;
+};
+inline constexpr std::size_t kWorkspaceAlignment = 256;
+
+// Stream-ordered device memory from the caller (a framework's caching allocator, an arena),
+// asked for when a call needs scratch and no Workspace is given.
+class FLEXATTN_API DeviceAllocator {
+ public:
+  virtual ~DeviceAllocator() = default;
+  // `bytes` (> 0) of device memory, kWorkspaceAlignment-aligned, usable by the work enqueued on
+  // `stream` (a cudaStream_t) from now on; throws (any exception) when it cannot.
+  virtual void* allocate(std::size_t bytes, void* stream) = 0;
+  // Takes the memory back once the work enqueued on `stream` so far has completed.
+  virtual void release(void* data, std::size_t bytes, void* stream) noexcept = 0;
+};
+
 struct ForwardArgs {
   TensorView q, k, v;
   TensorView out;
   TensorView lse;  // optional (empty): not written
   std::map<std::string, TensorView> tensors;
   void* stream = nullptr;  // cudaStream_t for GPU engines
+  // Where the call's device scratch comes from: `workspace` when set, else `allocator` when set,
+  // else the engine's own (cuMemAllocAsync on the stream, or memory the plan keeps).
+  Workspace workspace{};
+  DeviceAllocator* allocator = nullptr;
 };
 
 struct BackwardArgs {
@@ -46,7 +72,11 @@ struct BackwardArgs {
   // fp64). Missing entries are not computed; entries are overwritten, not accumulated into.
   std::map<std::string, TensorView> tensor_grads;
   void* stream = nullptr;
+  Workspace workspace{};  // as in ForwardArgs
+  DeviceAllocator* allocator = nullptr;
 };
+
+enum class Pass { kForward, kBackward };
 
 struct PlanInfo {
   std::string engine;
@@ -76,8 +106,16 @@ class FLEXATTN_API Plan {
   const PlanInfo& info() const { return info_; }
   virtual const Problem& problem() const = 0;
 
+  // The device scratch one call of `pass` uses at most (0: none, as on the CPU engines): the
+  // size of a Workspace to lend it, or what it asks of a DeviceAllocator.
+  virtual std::size_t workspace_bytes(Pass pass) const {
+    static_cast<void>(pass);
+    return 0;
+  }
+
   // Checks the arguments against the signature (shapes, strides, dtypes, devices, required
-  // tensors), throwing Error(kInvalidArgument) naming the first mismatch, then runs.
+  // tensors, a lent workspace's size and alignment), throwing Error(kInvalidArgument) naming the
+  // first mismatch, then runs.
   void forward(const ForwardArgs& args) const;
   void backward(const BackwardArgs& args) const;
 

@@ -4,6 +4,7 @@
 
 #include <fmt/format.h>
 
+#include <cstdint>
 #include <set>
 
 #include "flexattn/error.hpp"
@@ -94,13 +95,37 @@ std::unique_ptr<Plan> Engine::plan(const Problem& problem) const {
   return std::move(lowered.plan);
 }
 
+namespace {
+
+// A lent workspace must hold what the pass uses and start on the alignment the engines assume.
+void check_workspace(const Workspace& workspace, std::size_t needed, std::string_view pass) {
+  if (workspace.data == nullptr) {
+    if (workspace.bytes != 0) {
+      throw_invalid(fmt::format("workspace: {} bytes at a null pointer", workspace.bytes));
+    }
+    return;
+  }
+  if (workspace.bytes < needed) {
+    throw_invalid(fmt::format("workspace: {} bytes lent; this plan's {} needs {}",
+                              workspace.bytes, pass, needed));
+  }
+  if (reinterpret_cast<std::uintptr_t>(workspace.data) % kWorkspaceAlignment != 0) {
+    throw_invalid(fmt::format("workspace: {} is not {}-byte aligned", workspace.data,
+                              kWorkspaceAlignment));
+  }
+}
+
+}  // namespace
+
 void Plan::forward(const ForwardArgs& args) const {
   check_forward_args(problem(), args);
+  check_workspace(args.workspace, workspace_bytes(Pass::kForward), "forward");
   run_forward(args);
 }
 
 void Plan::backward(const BackwardArgs& args) const {
   check_backward_args(problem(), args);
+  check_workspace(args.workspace, workspace_bytes(Pass::kBackward), "backward");
   run_backward(args);
 }
 

@@ -182,6 +182,60 @@ void DeviceBuffer::upload(const void* source, std::size_t bytes) const {
   driver_->check(driver_->api().copy_host_to_device(address_, source, bytes), "cuMemcpyHtoD");
 }
 
+CallScratch::CallScratch(const Driver& driver, const Workspace& workspace,
+                         DeviceAllocator* allocator, std::size_t bytes, CUstream stream,
+                         CUdeviceptr fallback)
+    : driver_(driver), allocator_(allocator), stream_(stream), bytes_(bytes) {
+  if (bytes == 0) return;
+  if (workspace.data != nullptr) {  // Plan::forward/backward checked its size and alignment
+    source_ = Source::kLent;
+    address_ = reinterpret_cast<CUdeviceptr>(workspace.data);
+  } else if (allocator != nullptr) {
+    void* data = allocator->allocate(bytes, stream);
+    if (data == nullptr) {
+      throw_invalid(fmt::format("workspace: the caller's allocator returned null for {} bytes",
+                                bytes));
+    }
+    source_ = Source::kAllocator;
+    address_ = reinterpret_cast<CUdeviceptr>(data);
+    if (address_ % kWorkspaceAlignment != 0) {
+      give_back();
+      throw_invalid(fmt::format("workspace: the caller's allocator returned {}, not {}-byte "
+                                "aligned",
+                                data, kWorkspaceAlignment));
+    }
+  } else if (fallback != 0) {
+    source_ = Source::kLent;
+    address_ = fallback;
+  } else {
+    driver_.check(driver_.api().memory_allocate_async(&address_, bytes, stream_),
+                  "cuMemAllocAsync");
+    source_ = Source::kStreamOrdered;
+  }
+}
+
+CallScratch::~CallScratch() { give_back(); }
+
+void CallScratch::release() { driver_.check(give_back(), "cuMemFreeAsync"); }
+
+CUresult CallScratch::give_back() noexcept {
+  const Source source = source_;
+  const CUdeviceptr address = address_;
+  source_ = Source::kNone;
+  address_ = 0;
+  switch (source) {
+    case Source::kAllocator:
+      allocator_->release(reinterpret_cast<void*>(address), bytes_, stream_);
+      return CUDA_SUCCESS;
+    case Source::kStreamOrdered:
+      return driver_.api().memory_free_async(address, stream_);
+    case Source::kNone:
+    case Source::kLent:
+      break;
+  }
+  return CUDA_SUCCESS;
+}
+
 void* DriverMemory::allocate(std::size_t bytes) const {
   ContextScope scope(*driver_);
   CUdeviceptr address = 0;

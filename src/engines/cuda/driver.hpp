@@ -122,6 +122,35 @@ class DeviceBuffer {
   CUdeviceptr address_ = 0;
 };
 
+// The device scratch of one call, from where its arguments say (ForwardArgs::workspace, then
+// ::allocator), else from `fallback` when non-zero (memory the plan keeps), else from
+// cuMemAllocAsync on the stream. Memory from the allocator or cuMemAllocAsync goes back
+// stream-ordered: at release(), or in the destructor when the call ends early (an exception).
+// Expects the driver's context current; `bytes` may be 0 (no memory, address 0).
+class CallScratch {
+ public:
+  CallScratch(const Driver& driver, const Workspace& workspace, DeviceAllocator* allocator,
+              std::size_t bytes, CUstream stream, CUdeviceptr fallback = 0);
+  ~CallScratch();
+  CallScratch(const CallScratch&) = delete;
+  CallScratch& operator=(const CallScratch&) = delete;
+
+  CUdeviceptr address() const { return address_; }
+  // Gives back memory this call took (after the work enqueued on the stream so far).
+  void release();
+
+ private:
+  enum class Source { kNone, kLent, kAllocator, kStreamOrdered };
+  CUresult give_back() noexcept;
+
+  const Driver& driver_;
+  DeviceAllocator* allocator_;
+  CUstream stream_;
+  std::size_t bytes_;
+  Source source_ = Source::kNone;
+  CUdeviceptr address_ = 0;
+};
+
 // DeviceMemory for clients of the engine (tests, the CLI, the conformance runner).
 class DriverMemory final : public DeviceMemory {
  public:

@@ -119,17 +119,19 @@ class CudnnPlan final : public Plan {
         problem_(problem),
         runtime_(std::move(runtime)),
         forward_(std::move(forward)),
-        backward_(std::move(backward)) {
-    std::size_t bytes = footprint(forward_);
-    if (backward_) bytes = std::max(bytes, footprint(*backward_));
-    workspace_ = cuda::DeviceBuffer(runtime_->driver(), bytes);
-  }
+        backward_(std::move(backward)) {}
 
   const Problem& problem() const override { return problem_; }
 
+  // cuDNN's workspace for the engine config, then the graph's own scratch tensors.
+  std::size_t workspace_bytes(Pass pass) const override {
+    if (pass == Pass::kForward) return footprint(forward_);
+    return backward_ ? footprint(*backward_) : 0;
+  }
+
  protected:
   void run_forward(const ForwardArgs& args) const override {
-    execute(forward_, args.stream, [&](const Binding& binding, std::byte* scratch) -> void* {
+    execute(forward_, args.stream, args.workspace, args.allocator, [&](const Binding& binding, std::byte* scratch) -> void* {
       switch (binding.kind) {
         case Binding::Kind::kQ:
           return args.q.data;
@@ -161,7 +163,7 @@ class CudnnPlan final : public Plan {
     if (!backward_) {
       throw_invalid("cudnn: this plan was built for the forward pass only");
     }
-    execute(*backward_, args.stream, [&](const Binding& binding, std::byte* scratch) -> void* {
+    execute(*backward_, args.stream, args.workspace, args.allocator, [&](const Binding& binding, std::byte* scratch) -> void* {
       switch (binding.kind) {
         case Binding::Kind::kQ:
           return args.q.data;
@@ -198,10 +200,28 @@ class CudnnPlan final : public Plan {
            compiled.graph.scratch_bytes;
   }
 
+  // The memory the plan keeps for calls that bring none (made on the first such call).
+  CUdeviceptr own_workspace() const {
+    const std::lock_guard lock(workspace_mutex_);
+    if (workspace_.address() == 0) {
+      std::size_t bytes = footprint(forward_);
+      if (backward_) bytes = std::max(bytes, footprint(*backward_));
+      workspace_ = cuda::DeviceBuffer(runtime_->driver(), bytes);
+    }
+    return workspace_.address();
+  }
+
   template <class PointerOf>
-  void execute(const CompiledGraph& compiled, void* stream, PointerOf pointer_of) const {
+  void execute(const CompiledGraph& compiled, void* stream, const Workspace& lent,
+               DeviceAllocator* allocator, PointerOf pointer_of) const {
     const Library& library = *runtime_->library();
-    auto* base = reinterpret_cast<std::byte*>(workspace_.address());
+    const std::size_t bytes = footprint(compiled);
+    const bool own = bytes > 0 && lent.data == nullptr && allocator == nullptr;
+    const CUdeviceptr fallback = own ? own_workspace() : 0;
+    cuda::ContextScope memory_scope(*runtime_->driver());
+    cuda::CallScratch memory(*runtime_->driver(), lent, allocator, bytes,
+                             static_cast<CUstream>(stream), fallback);
+    auto* base = reinterpret_cast<std::byte*>(memory.address());
     std::byte* scratch = base + align_up(static_cast<std::size_t>(compiled.plan.workspace_bytes));
     std::vector<std::int64_t> uids;
     std::vector<void*> pointers;
@@ -233,13 +253,15 @@ class CudnnPlan final : public Plan {
                   "cudnnSetStream");
     library.check(library.api().execute(handle, compiled.plan.plan.get(), pack.get()),
                   "cudnnBackendExecute");
+    memory.release();
   }
 
   Problem problem_;
   std::shared_ptr<const Runtime> runtime_;
   CompiledGraph forward_;
   std::optional<CompiledGraph> backward_;
-  cuda::DeviceBuffer workspace_;
+  mutable std::mutex workspace_mutex_;
+  mutable cuda::DeviceBuffer workspace_;
 };
 
 // The graphs of a problem up to the screened engine candidates: what supports() builds.
