@@ -24,7 +24,7 @@ _LAYOUTS = ("bhsd", "bshd", "sbhd")
 # skips building and validating the Problem on repeated calls.
 _plans: dict = {}
 # The forward's own key (without the output, which it allocates) -> (plan, output shape, LSE
-# shape, LSE dtype, tensor names).
+# shape, LSE dtype, tensor names, device scratch bytes).
 _forward_plans: dict = {}
 
 
@@ -195,15 +195,35 @@ def forward(query, key, value, tensors, tensor_names, score_mod, mask_mod, scale
         lse = torch.empty(lse_shape, dtype=lse_dtype(q), device=q.device)
         plan = select(q, k, v, out, tensors, names, score_mod, mask_mod, scale, layout, engine,
                       False, lse)
-        _forward_plans[key_] = (plan, shape, lse_shape, lse.dtype, names)
+        workspace_bytes = plan.forward_workspace_bytes
+        _forward_plans[key_] = (plan, shape, lse_shape, lse.dtype, names, workspace_bytes)
     else:
-        plan, shape, lse_shape, dtype, names = entry
+        plan, shape, lse_shape, dtype, names, workspace_bytes = entry
         out = torch.empty(shape, dtype=q.dtype, device=q.device)
         lse = torch.empty(lse_shape, dtype=dtype, device=q.device)
+    scratch = _workspace(workspace_bytes, q) if workspace_bytes else None
     plan.forward_pointers(q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(),
                           lse.data_ptr(), {n: t.data_ptr() for n, t in zip(names, tensors)},
-                          _stream(q))
+                          _stream(q), _pointer(scratch), _size(scratch))
+    del scratch  # after the call has enqueued its work
     return out, lse
+
+
+def _workspace(bytes_: int, like: torch.Tensor):
+    """A call's device scratch from PyTorch's caching allocator (None when it needs none). The
+    caller holds it until the call has enqueued its work: the allocator then orders its reuse
+    after that work on the current stream, the stream the call runs on."""
+    if bytes_ == 0 or like.device.type != "cuda":
+        return None
+    return torch.empty(bytes_, dtype=torch.uint8, device=like.device)
+
+
+def _pointer(scratch) -> int:
+    return 0 if scratch is None else scratch.data_ptr()
+
+
+def _size(scratch) -> int:
+    return 0 if scratch is None else scratch.numel()
 
 
 def backward(query, key, value, out, lse, grad_out, tensors, tensor_names, grad_names, score_mod,
@@ -221,9 +241,12 @@ def backward(query, key, value, out, lse, grad_out, tensors, tensor_names, grad_
     grads = {n: torch.empty(by_name[n].shape, dtype=lse_dtype(by_name[n]), device=q.device)
              for n in wanted}
     plan = select(q, k, v, out, tensors, names, score_mod, mask_mod, scale, layout, engine, True)
+    scratch = _workspace(plan.backward_workspace_bytes, q)
     plan.backward(view(q), view(k), view(v), view(out), view(lse), view(dout), view(dq),
                   view(dk), view(dv), {n: view(t) for n, t in zip(names, tensors)},
-                  {n: view(g) for n, g in grads.items()}, _stream(q))
+                  {n: view(g) for n, g in grads.items()}, _stream(q), _pointer(scratch),
+                  _size(scratch))
+    del scratch  # after the call has enqueued its work
     return dq, dk, dv, [grads[n].to(by_name[n].dtype) for n in wanted]
 
 

@@ -218,9 +218,11 @@ class PyPlan {
                 const ViewTuple& lse, const ViewTuple& dout, const ViewTuple& dq,
                 const ViewTuple& dk, const ViewTuple& dv,
                 const std::map<std::string, ViewTuple>& tensors,
-                const std::map<std::string, ViewTuple>& tensor_grads, std::uintptr_t stream) const {
+                const std::map<std::string, ViewTuple>& tensor_grads, std::uintptr_t stream,
+                std::uintptr_t workspace, std::size_t workspace_bytes) const {
     const Device device = plan_->problem().device();
     BackwardArgs args;
+    args.workspace = {reinterpret_cast<void*>(workspace), workspace_bytes};
     args.q = to_view(q, device);
     args.k = to_view(k, device);
     args.v = to_view(v, device);
@@ -238,6 +240,8 @@ class PyPlan {
     const nb::gil_scoped_release release;
     plan_->backward(args);
   }
+
+  std::size_t workspace_bytes(Pass pass) const { return plan_->workspace_bytes(pass); }
 
   // Checks the views of a forward call against the plan's problem (what forward runs first),
   // without running: the Python layer checks a new plan's views once before it calls
@@ -262,9 +266,11 @@ class PyPlan {
   // still checks every view before running.
   void forward_pointers(std::uintptr_t q, std::uintptr_t k, std::uintptr_t v, std::uintptr_t out,
                         std::uintptr_t lse, const std::map<std::string, std::uintptr_t>& tensors,
-                        std::uintptr_t stream) const {
+                        std::uintptr_t stream, std::uintptr_t workspace,
+                        std::size_t workspace_bytes) const {
     const Problem& problem = plan_->problem();
     ForwardArgs args;
+    args.workspace = {reinterpret_cast<void*>(workspace), workspace_bytes};
     args.q = expected(problem, "q", q);
     args.k = expected(problem, "k", k);
     args.v = expected(problem, "v", v);
@@ -430,11 +436,17 @@ NB_MODULE(_flexattn, m) {
            nb::arg("lse").none(), nb::arg("tensors"), nb::arg("stream"))
       .def("check_forward", &PyPlan::check_forward, nb::arg("q"), nb::arg("k"), nb::arg("v"),
            nb::arg("out"), nb::arg("lse"), nb::arg("tensors"))
+      .def_prop_ro("forward_workspace_bytes",
+                   [](const PyPlan& plan) { return plan.workspace_bytes(Pass::kForward); })
+      .def_prop_ro("backward_workspace_bytes",
+                   [](const PyPlan& plan) { return plan.workspace_bytes(Pass::kBackward); })
       .def("forward_pointers", &PyPlan::forward_pointers, nb::arg("q"), nb::arg("k"), nb::arg("v"),
-           nb::arg("out"), nb::arg("lse"), nb::arg("tensors"), nb::arg("stream"))
+           nb::arg("out"), nb::arg("lse"), nb::arg("tensors"), nb::arg("stream"),
+           nb::arg("workspace") = 0, nb::arg("workspace_bytes") = 0)
       .def("backward", &PyPlan::backward, nb::arg("q"), nb::arg("k"), nb::arg("v"), nb::arg("out"),
            nb::arg("lse"), nb::arg("dout"), nb::arg("dq"), nb::arg("dk"), nb::arg("dv"),
-           nb::arg("tensors"), nb::arg("tensor_grads"), nb::arg("stream"));
+           nb::arg("tensors"), nb::arg("tensor_grads"), nb::arg("stream"),
+           nb::arg("workspace") = 0, nb::arg("workspace_bytes") = 0);
   m.def("select", &select_plan, nb::arg("problem"), nb::arg("engine"));
   m.def("explain", &explain, nb::arg("problem"), nb::arg("engine"));
   m.def("engines", &engines);
