@@ -9,7 +9,7 @@
 //   bench_cuda_forward [--quick] [--pass fwd|fwdbwd|both] [--engine cuda|cudnn] [--json out.json]
 //                      [--only KEY,...]
 // --only keeps the problems whose key (e.g. d128/causal/softcap; sweep rows never match) is listed:
-// a short run of a few rows, e.g. under a profiler (scripts/gpu-kernel-times).
+// a short run of a few rows, e.g. under a profiler (scripts/gpu kernel-times).
 //
 // An engine this build lacks or this machine cannot run, and a problem the engine refuses, are
 // reported as skip lines (with the engine's reason), not errors. A problem the engine fails on is

@@ -196,7 +196,7 @@ struct Tally {
   std::map<std::string, int> skip_reasons;
 };
 
-// FLEXATTN_CUDNN_QUALIFY_RECORD=FILE (scripts/qualify-cudnn): one line per case that ran,
+// FLEXATTN_CUDNN_QUALIFY_RECORD=FILE (scripts/gpu qualify-cudnn): one line per case that ran,
 // "<case>\t<pass|fail>\t<plan description>", the description naming the cuDNN release, the
 // compute capability and the engine (tag with knobs) of each graph; the script derives the
 // verified list from it.

@@ -1,0 +1,77 @@
+#!/usr/bin/env bash
+# scripts/gpu, the GPU machine's entry point, checked where there is no GPU: it parses, `help`
+# lists every subcommand and exits 0, an unknown subcommand or a bad argument exits 2 with one
+# `error:` line on stderr (before any build), and shellcheck finds nothing when it is installed.
+#   bash tests/cli/gpu_script.sh [repository root]
+set -euo pipefail
+root="${1:-$(dirname "$0")/../..}"
+script="$root/scripts/gpu"
+subcommands=(check test quick backward bench sweep cudnn qualify-cudnn sanitize profile
+  kernel-times env help)
+scratch="$(mktemp -d)"
+trap 'rm -rf "$scratch"' EXIT
+# Nothing below gets past argument parsing; should something, its output stays in the scratch.
+export FLEXATTN_GPU_OUT="$scratch/out"
+failures=0
+
+fail() {
+  echo "FAIL: $*"
+  failures=$((failures + 1))
+}
+
+# Runs scripts/gpu with the arguments; sets code, and stdout/stderr in the scratch folder.
+run_gpu() {
+  code=0
+  timeout 30 bash "$script" "$@" > "$scratch/stdout" 2> "$scratch/stderr" || code=$?
+}
+
+# Exit 2 and exactly one line on stderr, starting `error:`.
+expect_usage_error() {  # DESCRIPTION
+  local lines
+  lines=$(wc -l < "$scratch/stderr")
+  if [[ "$code" != 2 ]]; then fail "$1: exit $code, expected 2"; fi
+  if [[ "$lines" != 1 ]] || ! grep -q '^error: ' "$scratch/stderr"; then
+    fail "$1: stderr is not one 'error:' line:"
+    cat "$scratch/stderr"
+  fi
+}
+
+bash -n "$script" || fail "bash -n scripts/gpu"
+
+run_gpu help
+[[ "$code" == 0 ]] || fail "help: exit $code, expected 0"
+for subcommand in "${subcommands[@]}"; do
+  grep -qE "^  $subcommand( |$)" "$scratch/stdout" || fail "help does not list '$subcommand'"
+done
+[[ ! -s "$scratch/stderr" ]] || fail "help wrote to stderr"
+
+run_gpu
+[[ "$code" == 0 ]] || fail "no arguments: exit $code, expected 0"
+grep -q '^usage: ' "$scratch/stdout" || fail "no arguments: no usage"
+
+run_gpu no-such-subcommand
+expect_usage_error "an unknown subcommand"
+grep -q '^usage: ' "$scratch/stdout" || fail "an unknown subcommand: no usage"
+
+# Every subcommand that takes options refuses one it does not know.
+for subcommand in check quick backward bench sweep cudnn qualify-cudnn env; do
+  run_gpu "$subcommand" --no-such-option
+  expect_usage_error "$subcommand --no-such-option"
+done
+run_gpu test
+expect_usage_error "test without a program"
+run_gpu sanitize test_cuda_forward
+expect_usage_error "sanitize without a filter"
+
+if command -v shellcheck > /dev/null; then
+  shellcheck "$script" "$0" || fail "shellcheck"
+else
+  echo "shellcheck is not installed: skipped"
+fi
+
+[[ ! -e "$FLEXATTN_GPU_OUT" ]] || fail "a refused command wrote to its output folder"
+if (( failures )); then
+  echo "$failures failed"
+  exit 1
+fi
+echo "scripts/gpu: all checks passed"
