@@ -445,8 +445,8 @@ NB_MODULE(_flexattn, m) {
            nb::arg("workspace") = 0, nb::arg("workspace_bytes") = 0)
       .def("backward", &PyPlan::backward, nb::arg("q"), nb::arg("k"), nb::arg("v"), nb::arg("out"),
            nb::arg("lse"), nb::arg("dout"), nb::arg("dq"), nb::arg("dk"), nb::arg("dv"),
-           nb::arg("tensors"), nb::arg("tensor_grads"), nb::arg("stream"),
-           nb::arg("workspace") = 0, nb::arg("workspace_bytes") = 0);
+           nb::arg("tensors"), nb::arg("tensor_grads"), nb::arg("stream"), nb::arg("workspace") = 0,
+           nb::arg("workspace_bytes") = 0);
   m.def("select", &select_plan, nb::arg("problem"), nb::arg("engine"));
   m.def("explain", &explain, nb::arg("problem"), nb::arg("engine"));
   m.def("engines", &engines);

@@ -106,12 +106,12 @@ void check_workspace(const Workspace& workspace, std::size_t needed, std::string
     return;
   }
   if (workspace.bytes < needed) {
-    throw_invalid(fmt::format("workspace: {} bytes lent; this plan's {} needs {}",
-                              workspace.bytes, pass, needed));
+    throw_invalid(fmt::format("workspace: {} bytes lent; this plan's {} needs {}", workspace.bytes,
+                              pass, needed));
   }
   if (reinterpret_cast<std::uintptr_t>(workspace.data) % kWorkspaceAlignment != 0) {
-    throw_invalid(fmt::format("workspace: {} is not {}-byte aligned", workspace.data,
-                              kWorkspaceAlignment));
+    throw_invalid(
+        fmt::format("workspace: {} is not {}-byte aligned", workspace.data, kWorkspaceAlignment));
   }
 }
 

@@ -193,16 +193,17 @@ CallScratch::CallScratch(const Driver& driver, const Workspace& workspace,
   } else if (allocator != nullptr) {
     void* data = allocator->allocate(bytes, stream);
     if (data == nullptr) {
-      throw_invalid(fmt::format("workspace: the caller's allocator returned null for {} bytes",
-                                bytes));
+      throw_invalid(
+          fmt::format("workspace: the caller's allocator returned null for {} bytes", bytes));
     }
     source_ = Source::kAllocator;
     address_ = reinterpret_cast<CUdeviceptr>(data);
     if (address_ % kWorkspaceAlignment != 0) {
       give_back();
-      throw_invalid(fmt::format("workspace: the caller's allocator returned {}, not {}-byte "
-                                "aligned",
-                                data, kWorkspaceAlignment));
+      throw_invalid(
+          fmt::format("workspace: the caller's allocator returned {}, not {}-byte "
+                      "aligned",
+                      data, kWorkspaceAlignment));
     }
   } else if (fallback != 0) {
     source_ = Source::kLent;
@@ -252,19 +253,18 @@ void DriverMemory::release(void* pointer) const noexcept {
   }
 }
 
-void DriverMemory::copy_to_device(void* destination, const void* source,
-                                  std::size_t bytes) const {
+void DriverMemory::copy_to_device(void* destination, const void* source, std::size_t bytes) const {
   ContextScope scope(*driver_);
-  driver_->check(driver_->api().copy_host_to_device(reinterpret_cast<CUdeviceptr>(destination),
-                                                    source, bytes),
-                 "cuMemcpyHtoD");
+  driver_->check(
+      driver_->api().copy_host_to_device(reinterpret_cast<CUdeviceptr>(destination), source, bytes),
+      "cuMemcpyHtoD");
 }
 
 void DriverMemory::copy_to_host(void* destination, const void* source, std::size_t bytes) const {
   ContextScope scope(*driver_);
-  driver_->check(driver_->api().copy_device_to_host(
-                     destination, reinterpret_cast<CUdeviceptr>(source), bytes),
-                 "cuMemcpyDtoH");
+  driver_->check(
+      driver_->api().copy_device_to_host(destination, reinterpret_cast<CUdeviceptr>(source), bytes),
+      "cuMemcpyDtoH");
 }
 
 void DriverMemory::synchronize() const {

@@ -131,7 +131,7 @@ class CudnnPlan final : public Plan {
 
  protected:
   void run_forward(const ForwardArgs& args) const override {
-    execute(forward_, args.stream, args.workspace, args.allocator, [&](const Binding& binding, std::byte* scratch) -> void* {
+    execute(forward_, args, [&](const Binding& binding, std::byte* scratch) -> void* {
       switch (binding.kind) {
         case Binding::Kind::kQ:
           return args.q.data;
@@ -163,7 +163,7 @@ class CudnnPlan final : public Plan {
     if (!backward_) {
       throw_invalid("cudnn: this plan was built for the forward pass only");
     }
-    execute(*backward_, args.stream, args.workspace, args.allocator, [&](const Binding& binding, std::byte* scratch) -> void* {
+    execute(*backward_, args, [&](const Binding& binding, std::byte* scratch) -> void* {
       switch (binding.kind) {
         case Binding::Kind::kQ:
           return args.q.data;
@@ -211,15 +211,16 @@ class CudnnPlan final : public Plan {
     return workspace_.address();
   }
 
-  template <class PointerOf>
-  void execute(const CompiledGraph& compiled, void* stream, const Workspace& lent,
-               DeviceAllocator* allocator, PointerOf pointer_of) const {
+  // `args`: ForwardArgs or BackwardArgs (their stream, workspace and allocator).
+  template <class Args, class PointerOf>
+  void execute(const CompiledGraph& compiled, const Args& args, PointerOf pointer_of) const {
     const Library& library = *runtime_->library();
+    void* const stream = args.stream;
     const std::size_t bytes = footprint(compiled);
-    const bool own = bytes > 0 && lent.data == nullptr && allocator == nullptr;
+    const bool own = bytes > 0 && args.workspace.data == nullptr && args.allocator == nullptr;
     const CUdeviceptr fallback = own ? own_workspace() : 0;
     cuda::ContextScope memory_scope(*runtime_->driver());
-    cuda::CallScratch memory(*runtime_->driver(), lent, allocator, bytes,
+    cuda::CallScratch memory(*runtime_->driver(), args.workspace, args.allocator, bytes,
                              static_cast<CUstream>(stream), fallback);
     auto* base = reinterpret_cast<std::byte*>(memory.address());
     std::byte* scratch = base + align_up(static_cast<std::size_t>(compiled.plan.workspace_bytes));
@@ -391,9 +392,10 @@ class CudnnEngine final : public Engine {
       try {
         prepared.modifiers = read_back(prepared.graph, kind, prepared.readback_counts);
       } catch (const std::exception& error) {
-        return Support::no(fmt::format("cudnn: the plan proof failed: the lowered {} graph could "
-                                       "not be read back: {}",
-                                       to_string(kind), error.what()));
+        return Support::no(
+            fmt::format("cudnn: the plan proof failed: the lowered {} graph could "
+                        "not be read back: {}",
+                        to_string(kind), error.what()));
       }
       cuda::ContextScope scope(*runtime_->driver());
       prepared.operation_graph = prepared.graph.builder->build(runtime_->handle());
