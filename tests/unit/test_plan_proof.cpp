@@ -11,6 +11,7 @@
 
 #include "engines/cpu/cpu.hpp"
 #include "engines/cpu/tape_proof.hpp"
+#include "support/cpu_tape_faults.hpp"
 #include "engines/cpu_ref/cpu_ref.hpp"
 #include "flexattn/modifiers.hpp"
 #include "support/test_support.hpp"

@@ -88,16 +88,10 @@ CpuPlan::CpuPlan(PlanInfo info, Problem problem, Lowering lowering, TileSizes ti
 
 namespace {
 
-// A fault the test-only engine applies to its tapes before the proof (tape_proof.hpp).
-struct PlantedFault {
-  TapeFault fault;
-  std::size_t site;
-};
-
 class CpuEngine final : public Engine {
  public:
   CpuEngine() = default;
-  explicit CpuEngine(PlantedFault fault) : fault_(fault) {}
+  explicit CpuEngine(LoweringHook hook) : hook_(std::move(hook)) {}
   std::string_view name() const override { return kEngineName; }
   Support available() const override { return Support::yes(); }
 
@@ -139,8 +133,8 @@ class CpuEngine final : public Engine {
       result.support = Support::no(fmt::format("cannot lower the modifier: {}", error.what()));
       return result;
     }
-    if (fault_ && !apply_fault(lowering, fault_->fault, fault_->site)) {
-      result.support = Support::no("test fault: no site");
+    if (hook_ && !hook_(lowering)) {
+      result.support = Support::no("refused by the lowering hook");
       return result;
     }
     result.support = Support::yes();
@@ -168,13 +162,13 @@ class CpuEngine final : public Engine {
   }
 
  private:
-  std::optional<PlantedFault> fault_;
+  LoweringHook hook_;
 };
 
 }  // namespace
 
-std::shared_ptr<const Engine> make_faulty_cpu_engine(TapeFault fault, std::size_t site) {
-  return std::make_shared<CpuEngine>(PlantedFault{fault, site});
+std::shared_ptr<const Engine> make_cpu_engine(LoweringHook hook) {
+  return std::make_shared<CpuEngine>(std::move(hook));
 }
 
 }  // namespace flexattn::cpu

@@ -72,7 +72,7 @@ class Tape {
 
  private:
   friend class TapeBuilder;
-  friend class TapeMutator;  // the test-only faults of tape_proof.cpp
+  friend class TapeMutator;  // planted faults (tests/support/cpu_tape_faults.cpp)
   std::vector<Instruction> instructions_;
   std::vector<TapeLoad> loads_;
   std::vector<Slot> outputs_;

@@ -1,10 +1,10 @@
 // The cpu engine's plan proof (docs/design.md section 4): the tapes the runner executes, lifted
-// back into the IR instruction by instruction, and the test-only faults that check the proof
-// refuses a tape that differs from the request.
+// back into the IR instruction by instruction.
 #pragma once
 
 #include <cstddef>
 #include <cstdint>
+#include <functional>
 #include <memory>
 
 #include "engines/cpu/plan.hpp"
@@ -27,22 +27,10 @@ struct LoweringProof {
 // be lifted proves nothing: both hashes are then 0.
 LoweringProof prove_lowering(const Lowering& lowering, const Problem& problem);
 
-// ---- test-only faults (never reachable through make_cpu_engine) --------------------------------
-
-enum class TapeFault {
-  kDropOperation,   // an instruction's result replaced by its first operand
-  kChangeConstant,  // a constant's value changed
-  kSwapOperands,    // the operands of a non-commutative operation swapped (where: its branches)
-  kDropMask,        // the mask tape replaced by `true`
-  kDropDerivative,  // d score_mod / d score, or a load's derivative, replaced by 1
-};
-
-// Applies `fault` at its site number `site` among the tapes the plan executes (score, mask,
-// backward, gradient, in that order). Returns false when the lowering has no such site.
-bool apply_fault(Lowering& lowering, TapeFault fault, std::size_t site);
-
-// A cpu engine whose lowering applies `fault` at `site` between building the tapes and the proof
-// (a plan whose lowering has no such site is refused with "no site").
-std::shared_ptr<const Engine> make_faulty_cpu_engine(TapeFault fault, std::size_t site);
+// Changes a lowering after its tapes are built and before they are proven; returning false
+// refuses the problem. The seam through which tests plant faults the proof must catch
+// (tests/support/cpu_tape_faults.hpp); make_cpu_engine() has none.
+using LoweringHook = std::function<bool(Lowering&)>;
+std::shared_ptr<const Engine> make_cpu_engine(LoweringHook hook);
 
 }  // namespace flexattn::cpu
