@@ -3,6 +3,7 @@
 
 #include <cstdint>
 #include <map>
+#include <memory>
 #include <string>
 #include <vector>
 
@@ -33,13 +34,28 @@ class LayoutIndex {
 // and writes host views of any dtype; LSE and tensor gradients are fp32.
 void plain_forward(const Problem& problem, const ForwardArgs& args);
 void plain_backward(const Problem& problem, const BackwardArgs& args);
+// The same loops as plain_backward with every sum taken over absolute values, dS as
+// P (|dO| |V| + |dO| |O|) summed over the head dimension, and nothing rounded: the size of the
+// terms whose cancellation each gradient element is, written to the gradient views of `args`
+// (float64 host views). A gradient that cancels to 0 in exact arithmetic keeps the rounding of
+// those sums in any float32 implementation; this is its scale.
+void plain_backward_magnitudes(const Problem& problem, const BackwardArgs& args);
 
-// The tolerance of one output: element i passes when |got_i - ref_i| <= atol + rtol * |ref_i|.
+// The tolerance of one output: element i passes when
+// |got_i - ref_i| <= atol + rtol * |ref_i| + floor_i.
 struct Tolerance {
   double atol = 0.0;
   double rtol = 0.0;
-  double allowed(double reference) const;  // 0 where the reference is infinite or NaN
+  // Per element (empty: none): the rounding of the float32 sums that cancel in the element (the
+  // gradients through dS = P (dP - D); cancellation_floor below).
+  std::shared_ptr<const std::vector<double>> floor = nullptr;
+  // 0 where the reference is infinite or NaN.
+  double allowed(std::int64_t element, double reference) const;
 };
+
+// The floor of each element of a gradient through dS (dq, dk, a tensor's): twice one float32
+// rounding of the sums whose difference it is, from `magnitudes` (plain_backward_magnitudes).
+std::shared_ptr<const std::vector<double>> cancellation_floor(const TensorView& magnitudes);
 
 // |value - reference|, with agreement: both NaN, or equal (also equal infinities), give 0; NaN on
 // one side only gives +inf.

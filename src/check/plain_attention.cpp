@@ -11,8 +11,7 @@
 namespace flexattn::conformance::detail {
 
 std::int64_t LayoutIndex::offset(const TensorView& view, bool query_side, std::int64_t b,
-                                 std::int64_t head, std::int64_t position,
-                                 std::int64_t d) const {
+                                 std::int64_t head, std::int64_t position, std::int64_t d) const {
   const std::vector<std::int64_t>& st = view.strides;
   switch (problem_.layout()) {
     case Layout::kBSHD:
@@ -60,9 +59,9 @@ float round_to(DType dtype, float value) {
 
 // Everything one query row needs: its modified scores, kept flags and probabilities.
 struct Row {
-  std::vector<float> score;    // modified score s' (fp32); -inf where not kept
-  std::vector<float> raw;      // scale * dot (fp32), before the modifier
-  std::vector<float> prob;     // softmax over kept keys (fp32)
+  std::vector<float> score;  // modified score s' (fp32); -inf where not kept
+  std::vector<float> raw;    // scale * dot (fp32), before the modifier
+  std::vector<float> prob;   // softmax over kept keys (fp32)
   float lse = kNegativeInfinity;
 };
 
@@ -103,8 +102,8 @@ class PlainAttention {
       const float raw = scale * dot;
       point.score = raw;
       evaluate_all(problem_.score_mod(), point, bindings_, scratch);
-      const float modified = static_cast<float>(scratch[static_cast<std::size_t>(
-          problem_.score_mod().root())]);
+      const float modified =
+          static_cast<float>(scratch[static_cast<std::size_t>(problem_.score_mod().root())]);
       row.raw[static_cast<std::size_t>(kv)] = raw;
       row.score[static_cast<std::size_t>(kv)] = modified;
       if (modified > row_max) row_max = modified;
@@ -156,7 +155,8 @@ class PlainAttention {
     }
   }
 
-  void backward(const BackwardArgs& args) const;
+  // magnitudes: plain_backward_magnitudes instead of the gradients.
+  void backward(const BackwardArgs& args, bool magnitudes) const;
 
  private:
   const Problem& problem_;
@@ -166,8 +166,13 @@ class PlainAttention {
 
 // Backward, parallel over (b, kv head) so dK/dV of a group are owned by one thread; dQ rows are
 // owned by their (b, h); tensor gradients are reduced per thread then summed in a fixed order.
-void PlainAttention::backward(const BackwardArgs& args) const {
+void PlainAttention::backward(const BackwardArgs& args, bool magnitudes) const {
   const DType dtype = problem_.dtype();
+  // The magnitudes: every term by its absolute value, nothing rounded to the storage dtype.
+  const auto term = [magnitudes](float value) { return magnitudes ? std::fabs(value) : value; };
+  const auto stored = [magnitudes, dtype](float value) {
+    return magnitudes ? value : round_to(dtype, value);
+  };
   const std::int64_t dqk = problem_.head_dim_qk();
   const std::int64_t dv = problem_.head_dim_v();
   const std::int64_t group = problem_.heads_q() / problem_.heads_kv();
@@ -206,10 +211,10 @@ void PlainAttention::backward(const BackwardArgs& args) const {
           // D = rowsum(dO * O)
           float delta = 0.0f;
           for (std::int64_t d = 0; d < dv; ++d) {
-            delta += static_cast<float>(args.dout.load(index_.offset(args.dout, true, b, h,
-                                                                     position, d))) *
-                     static_cast<float>(args.out.load(index_.offset(args.out, true, b, h,
-                                                                    position, d)));
+            delta += term(static_cast<float>(
+                              args.dout.load(index_.offset(args.dout, true, b, h, position, d))) *
+                          static_cast<float>(
+                              args.out.load(index_.offset(args.out, true, b, h, position, d))));
           }
           EvalPoint point;
           point.batch = b;
@@ -224,20 +229,22 @@ void PlainAttention::backward(const BackwardArgs& args) const {
             for (std::int64_t d = 0; d < dv; ++d) {
               const float dout = static_cast<float>(
                   args.dout.load(index_.offset(args.dout, true, b, h, position, d)));
-              dp += dout * static_cast<float>(
-                               args.v.load(index_.offset(args.v, false, b, h_kv, kv, d)));
-              dvv[static_cast<std::size_t>(kv * dv + d)] += round_to(dtype, p) * dout;
+              dp += term(dout * static_cast<float>(
+                                    args.v.load(index_.offset(args.v, false, b, h_kv, kv, d))));
+              dvv[static_cast<std::size_t>(kv * dv + d)] += stored(p) * term(dout);
             }
-            const float ds_modified = p * (dp - delta);
+            const float ds_modified = p * (magnitudes ? dp + delta : dp - delta);
             point.key = kv;
             point.score = row.raw[static_cast<std::size_t>(kv)];
-            const float ds = round_to(
-                dtype, ds_modified * static_cast<float>(evaluate(d_score, point, bindings_)));
+            const float ds =
+                stored(ds_modified * term(static_cast<float>(evaluate(d_score, point, bindings_))));
             for (std::int64_t d = 0; d < dqk; ++d) {
               dq[static_cast<std::size_t>(d)] +=
-                  ds * static_cast<float>(args.k.load(index_.offset(args.k, false, b, h_kv, kv, d)));
+                  ds * term(static_cast<float>(
+                           args.k.load(index_.offset(args.k, false, b, h_kv, kv, d))));
               dk[static_cast<std::size_t>(kv * dqk + d)] +=
-                  ds * static_cast<float>(args.q.load(index_.offset(args.q, true, b, h, position, d)));
+                  ds * term(static_cast<float>(
+                           args.q.load(index_.offset(args.q, true, b, h, position, d))));
             }
             for (const LoadDerivative& load : d_tensors) {
               auto found = partial.find(load.tensor);
@@ -245,28 +252,31 @@ void PlainAttention::backward(const BackwardArgs& args) const {
               const TensorView& grad = args.tensor_grads.at(load.tensor);
               std::int64_t flat = 0;
               for (std::size_t i = 0; i < load.indices.size(); ++i) {
-                const auto at = static_cast<std::int64_t>(evaluate(load.indices[i], point, bindings_));
+                const auto at =
+                    static_cast<std::int64_t>(evaluate(load.indices[i], point, bindings_));
                 flat = flat * grad.shape[i] + at;
               }
+              const double derivative = evaluate(load.derivative, point, bindings_);
               found->second[static_cast<std::size_t>(flat)] +=
-                  static_cast<double>(ds_modified) * evaluate(load.derivative, point, bindings_);
+                  static_cast<double>(ds_modified) *
+                  (magnitudes ? std::fabs(derivative) : derivative);
             }
           }
         }
         for (std::int64_t d = 0; d < dqk; ++d) {
           args.dq.store(index_.offset(args.dq, true, b, h, position, d),
-                        round_to(dtype, scale * dq[static_cast<std::size_t>(d)]));
+                        stored(scale * dq[static_cast<std::size_t>(d)]));
         }
       }
     }
     for (std::int64_t kv = 0; kv < kv_len; ++kv) {
       for (std::int64_t d = 0; d < dqk; ++d) {
         args.dk.store(index_.offset(args.dk, false, b, h_kv, kv, d),
-                      round_to(dtype, scale * dk[static_cast<std::size_t>(kv * dqk + d)]));
+                      stored(scale * dk[static_cast<std::size_t>(kv * dqk + d)]));
       }
       for (std::int64_t d = 0; d < dv; ++d) {
         args.dv.store(index_.offset(args.dv, false, b, h_kv, kv, d),
-                      round_to(dtype, dvv[static_cast<std::size_t>(kv * dv + d)]));
+                      stored(dvv[static_cast<std::size_t>(kv * dv + d)]));
       }
     }
   }
@@ -286,7 +296,11 @@ void plain_forward(const Problem& problem, const ForwardArgs& args) {
 }
 
 void plain_backward(const Problem& problem, const BackwardArgs& args) {
-  PlainAttention(problem, args.tensors).backward(args);
+  PlainAttention(problem, args.tensors).backward(args, false);
+}
+
+void plain_backward_magnitudes(const Problem& problem, const BackwardArgs& args) {
+  PlainAttention(problem, args.tensors).backward(args, true);
 }
 
 }  // namespace flexattn::conformance::detail

@@ -249,6 +249,9 @@ Outcome run_case(const Engine& engine, const Case& test_case, std::uint64_t seed
   HostTensor plain_lse = host_output(problem.expected("lse"), stats_dtype);
   HostTensor plain_dq, plain_dk, plain_dv;
   std::map<std::string, HostTensor> plain_dtensor;
+  // The size of the terms each gradient element through dS cancels (its rounding floor).
+  HostTensor magnitude_dq, magnitude_dk, magnitude_dv;
+  std::map<std::string, HostTensor> magnitude_dtensor;
   {
     ForwardArgs args{q.view(), k.view(), v.view(), plain_out.view(), plain_lse.view(), {}, nullptr};
     for (auto& [name, tensor] : instance.tensors) args.tensors[name] = tensor.view();
@@ -267,25 +270,39 @@ Outcome run_case(const Engine& engine, const Case& test_case, std::uint64_t seed
         bargs.tensor_grads[name] = plain_dtensor.at(name).view();
       }
       detail::plain_backward(problem, bargs);
+
+      magnitude_dq = HostTensor(DType::kF64, q.shape());
+      magnitude_dk = HostTensor(DType::kF64, k.shape());
+      magnitude_dv = HostTensor(DType::kF64, v.shape());
+      bargs.dq = magnitude_dq.view(), bargs.dk = magnitude_dk.view();
+      bargs.dv = magnitude_dv.view();
+      for (const std::string& name : float_tensors) {
+        magnitude_dtensor.emplace(name, HostTensor(DType::kF64, instance.tensors.at(name).shape()));
+        bargs.tensor_grads[name] = magnitude_dtensor.at(name).view();
+      }
+      detail::plain_backward_magnitudes(problem, bargs);
     }
   }
 
   // Every output with its float64 reference and its tolerance, in the order they are reported.
   std::vector<detail::ToleratedOutput> outputs;
   const auto add_output = [&](std::string name, const HostTensor& plain,
-                              const HostTensor& reference_output, DType rounding_dtype) {
-    outputs.push_back(
-        {std::move(name), &reference_output,
-         detail::derive_tolerance(plain.view(), reference_output.view(), rounding_dtype)});
+                              const HostTensor& reference_output, DType rounding_dtype,
+                              const HostTensor* magnitudes = nullptr) {
+    detail::Tolerance tolerance =
+        detail::derive_tolerance(plain.view(), reference_output.view(), rounding_dtype);
+    if (magnitudes != nullptr) tolerance.floor = detail::cancellation_floor(magnitudes->view());
+    outputs.push_back({std::move(name), &reference_output, std::move(tolerance)});
   };
   add_output("out", plain_out, reference.out, dtype);
   add_output("lse", plain_lse, reference.lse, stats_dtype);
   if (test_case.backward) {
-    add_output("dq", plain_dq, reference.dq, dtype);
-    add_output("dk", plain_dk, reference.dk, dtype);
+    add_output("dq", plain_dq, reference.dq, dtype, &magnitude_dq);
+    add_output("dk", plain_dk, reference.dk, dtype, &magnitude_dk);
     add_output("dv", plain_dv, reference.dv, dtype);
     for (const std::string& name : float_tensors) {
-      add_output("d" + name, plain_dtensor.at(name), reference.tensor_grads.at(name), stats_dtype);
+      add_output("d" + name, plain_dtensor.at(name), reference.tensor_grads.at(name), stats_dtype,
+                 &magnitude_dtensor.at(name));
     }
   }
   const auto output_named = [&](const std::string& name) -> const detail::ToleratedOutput& {

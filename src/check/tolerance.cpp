@@ -4,6 +4,7 @@
 #include <algorithm>
 #include <cmath>
 #include <limits>
+#include <memory>
 #include <vector>
 
 #include "check/check_internal.hpp"
@@ -91,9 +92,21 @@ Tolerance tightest_line_above(std::vector<Point> points) {
 
 }  // namespace
 
-double Tolerance::allowed(double reference) const {
+double Tolerance::allowed(std::int64_t element, double reference) const {
   if (!std::isfinite(reference)) return 0.0;  // an infinite reference must be matched exactly
-  return atol + rtol * std::fabs(reference);
+  const double extra = floor ? (*floor)[static_cast<std::size_t>(element)] : 0.0;
+  return atol + rtol * std::fabs(reference) + extra;
+}
+
+std::shared_ptr<const std::vector<double>> cancellation_floor(const TensorView& magnitudes) {
+  auto floor = std::make_shared<std::vector<double>>(static_cast<std::size_t>(magnitudes.numel()));
+  for (std::int64_t i = 0; i < magnitudes.numel(); ++i) {
+    const double magnitude = magnitudes.load(i);
+    (*floor)[static_cast<std::size_t>(i)] =
+        std::isfinite(magnitude) ? kPlainErrorFactor * machine_epsilon(DType::kF32) * magnitude
+                                 : 0.0;
+  }
+  return floor;
 }
 
 double element_error(double value, double reference) {
@@ -138,7 +151,7 @@ OutputCheck compare(std::string name, const TensorView& got, const TensorView& r
   for (std::int64_t i = 0; i < count; ++i) {
     const double r = reference.load(i);
     const double error = element_error(got.load(i), r);
-    const double allowed = tolerance.allowed(r);
+    const double allowed = tolerance.allowed(i, r);
     if (!(error <= allowed)) ++outside;
     const double ratio = error == 0.0 ? 0.0 : allowed > 0.0 ? error / allowed : kInfinity;
     if (ratio > worst_ratio) {

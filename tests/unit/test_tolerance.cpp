@@ -5,9 +5,14 @@
 
 #include <cmath>
 #include <limits>
+#include <memory>
+#include <string>
 #include <vector>
 
 #include "check/check_internal.hpp"
+#include "engines/cpu_ref/cpu_ref.hpp"
+#include "flexattn/conformance.hpp"
+#include "flexattn/engine.hpp"
 #include "flexattn/tensor.hpp"
 
 namespace flexattn::conformance::detail {
@@ -105,13 +110,121 @@ TEST(Tolerance, AnExactPlainImplementationLeavesTheRoundingFloor) {
   const Tolerance tolerance = derive_tolerance(reference.view(), reference.view(), DType::kBF16);
   EXPECT_DOUBLE_EQ(tolerance.rtol, 0x1p-7);         // one bf16 rounding of the element
   EXPECT_DOUBLE_EQ(tolerance.atol, 2.0 * 0x1p-23);  // one float32 rounding of max |ref|
-  EXPECT_DOUBLE_EQ(tolerance.allowed(-kInf), 0.0);
+  EXPECT_DOUBLE_EQ(tolerance.allowed(0, -kInf), 0.0);
 }
 
 TEST(Tolerance, AGuardOverwriteFailsEvenWithoutError) {
   const HostTensor reference = tensor_of({1.0, 2.0});
   const OutputCheck check = compare("out", reference.view(), reference.view(), Tolerance{}, false);
   EXPECT_FALSE(check.passed());
+}
+
+// ---- the cancellation floor of the gradients through dS ----------------------------------------
+
+TEST(Tolerance, AFloorAddsItsOwnAllowanceToEachElement) {
+  Tolerance tolerance{1e-6, 1e-3};
+  tolerance.floor = std::make_shared<const std::vector<double>>(std::vector<double>{0.0, 5e-6});
+  EXPECT_DOUBLE_EQ(tolerance.allowed(0, 2.0), 1e-6 + 2e-3);
+  EXPECT_DOUBLE_EQ(tolerance.allowed(1, -2.0), 1e-6 + 2e-3 + 5e-6);
+  EXPECT_DOUBLE_EQ(tolerance.allowed(1, kNan), 0.0);
+}
+
+TEST(Tolerance, TheCancellationFloorIsTwoFloat32RoundingsOfTheMagnitude) {
+  const HostTensor magnitudes = tensor_of({0.0, 1.0, 40.0, kInf});
+  const auto floor = cancellation_floor(magnitudes.view());
+  ASSERT_EQ(floor->size(), 4U);
+  EXPECT_DOUBLE_EQ((*floor)[0], 0.0);
+  EXPECT_DOUBLE_EQ((*floor)[1], 2.0 * 0x1p-23);
+  EXPECT_DOUBLE_EQ((*floor)[2], 80.0 * 0x1p-23);
+  EXPECT_DOUBLE_EQ((*floor)[3], 0.0);
+}
+
+// One query keeping one key: dS = P (dP - D) is 0 in exact arithmetic (P = 1, O = V), so dq and
+// dk are 0 and their plain errors too; a float32 kernel still returns the rounding of dP and D,
+// each a sum of head_dim products: ~ eps_f32 * sum |dO V| * scale * |K| (or |Q|). The engine
+// below is cpu_ref plus `factor` times that residue.
+class ResiduePlan final : public Plan {
+ public:
+  ResiduePlan(std::unique_ptr<Plan> inner, double factor)
+      : Plan(inner->info()), inner_(std::move(inner)), factor_(factor) {}
+  const Problem& problem() const override { return inner_->problem(); }
+
+ protected:
+  void run_forward(const ForwardArgs& args) const override { inner_->forward(args); }
+  void run_backward(const BackwardArgs& args) const override {
+    inner_->backward(args);
+    const Problem& p = problem();
+    const std::int64_t dim = p.head_dim_qk();
+    const auto at = [](const TensorView& view, std::int64_t head, std::int64_t d) {
+      return head * view.strides[2] + d * view.strides[3];  // bshd, batch 1, one token
+    };
+    for (std::int64_t h = 0; h < p.heads_q(); ++h) {
+      double products = 0.0;  // sum |dO V| of the row
+      for (std::int64_t d = 0; d < p.head_dim_v(); ++d) {
+        products += std::fabs(args.dout.load(at(args.dout, h, d)) * args.v.load(at(args.v, h, d)));
+      }
+      const double residue = factor_ * 0x1p-23 * products * p.scale();
+      for (std::int64_t d = 0; d < dim; ++d) {
+        args.dq.store(at(args.dq, h, d),
+                      args.dq.load(at(args.dq, h, d)) + residue * args.k.load(at(args.k, h, d)));
+        args.dk.store(at(args.dk, h, d),
+                      args.dk.load(at(args.dk, h, d)) + residue * args.q.load(at(args.q, h, d)));
+      }
+    }
+  }
+
+ private:
+  std::unique_ptr<Plan> inner_;
+  double factor_;
+};
+
+class ResidueEngine final : public Engine {
+ public:
+  explicit ResidueEngine(double factor) : factor_(factor) {}
+  std::string_view name() const override { return "cpu_ref_with_residue"; }
+  Support available() const override { return Support::yes(); }
+
+ protected:
+  Lowered lower(const Problem& problem, Stage stage) const override {
+    Lowered result;
+    result.support = Support::yes();
+    if (stage == Stage::kBuild) {
+      result.plan = std::make_unique<ResiduePlan>(make_cpu_ref_engine()->plan(problem), factor_);
+    }
+    return result;
+  }
+
+ private:
+  double factor_;
+};
+
+Case single_key_case(DType dtype, std::int64_t head_dim) {
+  Case c;
+  c.name = "single_key";
+  c.modifier = "none";
+  c.mask = "causal";
+  c.shape = {1, 2, 2, 1, 1, head_dim, head_dim};
+  c.layout = Layout::kBSHD;
+  c.dtype = dtype;
+  c.backward = true;
+  c.prove_discriminating = false;  // one key: the mask changes nothing
+  return c;
+}
+
+TEST(Tolerance, ASingleKeysRoundingResiduePassesAndARealErrorFails) {
+  for (const DType dtype : {DType::kBF16, DType::kF16, DType::kF32}) {
+    for (const std::int64_t head_dim : {64, 128}) {
+      SCOPED_TRACE(std::string(to_string(dtype)) + " d" + std::to_string(head_dim));
+      const Case c = single_key_case(dtype, head_dim);
+      const Outcome exact = run_case(ResidueEngine(0.0), c);
+      EXPECT_EQ(exact.status, Status::kPass) << exact.reason;
+      const Outcome rounded = run_case(ResidueEngine(1.0), c);
+      EXPECT_EQ(rounded.status, Status::kPass) << rounded.reason;
+      const Outcome wrong = run_case(ResidueEngine(1e4), c);
+      EXPECT_EQ(wrong.status, Status::kFail);
+      EXPECT_NE(wrong.reason.find("dq: error"), std::string::npos) << wrong.reason;
+    }
+  }
 }
 
 }  // namespace
