@@ -6,8 +6,9 @@
 // engine instance; for cuda an NVRTC compile into an empty disk cache) and, for cuda, warm
 // (another fresh instance, whose kernel comes from the disk cache).
 //
-//   bench_cuda_forward [--quick] [--pass fwd|fwdbwd|both] [--engine cuda|cudnn] [--json out.json]
-//                      [--only KEY,...]
+//   bench_cuda_forward [--quick | --sweep | --dims] [--pass fwd|fwdbwd|both]
+//                      [--engine cuda|cudnn] [--json out.json] [--only KEY,...]
+// --sweep: the forward sequence sweep alone; --dims: head dims 256, 96, 80 and 32 alone.
 // --only keeps the problems whose key (e.g. d128/causal/softcap; sweep rows never match) is listed:
 // a short run of a few rows, e.g. under a profiler (scripts/gpu kernel-times).
 //
@@ -340,12 +341,34 @@ void write_json(const std::string& path, const std::string& engine, const std::s
   file << "]}\n";
 }
 
+// The head dims beside 64 and 128 that models use (Gemma's 256, 96 and 80, 32), timed alone with
+// --dims: no modifier and softcap 30, no mask and causal, the main shapes otherwise.
+constexpr std::int64_t kOtherHeadDims[] = {256, 96, 80, 32};
+
 // The problems of a run. main: the shapes, every modifier, forward and forward+backward
 // (--quick times forward+backward at head dim 128 only, to stay within a short run; the
 // full run adds the learned-tensor gradients). sweep (full run only): constant tokens per launch
-// (batch x seq = 32k), as the plot's peers are measured.
-std::vector<std::pair<std::string, Config>> configs(bool quick, bool forward, bool backward) {
+// (batch x seq = 32k), as the plot's peers are measured. dims (--dims only): kOtherHeadDims.
+std::vector<std::pair<std::string, Config>> configs(bool quick, bool forward, bool backward,
+                                                    bool dims) {
   std::vector<std::pair<std::string, Config>> result;
+  if (dims) {
+    for (std::int64_t head_dim : kOtherHeadDims) {
+      for (bool causal : {false, true}) {
+        for (const Variant& variant : {kNone, kSoftcap}) {
+          if (forward) {
+            result.push_back(
+                {"dims", Config{4, 16, 4096, head_dim, causal, variant, Pass::kForward}});
+          }
+          if (backward) {
+            result.push_back(
+                {"dims", Config{4, 16, 4096, head_dim, causal, variant, Pass::kForwardBackward}});
+          }
+        }
+      }
+    }
+    return result;
+  }
   for (std::int64_t head_dim : {128, 64}) {
     for (bool causal : {false, true}) {
       std::vector<Variant> variants = {kNone, kSoftcap, kAlibi, kBias};
@@ -387,6 +410,7 @@ std::vector<std::pair<std::string, Config>> configs(bool quick, bool forward, bo
 int main(int argc, char** argv) {
   bool quick = false;
   bool sweep_only = false;  // --sweep: the sequence sweep alone (for the plot)
+  bool dims = false;        // --dims: the other head dims alone
   std::string json_path, pass = "both", engine_name = "cuda";
   std::set<std::string> only;
   for (int i = 1; i < argc; ++i) {
@@ -401,6 +425,8 @@ int main(int argc, char** argv) {
       engine_name = argv[++i];
     } else if (arg == "--sweep") {
       sweep_only = true;
+    } else if (arg == "--dims") {
+      dims = true;
     } else if (arg == "--only" && i + 1 < argc) {
       std::stringstream list(argv[++i]);
       for (std::string key; std::getline(list, key, ',');) {
@@ -408,13 +434,18 @@ int main(int argc, char** argv) {
       }
     } else {
       fmt::print(stderr,
-                 "usage: bench_cuda_forward [--quick | --sweep] [--pass fwd|fwdbwd|both] "
+                 "usage: bench_cuda_forward [--quick | --sweep | --dims] [--pass fwd|fwdbwd|both] "
                  "[--engine cuda|cudnn] [--json out.json] [--only d128/causal/softcap,...]\n");
       return 2;
     }
   }
   if (pass != "fwd" && pass != "fwdbwd" && pass != "both") {
     fmt::print(stderr, "bench_cuda_forward: --pass must be fwd, fwdbwd or both\n");
+    return 2;
+  }
+  if (dims && (quick || sweep_only || !only.empty())) {
+    fmt::print(stderr, "bench_cuda_forward: --dims times the other head dims alone (no --quick, "
+                       "--sweep or --only)\n");
     return 2;
   }
   if (sweep_only && (quick || !only.empty() || pass == "fwdbwd")) {
@@ -453,7 +484,7 @@ int main(int argc, char** argv) {
                "cold s", "warm s");
     bool described_forward = false, described_backward = false;
     int errors = 0;
-    for (const auto& [group, config] : configs(quick, pass != "fwdbwd", pass != "fwd")) {
+    for (const auto& [group, config] : configs(quick, pass != "fwdbwd", pass != "fwd", dims)) {
       if (!only.empty() && (group != "main" || only.count(problem_key(config)) == 0)) continue;
       if (sweep_only && group != "sweep") continue;
       Result r;

@@ -9,8 +9,9 @@
 # before FlexAttention's in one process got FlexAttention at 5-25 TFLOP/s (an uncompiled
 # fallback) for the rest of that process. A missing torch feature is a skip line, not a crash.
 # Writes JSON to $OUT/peers_forward.json.
-#   python3 peers_forward.py [--quick | --sweep] [--pass fwd|fwdbwd|both]
-# (--sweep: the forward sequence sweep alone, as bench_cuda_forward --sweep.)
+#   python3 peers_forward.py [--quick | --sweep | --dims] [--pass fwd|fwdbwd|both]
+# (--sweep: the forward sequence sweep alone, as bench_cuda_forward --sweep; --dims: the other
+# head dims alone, as bench_cuda_forward --dims.)
 import argparse
 import json
 import os
@@ -22,6 +23,7 @@ OUT = os.environ.get("OUT", "/tmp")
 TOKENS = 32768  # batch x seq of the sweep, as bench_cuda_forward
 BACKWARD_FLOPS_RATIO = 2.5  # FlashAttention's count: fwd+bwd = 3.5x fwd
 VARIANTS = ["none", "softcap", "alibi", "bias"]
+OTHER_HEAD_DIMS = (256, 96, 80, 32)  # --dims, as bench_cuda_forward
 GRAD_VARIANTS = ["alibi_grad", "bias_grad"]  # full run, forward+backward, head dim 128
 
 
@@ -36,11 +38,14 @@ def flops(b, h, s, d, causal, pass_):
     return forward * (1.0 + BACKWARD_FLOPS_RATIO if pass_ == "fwdbwd" else 1.0)
 
 
-def configs(quick, passes, sweep_only=False):
+def configs(quick, passes, sweep_only=False, dims=False):
     """(group, B, H, S, D, causal, pass, variants) as bench_cuda_forward times them."""
     result = []
     if sweep_only:
         return [c for c in configs(False, ["fwd"]) if c[0] == "sweep"]
+    if dims:
+        return [("dims", 4, 16, 4096, d, causal, pass_, ["none", "softcap"])
+                for d in OTHER_HEAD_DIMS for causal in (False, True) for pass_ in passes]
     for d in (128, 64):
         for causal in (False, True):
             if "fwd" in passes:
@@ -88,7 +93,7 @@ class Timer:
         return sorted(times)[len(times) // 2]
 
 
-def run_part(part, quick, passes, json_path, sweep_only=False):
+def run_part(part, quick, passes, json_path, sweep_only=False, dims=False):
     rows = []
     info = {}
     try:
@@ -143,7 +148,7 @@ def run_part(part, quick, passes, json_path, sweep_only=False):
                     backends.append((getattr(SDPBackend, attribute), name))
                 else:
                     skip(f"{name} (no SDPBackend.{attribute} in torch {torch.__version__})")
-        for group, b, h, s, d, causal, pass_, variants in configs(quick, passes, sweep_only):
+        for group, b, h, s, d, causal, pass_, variants in configs(quick, passes, sweep_only, dims):
             if "none" not in variants:
                 continue
             grad = pass_ == "fwdbwd"
@@ -169,7 +174,7 @@ def run_part(part, quick, passes, json_path, sweep_only=False):
                                    ("suppress_errors", False)]:
                 if hasattr(torch._dynamo.config, setting):  # names differ between releases
                     setattr(torch._dynamo.config, setting, value)
-        for group, b, h, s, d, causal, pass_, variants in configs(quick, passes, sweep_only):
+        for group, b, h, s, d, causal, pass_, variants in configs(quick, passes, sweep_only, dims):
             if flex_attention is None:
                 break
             grad = pass_ == "fwdbwd"
@@ -209,13 +214,14 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--sweep", action="store_true", help="the forward sequence sweep alone")
+    parser.add_argument("--dims", action="store_true", help="head dims 256, 96, 80, 32 alone")
     parser.add_argument("--pass", dest="passes", choices=["fwd", "fwdbwd", "both"], default="both")
     parser.add_argument("--part", choices=["sdpa", "flex"], help=argparse.SUPPRESS)
     parser.add_argument("--json", help=argparse.SUPPRESS)
     args = parser.parse_args()
     passes = ["fwd", "fwdbwd"] if args.passes == "both" else [args.passes]
     if args.part is not None:
-        run_part(args.part, args.quick, passes, args.json, args.sweep)
+        run_part(args.part, args.quick, passes, args.json, args.sweep, args.dims)
         return
     rows, info = [], {}
     for part in ("sdpa", "flex"):
@@ -224,7 +230,7 @@ def main():
             os.remove(path)
         command = [sys.executable, os.path.abspath(__file__), "--part", part, "--json", path,
                    "--pass", args.passes] + (["--quick"] if args.quick else []) \
-            + (["--sweep"] if args.sweep else [])
+            + (["--sweep"] if args.sweep else []) + (["--dims"] if args.dims else [])
         status = subprocess.call(command)
         if status != 0:
             skip(f"{part} peers", f"the child process exited with status {status}")

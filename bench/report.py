@@ -131,6 +131,32 @@ def sweep_table(ours, peers):
     return lines
 
 
+def dims_table(ours, peers):
+    """The other head dims (group dims: bench_cuda_forward --dims) as a markdown table."""
+    dims = sorted({r["D"] for r in ours + peers if r.get("group") == "dims"}, reverse=True)
+    if not dims:
+        return []
+    columns = [("cuda", ours, True), ("cudnn", ours, True), ("sdpa_flash", peers, False),
+               ("sdpa_cudnn", peers, False), ("flex", peers, True)]
+    lines = ["| pass | D | mask | modifier | " + " | ".join(c[0] for c in columns)
+             + " | cuda / flex | cuda / sdpa_flash |", "|---" * (len(columns) + 6) + "|"]
+    for pass_, pass_label in PASSES:
+        for d in dims:
+            for causal in (False, True):
+                for variant in ("none", "softcap"):
+                    # SDPA has no modifiers: its plain attention is the bar for every row.
+                    values = [tflops(find(rows, "dims", f"{name}_{variant}" if suffix else name,
+                                          4096, d, causal, pass_))
+                              for name, rows, suffix in columns]
+                    if all(v is None for v in values):
+                        continue
+                    lines.append(f"| {pass_label} | {d} | {'causal' if causal else 'none'} | "
+                                 f"{variant} | " + " | ".join(fmt(v) for v in values)
+                                 + f" | {ratio(values[0], values[4])} | "
+                                 f"{ratio(values[0], values[2])} |")
+    return lines
+
+
 def plot(ours, peers, path):
     sweep_lengths = sorted({r["S"] for r in ours + peers if r.get("group") == "sweep"})
     if not sweep_lengths:
@@ -181,6 +207,9 @@ def main():
     ours = [row for data in ours_files for row in data.get("rows", [])]
     peers = load(args.peers).get("rows", [])
     lines = table(ours, peers)
+    dims = dims_table(ours, peers)
+    if dims:
+        lines += ["", "Other head dims (bf16, B 4, H 16, S 4096, TFLOP/s):", ""] + dims
     sweep = sweep_table(ours, peers)
     if sweep:
         lines += ["", "Sequence sweep (forward, D 128, batch x seq = 32768, TFLOP/s):", ""] + sweep
