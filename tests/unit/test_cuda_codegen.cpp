@@ -470,85 +470,6 @@ TEST(CudaBackwardChoice, WgmmaOnSm90ForHeadDims64And128) {
   }
 }
 
-// The fused dQ (use_fused_dq): wgmma at head dim 128 without tensor gradients, 16 KB more for
-// the dS^T tile, its own kernel type; refused with a reason elsewhere, the choice unchanged.
-// The tile starts on a 1024-byte boundary (its swizzle): three row stages of 512 bytes end half
-// a kilobyte past one, so 512 bytes of padding come first (without them the fused dQ's
-// gradients were wrong on the H200, 2026-12-03).
-TEST(CudaBackwardChoice, FusedDqOnTheWgmmaBackwardAtHeadDim128) {
-  cuda::BackwardChoice c =
-      cuda::choose_backward_kernel(backward_problem_with(DType::kBF16, 128, 128), 90).choice;
-  const int shared = c.dkdv_shared_bytes();
-  ASSERT_EQ(cuda::use_fused_dq(c, false), "");
-  EXPECT_TRUE(c.fused_dq);
-  EXPECT_EQ(c.dkdv_shared_bytes(), shared + 512 + 128 * 64 * 2);
-  EXPECT_EQ((c.dkdv_shared_bytes() - 1024 - 128 * 64 * 2) % 1024, 0)
-      << "the dS^T tile's offset from the aligned start";
-  EXPECT_LE(c.dkdv_shared_bytes(), 227 * 1024);
-  EXPECT_EQ(c.wgmma_config_type(),
-            fmt::format("flexattn_kernels::BackwardWgmmaConfig<flexattn_kernels::BFloat16Tag, "
-                        "128, 128, {}, {}, true>",
-                        c.dkdv_shared_bytes(), c.dq_shared_bytes()));
-  EXPECT_NE(c.describe().find("dQ accumulated by the dK/dV kernel"), std::string::npos);
-  EXPECT_EQ(cuda::use_fused_dq(c, false), "") << "applying it twice changes nothing";
-  EXPECT_EQ(c.dkdv_shared_bytes(), shared + 512 + 128 * 64 * 2);
-
-  struct Refusal {
-    cuda::BackwardChoice choice;
-    bool tensor_grads;
-    const char* reason;
-  };
-  for (const Refusal& r :
-       {Refusal{cuda::choose_backward_kernel(backward_problem_with(DType::kBF16, 128, 128), 90)
-                    .choice,
-                true, "tensor gradients"},
-        Refusal{cuda::choose_backward_kernel(backward_problem_with(DType::kBF16, 64, 64), 90)
-                    .choice,
-                false, "head dim 128"},
-        Refusal{cuda::choose_backward_kernel(backward_problem_with(DType::kBF16, 128, 128), 80)
-                    .choice,
-                false, "wgmma"}}) {
-    cuda::BackwardChoice choice = r.choice;
-    const std::string reason = cuda::use_fused_dq(choice, r.tensor_grads);
-    EXPECT_NE(reason.find(r.reason), std::string::npos) << reason;
-    EXPECT_FALSE(choice.fused_dq);
-    EXPECT_EQ(choice.dkdv_shared_bytes(), r.choice.dkdv_shared_bytes());
-  }
-}
-
-// The fused dQ's order: each (kv tile, q block) entry's turn is the number of smaller kv tiles
-// visiting that q block, so the turns of one q block are 0, 1, 2, ... in kv-tile order.
-TEST(CudaBackwardTiles, FusedDqTurnsCountEarlierVisitors) {
-  for (const char* mask : {"q >= kv", "q >= kv && q - kv < 200", ""}) {
-    SCOPED_TRACE(mask);
-    GeneratedCase c{"turns", DType::kBF16, 128, 128, "", mask, {}, {}, Layout::kBSHD, {}};
-    ProblemDesc desc = make_backward_problem(c).desc();
-    desc.seq_len_q = 700;
-    desc.seq_len_kv = 700;
-    const Problem problem(desc);
-    const cuda::TileList list = cuda::classify_tiles(problem, 64, 128);
-    const cuda::KvTileList transposed = cuda::transpose_tiles(list);
-    const std::vector<int> turns = cuda::kv_tile_turns(transposed, list.query_blocks);
-    ASSERT_EQ(turns.size(), transposed.entries.size());
-    std::map<int, std::vector<std::pair<int, int>>> by_block;  // q block -> (kv tile, turn)
-    for (std::size_t tile = 0; tile + 1 < transposed.offsets.size(); ++tile) {
-      for (int i = transposed.offsets[tile]; i < transposed.offsets[tile + 1]; ++i) {
-        by_block[transposed.entries[static_cast<std::size_t>(i)] >> 1].emplace_back(
-            static_cast<int>(tile), turns[static_cast<std::size_t>(i)]);
-      }
-    }
-    ASSERT_EQ(static_cast<std::int64_t>(by_block.size()), list.query_blocks);
-    for (const auto& [block, visits] : by_block) {
-      for (std::size_t k = 0; k < visits.size(); ++k) {
-        EXPECT_EQ(visits[k].second, static_cast<int>(k)) << "q block " << block;
-        if (k > 0) {
-          EXPECT_LT(visits[k - 1].first, visits[k].first) << "q block " << block;
-        }
-      }
-    }
-  }
-}
-
 TEST(CudaBackwardChoice, FloatUnitsOtherwiseWithTheirReason) {
   struct Expected {
     DType dtype;
@@ -1254,19 +1175,18 @@ TEST(CudaBackwardCompile, GeneratedBackwardTranslationUnitsCompile) {
     ASSERT_EQ(source.find("not supported"), std::string::npos) << source;
     expect_compiles(source, c.name + ".cu", kCapability);
   }
-  // The fused dQ (use_fused_dq) at head dim 128, softcap and causal, for sm_90a.
-  const GeneratedCase fused{"bwd_bf16_d128_softcap_fused", DType::kBF16, 128, 128,
+  // The wgmma backward at head dim 128, softcap and causal, for sm_90a.
+  const GeneratedCase wgmma{"bwd_bf16_d128_softcap_wgmma", DType::kBF16, 128, 128,
                             "30 * tanh(score / 30)", "q >= kv", {}, {}, Layout::kBSHD, {}};
-  const Problem problem = make_backward_problem(fused);
+  const Problem problem = make_backward_problem(wgmma);
   const cuda::KernelSelection selection = cuda::choose_kernel(problem, kCapability);
-  cuda::BackwardCode code =
+  const cuda::BackwardCode code =
       cuda::backward_code(problem, cuda::choose_backward_kernel(problem, kCapability).choice);
-  ASSERT_EQ(cuda::use_fused_dq(code.choice, !code.load_derivatives.empty()), "");
+  ASSERT_TRUE(code.choice.wgmma);
   const std::string source = cuda::generate_translation_unit(
       problem, cuda::bind_modifier(problem).bindings, selection.choice, &code);
   EXPECT_NE(source.find(code.choice.wgmma_config_type()), std::string::npos) << source;
-  EXPECT_NE(source.find(", true>"), std::string::npos) << "the fused kernel type";
-  expect_compiles(source, fused.name + ".cu", kCapability, "a");
+  expect_compiles(source, wgmma.name + ".cu", kCapability, "a");
 }
 #endif
 

@@ -69,17 +69,6 @@ Support lower_backward(const Problem& problem, Lowering& lowering, int capabilit
   } catch (const Error& error) {
     return Support::no(fmt::format("cannot differentiate the score modifier: {}", error.what()));
   }
-  // FLEXATTN_CUDA_FUSED_DQ=1: the dK/dV kernel accumulates dQ (use_fused_dq), where it applies;
-  // =unordered: the same without the kv-tile order (not deterministic). An experiment until
-  // measured (docs/design/wgmma-plan.md).
-  if (const char* fused = std::getenv("FLEXATTN_CUDA_FUSED_DQ"); fused != nullptr) {
-    const std::string_view mode(fused);
-    BackwardChoice& choice = lowering.backward->choice;
-    if ((mode == "1" || mode == "unordered") &&
-        use_fused_dq(choice, !lowering.backward->load_derivatives.empty()).empty()) {
-      choice.unordered_dq = mode == "unordered";
-    }
-  }
   // The finalize kernel converts one tensor gradient per launch, in a one-dimensional grid.
   for (const std::string& name : lowering.bindings.tensors) {
     std::int64_t elements = 1;
@@ -356,7 +345,6 @@ class StreamFork {
 // backward, bf16, head dim 128 (H200, 2026-12-03,
 // docs/measurements/2026-12-03-second-stream-fixed-reference.md): softcap 313.0 -> 316.5
 // TFLOP/s, no modifier 383.1 -> 392.1, causal softcap 276.4 -> 284.1, causal 356.7 -> 368.6.
-// Not with the fused dQ, whose dQ kernel reads what the dK/dV kernel writes.
 bool dq_on_side_stream() {
   const char* value = std::getenv("FLEXATTN_CUDA_BACKWARD_STREAMS");
   return value == nullptr || std::string_view(value) != "1";
@@ -407,12 +395,9 @@ struct BackwardState {
   DeviceBuffer tile_entries;
   DeviceBuffer kv_tile_offsets;
   DeviceBuffer kv_tile_entries;
-  DeviceBuffer kv_tile_turns;  // the fused dQ's order (choice.fused_dq)
   BackwardParams params{};
-  std::size_t delta_floats = 0;     // one per (b, h, query), like the LSE
-  std::size_t dq_accum_floats = 0;  // fused dQ: tokens x heads x head_dim_qk
-  std::size_t dq_counters = 0;      // fused dQ in order: batch x heads x q blocks
-  // The dQ kernel's stream when dq_on_side_stream() and no fused dQ, else null.
+  std::size_t delta_floats = 0;  // one per (b, h, query), like the LSE
+  // The dQ kernel's stream when dq_on_side_stream(), else null.
   std::unique_ptr<PlanStream> side_stream;
 };
 
@@ -508,22 +493,7 @@ class CudaPlan final : public Plan {
       p.kv_tile_offsets = device_ints(b.kv_tile_offsets);
       p.kv_tile_entries = device_ints(b.kv_tile_entries);
       b.delta_floats = static_cast<std::size_t>(lse.numel());
-      if (dq_on_side_stream() && !b.choice.fused_dq) {
-        b.side_stream = std::make_unique<PlanStream>(driver_);
-      }
-      if (b.choice.fused_dq) {
-        const TileList& kv_list = dkdv_tiles != nullptr ? *dkdv_tiles : *backward_tiles;
-        p.heads_q = static_cast<int>(problem.heads_q());
-        p.dq_blocks = static_cast<int>(kv_list.query_blocks);
-        b.dq_accum_floats = static_cast<std::size_t>(problem.total_tokens_q() * problem.heads_q() *
-                                                     problem.head_dim_qk());
-        if (!b.choice.unordered_dq) {  // the order: a turn table and counters to wait on
-          b.kv_tile_turns = upload_ints(driver_, kv_tile_turns(transposed, kv_list.query_blocks));
-          p.kv_tile_turns = device_ints(b.kv_tile_turns);
-          b.dq_counters =
-              static_cast<std::size_t>(problem.batch() * problem.heads_q() * kv_list.query_blocks);
-        }
-      }
+      if (dq_on_side_stream()) b.side_stream = std::make_unique<PlanStream>(driver_);
     }
   }
 
@@ -591,11 +561,6 @@ class CudaPlan final : public Plan {
     const std::size_t lse2_offset = bytes;
     bytes += align_scratch(b.delta_floats * sizeof(float));
     const std::size_t accumulators_begin = bytes;
-    // Fused dQ: its fp32 sums and the order counters, zeroed with the gradient accumulators.
-    const std::size_t dq_accum_offset = bytes;
-    bytes += align_scratch(b.dq_accum_floats * sizeof(float));
-    const std::size_t dq_counters_offset = bytes;
-    bytes += align_scratch(b.dq_counters * sizeof(int));
     for (std::size_t slot = 0; slot < bindings_.tensors.size(); ++slot) {
       const auto found = args.tensor_grads.find(bindings_.tensors[slot]);
       if (found == args.tensor_grads.end()) continue;
@@ -608,12 +573,6 @@ class CudaPlan final : public Plan {
     StreamScratch scratch(*driver_, bytes, stream);
     p.delta = reinterpret_cast<float*>(scratch.address());
     p.lse2 = reinterpret_cast<float*>(scratch.address() + lse2_offset);
-    if (b.choice.fused_dq) {
-      p.dq_accum = reinterpret_cast<float*>(scratch.address() + dq_accum_offset);
-      p.dq_counters = b.dq_counters == 0
-                          ? nullptr
-                          : reinterpret_cast<int*>(scratch.address() + dq_counters_offset);
-    }
     if (bytes > accumulators_begin) {
       driver_->check(driver_->api().memset_d8_async(scratch.address() + accumulators_begin, 0,
                                                     bytes - accumulators_begin, stream),

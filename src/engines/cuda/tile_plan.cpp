@@ -498,44 +498,9 @@ std::string BackwardChoice::config_type() const {
 }
 
 std::string BackwardChoice::wgmma_config_type() const {
-  return fmt::format("flexattn_kernels::BackwardWgmmaConfig<{}, {}, {}, {}, {}{}>",
+  return fmt::format("flexattn_kernels::BackwardWgmmaConfig<{}, {}, {}, {}, {}>",
                      element_tag(dtype), head_dim_qk, head_dim_v, shared_wgmma_dkdv,
-                     shared_wgmma_dq, fused_dq ? ", true" : "");
-}
-
-std::string use_fused_dq(BackwardChoice& choice, bool tensor_grads) {
-  if (!choice.wgmma) return "the fused dQ runs on the wgmma backward only";
-  if (choice.head_dim_qk != 128) {
-    return fmt::format("the fused dQ takes head dim 128 (q and k), not {}", choice.head_dim_qk);
-  }
-  if (tensor_grads) return "tensor gradients take the dQ kernel";
-  if (choice.fused_dq) return {};
-  BackwardChoice c = choice;
-  c.fused_dq = true;
-  // dS^T of a q block: dkdv_block_kv keys x block_q queries, 16-bit, from the next 1024-byte
-  // boundary after the row stages (its swizzle; BackwardWgmmaConfig::kDsOffset).
-  c.shared_wgmma_dkdv = kWgmmaAlignment +
-                        round_up(c.shared_wgmma_dkdv - kWgmmaAlignment, kWgmmaAlignment) +
-                        c.dkdv_block_kv * c.block_q * 2;
-  if (c.shared_wgmma_dkdv > kWgmmaMaxSharedBytes) {
-    return fmt::format("the fused dQ's {} bytes of shared memory do not fit", c.shared_wgmma_dkdv);
-  }
-  choice = c;
-  return {};
-}
-
-std::vector<int> kv_tile_turns(const KvTileList& list, std::int64_t query_blocks) {
-  std::vector<int> visitors(static_cast<std::size_t>(query_blocks), 0);
-  std::vector<int> turns(list.entries.size(), 0);
-  // Kv tiles in ascending order: each entry's turn is the count of earlier visitors.
-  for (std::size_t tile = 0; tile + 1 < list.offsets.size(); ++tile) {
-    for (int i = list.offsets[tile]; i < list.offsets[tile + 1]; ++i) {
-      const auto block = static_cast<std::size_t>(list.entries[static_cast<std::size_t>(i)] >> 1);
-      if (block >= visitors.size()) throw_internal("cuda: a q block past the tile list's");
-      turns[static_cast<std::size_t>(i)] = visitors[block]++;
-    }
-  }
-  return turns;
+                     shared_wgmma_dq);
 }
 
 std::string BackwardChoice::architecture_suffix() const { return wgmma ? "a" : ""; }
@@ -554,12 +519,9 @@ std::string BackwardChoice::describe() const {
   if (wgmma) {
     return fmt::format(
         "tensor-core (wgmma, sm_90a) {}, dK/dV {}x{} tiles, dQ {}x{} tiles, {} threads, head dims "
-        "{} and {}, {} KB shared (dK/dV) and {} KB (dQ){}",
+        "{} and {}, {} KB shared (dK/dV) and {} KB (dQ)",
         to_string(dtype), block_q, dkdv_block_kv, dq_block_q, block_kv, dkdv_threads, head_dim_qk,
-        head_dim_v, shared_wgmma_dkdv / 1024, shared_wgmma_dq / 1024,
-        !fused_dq      ? ""
-        : unordered_dq ? ", dQ accumulated by the dK/dV kernel in any order (not deterministic)"
-                       : ", dQ accumulated by the dK/dV kernel in kv-tile order");
+        head_dim_v, shared_wgmma_dkdv / 1024, shared_wgmma_dq / 1024);
   }
   if (kind == KernelKind::kMma) {
     return fmt::format(

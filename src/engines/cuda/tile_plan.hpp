@@ -138,10 +138,6 @@ struct BackwardChoice {
   int dq_threads = 0;
   int shared_wgmma_dkdv = 0;  // the wgmma kernels' dynamic shared memory, bytes
   int shared_wgmma_dq = 0;
-  // wgmma only: the dK/dV kernel also accumulates dQ (use_fused_dq); the dQ kernel converts it.
-  bool fused_dq = false;
-  // With fused_dq: the additions go in any order (no turn table; not deterministic).
-  bool unordered_dq = false;
 
   // The dynamic shared memory each kernel is launched with (wgmma or not).
   int dkdv_shared_bytes() const { return wgmma ? shared_wgmma_dkdv : shared_dkdv; }
@@ -158,18 +154,6 @@ struct BackwardChoice {
   std::string dq_template() const;
   std::string describe() const;
 };
-
-// The fused dQ (BackwardWgmmaConfig::kFusedDq) on a wgmma choice: the dK/dV kernel computes
-// dQ += dS K per kv tile and adds it to an fp32 buffer in kv-tile order (deterministic), and the
-// dQ kernel only converts the sums. For head dim 128 (q and k) without tensor gradients
-// (`tensor_grads`: the modifier has float tensor loads, whose gradients the dQ kernel scatters).
-// Returns why not (choice unchanged), or empty.
-std::string use_fused_dq(BackwardChoice& choice, bool tensor_grads);
-
-// For each entry of the kv-major list (transpose_tiles), its turn in the fused dQ's ordered
-// accumulation: how many kv tiles before it visit the same q block. `query_blocks` bounds the
-// q block indices.
-std::vector<int> kv_tile_turns(const KvTileList& list, std::int64_t query_blocks);
 
 struct BackwardSelection {
   BackwardChoice choice;
