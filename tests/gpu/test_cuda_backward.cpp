@@ -253,30 +253,6 @@ TEST_P(CudaBackwardGoldenMmaSync, GradientsMatchFlexAttention) {
 INSTANTIATE_TEST_SUITE_P(Cases, CudaBackwardGoldenMmaSync, ::testing::ValuesIn(golden_params()),
                          golden_name);
 
-// FLEXATTN_CUDA_BACKWARD_STREAMS=1: the dQ kernel on the caller's stream after the dK/dV kernel
-// (by default it runs on the plan's second stream beside it, which every other test takes):
-// every golden case in bf16 and fp32 (wgmma and the fp32 kernels).
-class CudaBackwardGoldenOneStream : public ::testing::TestWithParam<GoldenParam> {
-  const ScopedEnvironment streams_{"FLEXATTN_CUDA_BACKWARD_STREAMS", "1"};
-};
-
-TEST_P(CudaBackwardGoldenOneStream, GradientsMatchFlexAttention) {
-  FLEXATTN_REQUIRE_GOLDEN();
-  SKIP_WITHOUT_DEVICE();
-  check_golden_gradients(GetParam());
-}
-
-std::vector<GoldenParam> one_stream_golden_params() {
-  std::vector<GoldenParam> params;
-  for (const GoldenParam& param : golden_params()) {
-    if (std::get<2>(param) != DType::kF16) params.push_back(param);
-  }
-  return params;
-}
-
-INSTANTIATE_TEST_SUITE_P(Cases, CudaBackwardGoldenOneStream,
-                         ::testing::ValuesIn(one_stream_golden_params()), golden_name);
-
 // ---- conformance matrix -------------------------------------------------------------------------
 
 std::vector<conformance::Case> backward_cases() {

@@ -871,122 +871,32 @@ TEST(CudaForwardCompile, WgmmaTranslationUnitsCompileForSm90a) {
   }
 }
 
-// FLEXATTN_CUDA_WGMMA_TILE's shapes: parsed, checked against the shared memory of a
-// multiprocessor, refused with a reason; other kernel kinds untouched.
-TEST(CudaForwardChoice, WgmmaTileExperimentsAreParsedAndChecked) {
-  constexpr int kCapability = 90;
-  const Problem d128 = make_problem(GeneratedCase{"d128", DType::kBF16, 128, 128, "", "", {}, {},
-                                                  Layout::kBSHD, {}});
-  const cuda::KernelChoice base = cuda::choose_kernel(d128, kCapability).choice;
-  ASSERT_EQ(base.kind, cuda::KernelKind::kWgmma);
-  cuda::KernelChoice c = base;
-  c.take_turns = true;
-  ASSERT_EQ(cuda::apply_wgmma_tile(c, "warpgroups=1,block_n=64,stages=3,blocks=2"), "");
-  EXPECT_EQ(c.warps, 4);
-  EXPECT_EQ(c.block_m, 64);
-  EXPECT_EQ(c.class_block_q, 64);
-  EXPECT_EQ(c.block_n, 64);
-  EXPECT_EQ(c.min_blocks, 2);
-  EXPECT_FALSE(c.take_turns);  // one warpgroup: nobody to take turns with
-  EXPECT_EQ(c.shared_bytes, 1024 + 64 * 256 + 3 * 64 * 512);
-  EXPECT_NE(c.config_type().find(", false, 1, 2>"), std::string::npos) << c.config_type();
-  EXPECT_NE(c.describe().find("2 blocks per multiprocessor"), std::string::npos) << c.describe();
-  // The default shape's type is unchanged by an empty experiment.
-  cuda::KernelChoice same = base;
-  ASSERT_EQ(cuda::apply_wgmma_tile(same, ""), "");
-  EXPECT_EQ(same.config_type(), base.config_type());
-  for (const char* bad : {"warpgroups=3", "block_n=96", "stages", "stages=x", "colour=1",
-                          "pipelined=1,stages=2", "blocks=2"}) {
-    SCOPED_TRACE(bad);
-    cuda::KernelChoice refused = base;
-    const std::string reason = cuda::apply_wgmma_tile(refused, bad);
-    EXPECT_NE(reason.find("FLEXATTN_CUDA_WGMMA_TILE"), std::string::npos) << reason;
-    EXPECT_EQ(refused.config_type(), base.config_type());
-  }
-  // A head-dim prefix: applies to its head dim only.
-  cuda::KernelChoice other_dim = base;
-  ASSERT_EQ(cuda::apply_wgmma_tile(other_dim, "d64:warpgroups=1"), "");
-  EXPECT_EQ(other_dim.config_type(), base.config_type());
-  ASSERT_EQ(cuda::apply_wgmma_tile(other_dim, "d128:warpgroups=1"), "");
-  EXPECT_EQ(other_dim.warps, 4);
-  EXPECT_NE(cuda::apply_wgmma_tile(other_dim, "d96:blocks=1").find("not d64 or d128"),
-            std::string::npos);
-  // blocks=2 at the default D128 shape: 2 x 225 KB do not fit.
-  cuda::KernelChoice two = base;
-  EXPECT_NE(cuda::apply_wgmma_tile(two, "blocks=2").find("do not fit"), std::string::npos);
-  cuda::KernelChoice mma = cuda::choose_kernel(d128, 80).choice;
-  const std::string before = mma.config_type();
-  EXPECT_EQ(cuda::apply_wgmma_tile(mma, "warpgroups=1"), "");
-  EXPECT_EQ(mma.config_type(), before);
-}
-
-// producer=1: a third warpgroup of 128 threads (launched, not counted in `warps`), 64 bytes of
-// stage barriers; only with two computing warpgroups at one block per multiprocessor.
+// The head-dim-128 wgmma forward has a producer warpgroup: a third warpgroup of 128 threads
+// (launched, not counted in `warps`) and 64 bytes of stage barriers; head dim 64 runs two blocks
+// per multiprocessor without one.
 TEST(CudaForwardChoice, WgmmaProducerAddsAWarpgroupAndItsBarriers) {
   constexpr int kCapability = 90;
   const Problem d128 = make_problem(GeneratedCase{"d128", DType::kBF16, 128, 128, "", "", {}, {},
                                                   Layout::kBSHD, {}});
-  const cuda::KernelChoice base = cuda::choose_kernel(d128, kCapability).choice;
-  ASSERT_TRUE(base.producer);  // the head-dim-128 default
-  cuda::KernelChoice c = base;
-  c.take_turns = true;
-  ASSERT_EQ(cuda::apply_wgmma_tile(c, "producer=1"), "");
+  const cuda::KernelChoice c = cuda::choose_kernel(d128, kCapability).choice;
   EXPECT_TRUE(c.producer);
-  EXPECT_TRUE(c.take_turns);
+  EXPECT_TRUE(c.pipelined);
+  EXPECT_TRUE(c.turns_possible());
   EXPECT_EQ(c.warps, 8);
   EXPECT_EQ(c.threads(), 384);
-  EXPECT_NE(c.config_type().find(", 230464, true, 2, 1, false, true>"), std::string::npos)
-      << c.config_type();
+  EXPECT_EQ(c.min_blocks, 1);
+  EXPECT_EQ(c.shared_bytes, 230464);  // 1024 + Q + 3 stages of K and V + 64 bytes of barriers
   EXPECT_NE(c.describe().find("producer warpgroup"), std::string::npos) << c.describe();
-  cuda::KernelChoice without = c;
-  ASSERT_EQ(cuda::apply_wgmma_tile(without, "producer=0"), "");
-  EXPECT_FALSE(without.producer);
-  EXPECT_EQ(without.threads(), 256);
-  EXPECT_EQ(without.shared_bytes, base.shared_bytes - 64);
-  EXPECT_NE(without.config_type().find(", 230400, true>"), std::string::npos)
-      << without.config_type();
-  // A shape the producer cannot serve drops it unless it is named.
-  cuda::KernelChoice one = base;
-  ASSERT_EQ(cuda::apply_wgmma_tile(one, "warpgroups=1"), "");
-  EXPECT_FALSE(one.producer);
-  // (-1 was accepted as "off" until 2026-12-03: the values are 0 or 1 exactly.)
-  for (const char* bad :
-       {"producer=1,warpgroups=1", "producer=2", "producer=-1", "pipelined=-1"}) {
-    SCOPED_TRACE(bad);
-    cuda::KernelChoice refused = base;
-    EXPECT_NE(cuda::apply_wgmma_tile(refused, bad).find("FLEXATTN_CUDA_WGMMA_TILE"),
-              std::string::npos);
-    EXPECT_EQ(refused.config_type(), base.config_type());
-  }
-  // Head dim 64 runs two blocks per multiprocessor by default: the producer needs blocks=1.
   const Problem d64 = make_problem(GeneratedCase{"d64", DType::kBF16, 64, 64, "", "", {}, {},
                                                  Layout::kBSHD, {}});
-  cuda::KernelChoice small = cuda::choose_kernel(d64, kCapability).choice;
-  EXPECT_NE(cuda::apply_wgmma_tile(small, "producer=1").find("blocks=1"), std::string::npos);
-  ASSERT_EQ(cuda::apply_wgmma_tile(small, "producer=1,blocks=1"), "");
-  EXPECT_EQ(small.threads(), 384);
+  const cuda::KernelChoice small = cuda::choose_kernel(d64, kCapability).choice;
+  EXPECT_FALSE(small.producer);
+  EXPECT_FALSE(small.pipelined);
+  EXPECT_EQ(small.min_blocks, 2);
+  EXPECT_EQ(small.threads(), 256);
 }
 
-// The experiment shapes compile for sm_90a (one warpgroup, 64-key tiles, two blocks).
-TEST(CudaForwardCompile, WgmmaTileExperimentsCompileForSm90a) {
-  SKIP_WITHOUT_CUDA_ENGINE();
-  constexpr int kCapability = 90;
-  for (const auto& [head_dim, spec] :
-       {std::pair{128, "warpgroups=1,block_n=64,stages=3,blocks=2"},
-        std::pair{64, "block_n=64,blocks=2"}, std::pair{64, "warpgroups=1,blocks=2"}}) {
-    SCOPED_TRACE(spec);
-    const Problem problem = make_problem(GeneratedCase{"tile", DType::kBF16, head_dim, head_dim,
-                                                       "30 * tanh(score / 30)", "q >= kv", {},
-                                                       {}, Layout::kBSHD, {}});
-    cuda::KernelChoice choice = cuda::choose_kernel(problem, kCapability).choice;
-    ASSERT_EQ(cuda::apply_wgmma_tile(choice, spec), "");
-    const std::string source = cuda::generate_translation_unit(
-        problem, cuda::bind_modifier(problem).bindings, choice, nullptr);
-    expect_compiles(source, "tile.cu", kCapability, choice.architecture_suffix());
-  }
-}
-
-// A bias-like problem for the staging experiment: B 2, H 4, S 128 (kv a multiple of 8).
+// A bias-like problem for the staged tensor: B 2, H 4, S 128 (kv a multiple of 8).
 Problem staging_problem(const std::string& score_mod, TensorDecl bias,
                         Layout layout = Layout::kBSHD, std::int64_t head_dim = 128) {
   ProblemDesc desc;
@@ -1011,7 +921,7 @@ Problem staging_problem(const std::string& score_mod, TensorDecl bias,
   return Problem(std::move(desc));
 }
 
-// FLEXATTN_CUDA_STAGE_TENSORS: which loads can be staged through shared memory.
+// Which loads the wgmma forward can stage through shared memory.
 TEST(CudaCodegen, StageableTensorsAreDenseQueryKeyTiles) {
   const TensorDecl hqk{DType::kBF16, {4, 128, 128}};
   EXPECT_EQ(cuda::stageable_tensor(staging_problem("score + bias[h, q, kv]", hqk)), "bias");
@@ -1063,18 +973,6 @@ TEST(CudaForwardCompile, StagedTensorCompilesForSm90a) {
     EXPECT_FALSE(unstaged.stage_tensor);
     EXPECT_EQ(unstaged.block_n, n);
     EXPECT_EQ(unstaged.shared_bytes, 1024 + 128 * h * 2 + 2 * n * 2 * h * 2);
-    if (head_dim == 64) {
-      // The shape measured on the H200 as the experiment d64:block_n=64,blocks=2 over the staged
-      // 128-key default (2026-12-03): the same kernel.
-      cuda::KernelChoice measured = cuda::choose_kernel(problem, kCapability).choice;
-      measured.take_turns = measured.pipelined;
-      cuda::KernelChoice staged128 = measured;
-      staged128.block_n = 128;
-      staged128.min_blocks = 1;
-      staged128.stage_tensor = true;
-      ASSERT_EQ(cuda::apply_wgmma_tile(staged128, "d64:block_n=64,blocks=2"), "");
-      EXPECT_EQ(staged128.config_type(), choice.config_type());
-    }
     EXPECT_NE(choice.describe().find("staged in shared memory"), std::string::npos);
     const std::string source = cuda::generate_translation_unit(
         problem, cuda::bind_modifier(problem).bindings, choice, nullptr);
@@ -1085,16 +983,6 @@ TEST(CudaForwardCompile, StagedTensorCompilesForSm90a) {
       EXPECT_NE(generated.find(fragment), std::string::npos) << fragment << "\n" << generated;
     }
     expect_compiles(source, "staged.cu", kCapability, choice.architecture_suffix());
-    if (head_dim == 64) {
-      // Three stages with the staged tile fit beside Q at head dim 64: the pipelined loop with a
-      // producer warpgroup takes it too.
-      ASSERT_EQ(cuda::apply_wgmma_tile(choice, "d64:pipelined=1,stages=3,blocks=1,producer=1"), "");
-      EXPECT_TRUE(choice.pipelined && choice.producer && choice.stage_tensor);
-      EXPECT_EQ(choice.shared_bytes, 1024 + 128 * h * 2 + 3 * (n * 2 * h * 2 + 128 * n * 2) + 64);
-      expect_compiles(cuda::generate_translation_unit(
-                          problem, cuda::bind_modifier(problem).bindings, choice, nullptr),
-                      "staged_pipelined.cu", kCapability, choice.architecture_suffix());
-    }
   }
   // The mma.sync kernel (no sm_90) never stages: its generated code has no staged read.
   const Problem plain =
@@ -1107,54 +995,25 @@ TEST(CudaForwardCompile, StagedTensorCompilesForSm90a) {
   EXPECT_NE(source.find("kStagedTensor = -1;"), std::string::npos);
 }
 
-// The producer variant compiles for sm_90a in both loops (pipelined, and without pipelining with
-// a staged tensor or at head dim 64), hands its registers over (setmaxnreg) and launches with the
-// producer's threads.
-TEST(CudaForwardCompile, WgmmaProducerCompilesForSm90a) {
-  SKIP_WITHOUT_CUDA_ENGINE();
-  constexpr int kCapability = 90;
-  const TensorDecl bias{DType::kBF16, {4, 128, 128}};
-  for (const auto& [head_dim, score_mod, spec] :
-       {std::tuple{128, "30 * tanh(score / 30)", "producer=1"},
-        std::tuple{128, "score + bias[h, q, kv]", "producer=1"},
-        std::tuple{64, "30 * tanh(score / 30)", "producer=1,blocks=1"}}) {
-    SCOPED_TRACE(score_mod);
-    const Problem problem = staging_problem(score_mod, bias, Layout::kBSHD, head_dim);
-    cuda::KernelChoice choice = cuda::choose_kernel(problem, kCapability).choice;
-    if (!cuda::stageable_tensor(problem).empty()) {
-      ASSERT_EQ(cuda::stage_wgmma_tensor(choice), "");
-    }
-    ASSERT_EQ(cuda::apply_wgmma_tile(choice, spec), "");
-    const std::string source = cuda::generate_translation_unit(
-        problem, cuda::bind_modifier(problem).bindings, choice, nullptr);
-    EXPECT_NE(source.find("__launch_bounds__(FlexattnConfig::kBlockThreads"), std::string::npos);
-    expect_compiles(source, "producer.cu", kCapability, choice.architecture_suffix());
-  }
-}
-
-// The variant where warpgroups take turns issuing (the default; FLEXATTN_CUDA_WGMMA_TURNS=0 is
-// without) compiles with the producer warpgroup (the default) and without it (producer=0, where
-// the block barrier per tile pairs the turns), and says so.
-TEST(CudaForwardCompile, WgmmaTakingTurnsCompilesForSm90a) {
+// The head-dim-128 wgmma forward compiles for sm_90a with its producer warpgroup and with the
+// warpgroups taking turns, hands its registers over (setmaxnreg), launches with the producer's
+// threads, and says so.
+TEST(CudaForwardCompile, WgmmaProducerTakingTurnsCompilesForSm90a) {
   SKIP_WITHOUT_CUDA_ENGINE();
   constexpr int kCapability = 90;
   const Problem problem = make_problem(GeneratedCase{"turns", DType::kBF16, 128, 128,
                                                      "30 * tanh(score / 30)", "q >= kv", {}, {},
                                                      Layout::kBSHD, {}});
-  for (const bool producer : {true, false}) {
-    SCOPED_TRACE(producer);
-    cuda::KernelChoice choice = cuda::choose_kernel(problem, kCapability).choice;
-    ASSERT_TRUE(choice.pipelined);
-    ASSERT_TRUE(choice.producer);
-    ASSERT_EQ(cuda::apply_wgmma_tile(choice, producer ? "producer=1" : "producer=0"), "");
-    choice.take_turns = true;
-    EXPECT_NE(choice.describe().find("take turns"), std::string::npos) << choice.describe();
-    const std::string source = cuda::generate_translation_unit(
-        problem, cuda::bind_modifier(problem).bindings, choice, nullptr);
-    EXPECT_NE(source.find(producer ? "230464, true, 2, 1, false, true>" : "230400, true>"),
-              std::string::npos);
-    expect_compiles(source, "turns.cu", kCapability, choice.architecture_suffix());
-  }
+  cuda::KernelChoice choice = cuda::choose_kernel(problem, kCapability).choice;
+  ASSERT_TRUE(choice.pipelined);
+  ASSERT_TRUE(choice.producer);
+  choice.take_turns = choice.turns_possible();
+  EXPECT_NE(choice.describe().find("take turns"), std::string::npos) << choice.describe();
+  const std::string source = cuda::generate_translation_unit(
+      problem, cuda::bind_modifier(problem).bindings, choice, nullptr);
+  EXPECT_NE(source.find("230464, true, 2, 1, false, true>"), std::string::npos);
+  EXPECT_NE(source.find("__launch_bounds__(FlexattnConfig::kBlockThreads"), std::string::npos);
+  expect_compiles(source, "turns.cu", kCapability, choice.architecture_suffix());
 }
 
 // The backward translation units compile for sm_90 (NVRTC, no GPU). These need the backward

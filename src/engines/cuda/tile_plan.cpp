@@ -3,7 +3,6 @@
 #include <fmt/format.h>
 
 #include <algorithm>
-#include <charconv>
 
 #include "flexattn/analysis.hpp"
 #include "flexattn/error.hpp"
@@ -380,8 +379,7 @@ std::string stage_wgmma_tensor(KernelChoice& choice) {
   }
   c.shared_bytes = wgmma_shared_bytes(c);
   if (!wgmma_shared_fits(c)) {
-    return fmt::format("FLEXATTN_CUDA_STAGE_TENSORS: {} bytes of shared memory do not fit",
-                       c.shared_bytes);
+    return fmt::format("the staged tensor's {} bytes of shared memory do not fit", c.shared_bytes);
   }
   choice = c;
   return {};
@@ -392,79 +390,6 @@ KernelChoice without_staged_tensor(const KernelChoice& staged) {
   c.stage_tensor = false;
   if (c.kind == KernelKind::kWgmma) c.shared_bytes = wgmma_shared_bytes(c);
   return c;
-}
-
-std::string apply_wgmma_tile(KernelChoice& choice, std::string_view spec) {
-  if (choice.kind != KernelKind::kWgmma) return {};
-  // "d64:..." applies to head dim 64 only (likewise d128).
-  if (const std::size_t colon = spec.find(':'); colon != std::string_view::npos) {
-    const std::string_view dims = spec.substr(0, colon);
-    if (dims != "d64" && dims != "d128") {
-      return fmt::format("FLEXATTN_CUDA_WGMMA_TILE: '{}' is not d64 or d128", dims);
-    }
-    if (std::to_string(std::max(choice.head_dim_qk, choice.head_dim_v)) != dims.substr(1))
-      return {};
-    spec.remove_prefix(colon + 1);
-  }
-  KernelChoice c = choice;
-  int warpgroups = c.warps / 4;
-  bool producer_named = false;
-  std::size_t start = 0;
-  while (start < spec.size()) {
-    const std::size_t end = std::min(spec.find(',', start), spec.size());
-    const std::string_view item = spec.substr(start, end - start);
-    start = end + 1;
-    const std::size_t equals = item.find('=');
-    const std::string_view key = item.substr(0, equals);
-    int value = 0;
-    const std::string_view digits =
-        equals == std::string_view::npos ? std::string_view() : item.substr(equals + 1);
-    const auto [last, error] = std::from_chars(digits.data(), digits.data() + digits.size(), value);
-    if (digits.empty() || error != std::errc() || last != digits.data() + digits.size()) {
-      return fmt::format("FLEXATTN_CUDA_WGMMA_TILE: '{}' is not NAME=NUMBER", item);
-    }
-    if (key == "warpgroups" && (value == 1 || value == 2)) {
-      warpgroups = value;
-    } else if (key == "block_n" && (value == 64 || value == 128)) {
-      c.block_n = value;
-    } else if (key == "stages" && value >= 2 && value <= 4) {
-      c.stages = value;
-    } else if (key == "pipelined" && (value == 0 || value == 1)) {
-      c.pipelined = value == 1;
-    } else if (key == "blocks" && (value == 1 || value == 2)) {
-      c.min_blocks = value;
-    } else if (key == "producer" && (value == 0 || value == 1)) {
-      c.producer = value == 1;
-      producer_named = true;
-    } else {
-      return fmt::format(
-          "FLEXATTN_CUDA_WGMMA_TILE: '{}' is not one of warpgroups=1|2, block_n=64|128, "
-          "stages=2..4, pipelined=0|1, blocks=1|2, producer=0|1",
-          item);
-    }
-  }
-  c.warps = 4 * warpgroups;
-  c.block_m = kWgmmaBlockM / 2 * warpgroups;
-  c.class_block_q = c.block_m;
-  c.take_turns = c.take_turns && c.turns_possible();
-  // Where the spec does not name it, the producer stays only where it can serve the new shape.
-  if (!producer_named) c.producer = c.producer && warpgroups == 2 && c.min_blocks == 1;
-  if (c.pipelined && c.stages < 3) {
-    return "FLEXATTN_CUDA_WGMMA_TILE: the pipelined loop needs 3 stages or more";
-  }
-  if (c.producer && (warpgroups != 2 || c.min_blocks != 1)) {
-    return "FLEXATTN_CUDA_WGMMA_TILE: a producer serves two warpgroups at one block per "
-           "multiprocessor (warpgroups=2, blocks=1)";
-  }
-  c.shared_bytes = wgmma_shared_bytes(c);
-  if (!wgmma_shared_fits(c)) {
-    return fmt::format(
-        "FLEXATTN_CUDA_WGMMA_TILE: {} blocks of {} bytes of shared memory do not fit "
-        "a multiprocessor",
-        c.min_blocks, c.shared_bytes);
-  }
-  choice = c;
-  return {};
 }
 
 KernelSelection choose_kernel(const Problem& problem, int capability, bool allow_wgmma) {

@@ -32,8 +32,8 @@ template <class ElementTag, int kHeadDimQk, int kHeadDimV, int kBlockN_, int kSt
           int kMinBlocks_ = 1, bool kStageTensor_ = false, bool kProducer_ = false>
 struct WgmmaConfig {
   using Tag = ElementTag;
-  // Warpgroups per block (1 or 2), and blocks per multiprocessor the registers must allow: the
-  // default shape is 2 and 1; others are tuning experiments (FLEXATTN_CUDA_WGMMA_TILE).
+  // Warpgroups per block (1 or 2; the engine chooses 2), and blocks per multiprocessor the
+  // registers must allow (tile_plan.cpp).
   static constexpr int kWarpgroups = kWarpgroups_;
   static constexpr int kWarpgroupRows = 64;  // the M of every wgmma
   static constexpr int kWarps = 4 * kWarpgroups;
@@ -70,7 +70,7 @@ struct WgmmaConfig {
   static constexpr int kAlignment = 1024;
   // With kStageTensor the modifier's staged tensor (Modifier::kStagedTensor, 16-bit, indexed
   // [..., q, kv]) travels beside K and V: a (kBlockM, kBlockN) tile per stage, read by the element
-  // code from shared memory instead of one global load per score (FLEXATTN_CUDA_STAGE_TENSORS).
+  // code from shared memory instead of one global load per score.
   static constexpr bool kStageTensor = kStageTensor_;
   using StagedLayout = SwizzledPanels<kBlockM, kBlockN / kChunkElements>;
   static constexpr int kStagedBytes = kStageTensor ? kBlockM * kBlockN * 2 : 0;

@@ -43,8 +43,7 @@ struct ForwardParams {
   const int* tile_entries;
   int class_block_q;  // query rows per classified block (a multiple of the kernel's block)
   // 1: the wgmma forward numbers its blocks with the batch fastest (forward_wgmma.cuh; the
-  // engine's default with a staged tensor, FLEXATTN_CUDA_BATCH_FASTEST=0|1 overrides it);
-  // 0: (q block, head, batch) as launched.
+  // engine sets it with a staged tensor); 0: (q block, head, batch) as launched.
   int batch_fastest;
   TensorArg tensors[kMaxTensors];
   float params[kMaxParams];
