@@ -129,6 +129,23 @@ TEST(CudaCodegen, EngineIsListedAndExplainsAvailability) {
   }
 }
 
+// FLEXATTN_CUDA_WGMMA=0 keeps the mma.sync kernels on sm_90: a plan setting, so a context never
+// serves a plan made under the other value. Other values leave the wgmma kernels allowed.
+TEST(CudaCodegen, TheWgmmaSwitchIsAPlanSetting) {
+  SKIP_WITHOUT_CUDA_ENGINE();
+  const auto engine = cuda_engine();
+  {
+    const test::ScopedEnvironment unset("FLEXATTN_CUDA_WGMMA", nullptr);
+    EXPECT_EQ(engine->plan_settings(), "");
+  }
+  {
+    const test::ScopedEnvironment mma_sync("FLEXATTN_CUDA_WGMMA", "0");
+    EXPECT_EQ(engine->plan_settings(), "wgmma=0");
+  }
+  const test::ScopedEnvironment allowed("FLEXATTN_CUDA_WGMMA", "1");
+  EXPECT_EQ(engine->plan_settings(), "");
+}
+
 TEST(CudaCodegen, GeneratedSourceLowersEveryFeature) {
   SKIP_WITHOUT_CUDA_ENGINE();
   const auto engine = cuda_engine();

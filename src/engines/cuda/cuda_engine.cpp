@@ -56,6 +56,7 @@ std::int64_t ceil_div(std::int64_t value, std::int64_t divisor) {
 
 // Whether the wgmma kernels (forward and backward) may be chosen on sm_90: FLEXATTN_CUDA_WGMMA=0
 // keeps the mma.sync kernels (comparisons, and a way around a wgmma problem without a rebuild).
+// A plan setting (CudaEngine::plan_settings).
 bool wgmma_allowed() {
   const char* value = std::getenv("FLEXATTN_CUDA_WGMMA");
   return value == nullptr || std::string_view(value) != "0";
@@ -638,6 +639,9 @@ class CudaEngine final : public Engine {
     if (!driver_->availability()) return driver_->availability();
     return nvrtc_availability();
   }
+
+  // FLEXATTN_CUDA_WGMMA=0 changes the kernels of sm_90 plans.
+  std::string plan_settings() const override { return wgmma_allowed() ? "" : "wgmma=0"; }
 
   std::string generated_source(const Problem& problem) const override {
     Lowering lowering;
