@@ -1,5 +1,5 @@
 // The backward's dK/dV kernel on Hopper's warpgroup tensor cores (wgmma, sm_90a; bf16/fp16,
-// head dims 64 and 128). Step 4 of docs/design/wgmma-plan.md: backward_dkdv_mma's pipeline with
+// head dims 64 and 128; docs/engines.md, "Backward on sm_90"): backward_dkdv_mma's pipeline with
 // its four products per tile on wgmma, in the layouts the forward proved (forward_wgmma.cuh).
 //
 // A block owns kBlockKv = 128 keys of one kv head (two warpgroups of 64; warp w holds keys

@@ -1,7 +1,7 @@
 // Hopper's warpgroup matrix products (wgmma, PTX ISA 8.0+, target sm_90a only) and what they
 // rest on: shared-memory matrix descriptors, the async-proxy fence, commit and wait.
-// docs/design/wgmma-plan.md has the facts; tests/gpu/test_wgmma_tile.cpp proves the descriptor,
-// swizzle and accumulator layout on one tile.
+// docs/engines.md ("wgmma building blocks") has the facts; tests/gpu/test_wgmma_tile.cpp proves
+// the descriptor, swizzle and accumulator layout on one tile.
 //
 // One wgmma is issued by a warpgroup (4 warps, 128 threads) for a 64 x N x 16 product. The
 // accumulator of m64nNk16 is N / 2 floats per thread in the m16n8 C layout per warp (tile_ops.cuh):
