@@ -166,6 +166,10 @@ class FLEXATTN_API Engine {
     static_cast<void>(problem);
     return {};
   }
+  // The settings in effect now that change the plans the engine builds (the cuda engine's
+  // FLEXATTN_CUDA_WGMMA=0: "wgmma=0"); empty when none do (the default). A Context keys its plan
+  // cache by them, so a plan built under one setting is never served under another.
+  virtual std::string plan_settings() const;
 
  protected:
   enum class Stage { kCheck, kBuild };

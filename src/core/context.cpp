@@ -51,12 +51,12 @@ std::string engine_names(const std::vector<std::shared_ptr<const Engine>>& engin
   return fmt::format("{}", fmt::join(names, ", "));
 }
 
-// Plan-cache key: engine, exact signature, modifier hash, and the canonical text too, so that a
-// hash collision could never alias two different modifiers.
-std::string cache_key(std::string_view engine, const Problem& problem) {
-  return fmt::format("{}\n{}\n{}\n{}\n{}", engine, problem.signature(),
-                     hash_to_hex(problem.modifier_hash()), problem.score_mod().to_string(),
-                     problem.mask_mod().to_string());
+// Plan-cache key: engine and its plan settings, exact signature, modifier hash, and the canonical
+// text too, so that a hash collision could never alias two different modifiers.
+std::string cache_key(const Engine& engine, const Problem& problem) {
+  return fmt::format("{}\n{}\n{}\n{}\n{}\n{}", engine.name(), engine.plan_settings(),
+                     problem.signature(), hash_to_hex(problem.modifier_hash()),
+                     problem.score_mod().to_string(), problem.mask_mod().to_string());
 }
 
 // The plan proof (docs/design.md section 4): the plan implements exactly the requested modifier
@@ -271,7 +271,7 @@ std::shared_ptr<const Plan> Context::select(const Problem& problem) {
     const std::lock_guard lock(mutex_);
     for (const auto& engine : engines_) {
       if (!policy.allows(engine->name())) continue;
-      const auto found = plan_cache_.find(cache_key(engine->name(), problem));
+      const auto found = plan_cache_.find(cache_key(*engine, problem));
       if (found == plan_cache_.end()) continue;
       verify_plan(*found->second, problem);
       if (log_info) {
@@ -298,6 +298,8 @@ std::shared_ptr<const Plan> Context::select(const Problem& problem) {
       }
       continue;
     }
+    // The key of the settings the plan is built under (read before planning).
+    const std::string key = cache_key(*engine, problem);
     std::shared_ptr<const Plan> plan;
     try {
       plan = engine->plan(problem);
@@ -343,7 +345,7 @@ std::shared_ptr<const Plan> Context::select(const Problem& problem) {
     {
       const std::lock_guard lock(mutex_);
       // Another thread may have planned the same problem meanwhile; keep the first plan.
-      plan = plan_cache_.emplace(cache_key(engine->name(), problem), plan).first->second;
+      plan = plan_cache_.emplace(key, plan).first->second;
     }
     if (log_info) {
       log << kLogPrefix << "selected " << engine->name() << " (plan: " << plan->info().description

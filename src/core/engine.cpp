@@ -72,6 +72,8 @@ std::string plan_proof_failure(const PlanInfo& info, const Problem& problem) {
   return {};
 }
 
+std::string Engine::plan_settings() const { return {}; }
+
 Support Engine::supports(const Problem& problem) const {
   Support available_here = available();
   if (!available_here) return available_here;

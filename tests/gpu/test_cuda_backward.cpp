@@ -253,58 +253,6 @@ TEST_P(CudaBackwardGoldenMmaSync, GradientsMatchFlexAttention) {
 INSTANTIATE_TEST_SUITE_P(Cases, CudaBackwardGoldenMmaSync, ::testing::ValuesIn(golden_params()),
                          golden_name);
 
-// The fused dQ (FLEXATTN_CUDA_FUSED_DQ=1: the dK/dV kernel accumulates dQ in kv-tile order, the
-// dQ kernel converts it), where it applies (wgmma, head dim 128, no tensor gradients); other
-// cases run the two-kernel path under the switch and must pass as well.
-class CudaBackwardGoldenFusedDq : public ::testing::TestWithParam<GoldenParam> {
-  const ScopedEnvironment fused_{"FLEXATTN_CUDA_FUSED_DQ", "1"};
-};
-
-TEST_P(CudaBackwardGoldenFusedDq, GradientsMatchFlexAttention) {
-  FLEXATTN_REQUIRE_GOLDEN();
-  SKIP_WITHOUT_DEVICE();
-  check_golden_gradients(GetParam());
-}
-
-// 16-bit storage only (fp32 takes the fp32 kernels), in the layouts whose token offsets differ
-// (bhsd's strides are covered by the conformance cases below).
-std::vector<GoldenParam> fused_dq_golden_params() {
-  std::vector<GoldenParam> params;
-  for (const GoldenParam& param : golden_params()) {
-    if (std::get<2>(param) != DType::kF32 && std::get<1>(param) != Layout::kBHSD) {
-      params.push_back(param);
-    }
-  }
-  return params;
-}
-
-INSTANTIATE_TEST_SUITE_P(Cases, CudaBackwardGoldenFusedDq,
-                         ::testing::ValuesIn(fused_dq_golden_params()), golden_name);
-
-// FLEXATTN_CUDA_BACKWARD_STREAMS=1: the dQ kernel on the caller's stream after the dK/dV kernel
-// (by default it runs on the plan's second stream beside it, which every other test takes):
-// every golden case in bf16 and fp32 (wgmma and the fp32 kernels).
-class CudaBackwardGoldenOneStream : public ::testing::TestWithParam<GoldenParam> {
-  const ScopedEnvironment streams_{"FLEXATTN_CUDA_BACKWARD_STREAMS", "1"};
-};
-
-TEST_P(CudaBackwardGoldenOneStream, GradientsMatchFlexAttention) {
-  FLEXATTN_REQUIRE_GOLDEN();
-  SKIP_WITHOUT_DEVICE();
-  check_golden_gradients(GetParam());
-}
-
-std::vector<GoldenParam> one_stream_golden_params() {
-  std::vector<GoldenParam> params;
-  for (const GoldenParam& param : golden_params()) {
-    if (std::get<2>(param) != DType::kF16) params.push_back(param);
-  }
-  return params;
-}
-
-INSTANTIATE_TEST_SUITE_P(Cases, CudaBackwardGoldenOneStream,
-                         ::testing::ValuesIn(one_stream_golden_params()), golden_name);
-
 // ---- conformance matrix -------------------------------------------------------------------------
 
 std::vector<conformance::Case> backward_cases() {
@@ -362,49 +310,6 @@ std::string case_name(const ::testing::TestParamInfo<conformance::Case>& info) {
 }
 
 INSTANTIATE_TEST_SUITE_P(Matrix, CudaBackwardConformance, ::testing::ValuesIn(backward_cases()),
-                         case_name);
-
-// The head-dim-128 16-bit cases again under the fused dQ (see CudaBackwardGoldenFusedDq).
-std::vector<conformance::Case> fused_dq_cases() {
-  std::vector<conformance::Case> result;
-  for (const conformance::Case& c : backward_cases()) {
-    if (c.shape.head_dim_qk == 128 && c.dtype != DType::kF32) result.push_back(c);
-  }
-  return result;
-}
-
-class CudaBackwardFusedDq : public ::testing::TestWithParam<conformance::Case> {
-  const ScopedEnvironment fused_{"FLEXATTN_CUDA_FUSED_DQ", "1"};
-};
-
-TEST_P(CudaBackwardFusedDq, GradientsMatchReference) {
-  SKIP_WITHOUT_DEVICE();
-  check_conformance_case(GetParam());
-}
-
-INSTANTIATE_TEST_SUITE_P(Matrix, CudaBackwardFusedDq, ::testing::ValuesIn(fused_dq_cases()),
-                         case_name);
-
-// FLEXATTN_CUDA_FUSED_DQ=unordered (the additions in any order): the benchmark's modifiers at
-// head dim 128, where many kv tiles add into each q block at once.
-std::vector<conformance::Case> unordered_dq_cases() {
-  std::vector<conformance::Case> result;
-  for (const conformance::Case& c : fused_dq_cases()) {
-    if (c.name.rfind("bench_", 0) == 0) result.push_back(c);
-  }
-  return result;
-}
-
-class CudaBackwardUnorderedDq : public ::testing::TestWithParam<conformance::Case> {
-  const ScopedEnvironment fused_{"FLEXATTN_CUDA_FUSED_DQ", "unordered"};
-};
-
-TEST_P(CudaBackwardUnorderedDq, GradientsMatchReference) {
-  SKIP_WITHOUT_DEVICE();
-  check_conformance_case(GetParam());
-}
-
-INSTANTIATE_TEST_SUITE_P(Matrix, CudaBackwardUnorderedDq, ::testing::ValuesIn(unordered_dq_cases()),
                          case_name);
 
 // ---- plans --------------------------------------------------------------------------------------
@@ -496,9 +401,6 @@ struct DeterminismParam {
   std::string score_mod;
   DType dtype;
   std::int64_t head_dim = 64;
-  // FLEXATTN_CUDA_FUSED_DQ=1: dQ summed across kv tiles in global memory, in kv-tile order; the
-  // plan must say it took that path (wgmma devices).
-  bool fused_dq = false;
 };
 
 // Names the parameter in test listings (instead of its bytes).
@@ -522,8 +424,6 @@ bool all_finite(const HostTensor& tensor) {
 TEST_P(CudaBackwardDeterminism, RepeatedRunsAreBitIdentical) {
   SKIP_WITHOUT_DEVICE();
   const DeterminismParam& param = GetParam();
-  std::optional<ScopedEnvironment> fused;
-  if (param.fused_dq) fused.emplace("FLEXATTN_CUDA_FUSED_DQ", "1");
   // GQA 8:2, causal, lengths that leave partial tiles, several q blocks per kv tile.
   ProblemDesc desc;
   desc.batch = 2;
@@ -542,12 +442,6 @@ TEST_P(CudaBackwardDeterminism, RepeatedRunsAreBitIdentical) {
   desc.mask_mod = ir::parse("q >= kv", desc.scope());
   const Problem problem(desc);
   ASSERT_TRUE(supported(problem));
-  if (param.fused_dq) {
-    const std::string description = device_engine()->plan(problem)->info().description;
-    if (description.find("wgmma") == std::string::npos) GTEST_SKIP() << "no wgmma: " << description;
-    EXPECT_NE(description.find("dQ accumulated by the dK/dV kernel"), std::string::npos)
-        << description;
-  }
 
   Inputs inputs = random_inputs(problem, 7);
   // ALiBi's slopes 2^(-8 (h + 1) / heads): logits stay in a realistic range.
@@ -584,9 +478,9 @@ std::vector<DeterminismParam> determinism_params() {
     params.push_back({"bias_" + suffix, "score + bias[h, q, kv]", dtype});
     params.push_back({"alibi_" + suffix, "score + slopes[h] * (kv - q)", dtype});
   }
-  // The fused dQ's ordered sums: five kv tiles of 128 keys add to each 64-row q block.
-  params.push_back(
-      {"softcap_bf16_d128_fused_dq", "30 * tanh(score / 30)", DType::kBF16, 128, true});
+  // Head dim 128: five kv tiles of 128 keys visit each 64-row q block (the wgmma backward's
+  // tiles on sm_90).
+  params.push_back({"softcap_bf16_d128", "30 * tanh(score / 30)", DType::kBF16, 128});
   return params;
 }
 

@@ -303,6 +303,35 @@ TEST(CudaPlan, Sm90GetsTheWgmmaKernelUnlessSwitchedOff) {
   EXPECT_NE(switched_off.find("mma.sync"), std::string::npos) << switched_off;
 }
 
+// A context keys its plans by the engine's plan settings: the plan made under
+// FLEXATTN_CUDA_WGMMA=0 is not served once the variable is unset, nor the default plan under it;
+// each comes back from the cache with its setting. On sm_90 the two plans run different kernels.
+TEST(CudaPlan, ContextServesThePlanOfTheCurrentWgmmaSetting) {
+  SKIP_WITHOUT_DEVICE();
+  ProblemDesc desc = small_desc("score");
+  desc.head_dim_qk = 128;
+  const Problem problem(desc);
+  ContextOptions options;
+  options.policy.force = "cuda";
+  options.log_level = LogLevel::kOff;
+  Context context(options);
+  const ScopedEnvironment unset{"FLEXATTN_CUDA_WGMMA", nullptr};
+  const std::shared_ptr<const Plan> plain = context.select(problem);
+  const std::string description = plain->info().description;
+  const bool sm90 = description.find("(sm_90") != std::string::npos;
+  EXPECT_EQ(description.find("wgmma, sm_90a") != std::string::npos, sm90) << description;
+  {
+    const ScopedEnvironment mma_sync{"FLEXATTN_CUDA_WGMMA", "0"};
+    const std::shared_ptr<const Plan> switched = context.select(problem);
+    EXPECT_NE(switched.get(), plain.get());
+    EXPECT_NE(switched->info().description.find("mma.sync"), std::string::npos)
+        << switched->info().description;
+    EXPECT_EQ(context.select(problem).get(), switched.get());
+  }
+  EXPECT_EQ(context.select(problem).get(), plain.get());
+  EXPECT_EQ(context.cached_plans(), 2u);
+}
+
 // Every plan in this test sees a fresh cache folder through FLEXATTN_CACHE_DIR.
 class CudaKernelCache : public ::testing::Test {
  protected:

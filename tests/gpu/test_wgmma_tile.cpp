@@ -1,10 +1,9 @@
-// Step 1 of docs/design/wgmma-plan.md: the facts a wgmma attention kernel will rest on, checked on
-// one tile before any attention code depends on them. Two probe kernels (NVRTC, sm_90a), one
-// warpgroup each:
+// The facts the wgmma kernels rest on (docs/engines.md, "wgmma building blocks"), checked on one
+// tile. Two probe kernels (NVRTC, sm_90a), one warpgroup each:
 //   qk: S = Q K^T, 64 x 64 x 64, A and B from shared memory, K-major, 128-byte swizzle;
 //   pv: O = P V,   64 x 64 x 64, A (P) from registers in the m16n8k16 A layout, B (V, stored
 //       keys x dims) from shared memory as a transposed (MN-major) operand.
-// Both write the accumulator in the layout the plan assumes (per warp 16 rows; per 8-column slice
+// Both write the accumulator in the layout the kernels assume (per warp 16 rows; per 8-column slice
 // rows group and group + 8, columns 2 quad_lane and + 1). Compared with a double-precision host
 // product of the same bf16 inputs. Skipped without an sm_90 device.
 #include <gtest/gtest.h>

@@ -1,120 +1,24 @@
 // The cuda engine's code generation, on the CPU: the generated CUDA for a spread of modifiers,
-// dtypes, head dims and layouts contains the lowering of each IR feature and compiles with NVRTC
-// for sm_90 (NVRTC needs no GPU); the backward's Modifier members and entry points, its kernel
-// choice and its kv-major tile list. Skipped in builds without CUDA.
+// dtypes, head dims and layouts contains the lowering of each IR feature (invariants hoisted,
+// constant factors merged, small integers and tanh variants, the static softmax reference), and
+// the backward's Modifier members and entry points. test_cuda_kernel_choice.cpp has the kernel
+// and tile choices, test_cuda_compile.cpp the NVRTC compilation. Skipped in builds without CUDA.
 #include <fmt/format.h>
 #include <gtest/gtest.h>
 
 #include <algorithm>
-#include <optional>
 #include <string>
 #include <utility>
 #include <vector>
 
 #include "flexattn/flexattn.hpp"
+#include "support/cuda_codegen_cases.hpp"
 #include "support/test_support.hpp"
-
-// The engine's internals (tile plan, NVRTC compilation) exist only in builds with the engine.
-#if FLEXATTN_HAVE_CUDA
-#include "engines/cuda/codegen.hpp"
-#include "engines/cuda/kernel_cache.hpp"
-#include "engines/cuda/tile_plan.hpp"
-#endif
-
-#if __has_include(<nvrtc.h>)
-#include <cuda.h>
-#include <dlfcn.h>
-#include <nvrtc.h>
-#define FLEXATTN_TEST_HAS_NVRTC 1
-#endif
 
 namespace flexattn {
 namespace {
 
-// The architecture the generated code is checked for (the H200 of the benchmarks).
-constexpr const char* kArchitecture = "--gpu-architecture=sm_90";
-
-std::shared_ptr<const Engine> cuda_engine() {
-  for (const std::shared_ptr<const Engine>& engine : builtin_engines()) {
-    if (engine->name() == "cuda") return engine;
-  }
-  return nullptr;
-}
-
-#define SKIP_WITHOUT_CUDA_ENGINE()                                        \
-  do {                                                                    \
-    if (cuda_engine() == nullptr) GTEST_SKIP() << "built without CUDA";  \
-  } while (false)
-
-struct GeneratedCase {
-  std::string name;
-  DType dtype;
-  std::int64_t head_dim_qk, head_dim_v;
-  std::string score_mod, mask_mod;
-  std::map<std::string, TensorDecl> tensors;
-  std::map<std::string, double> params;
-  Layout layout = Layout::kBSHD;
-  std::vector<std::string> expected_fragments;  // must appear in the generated source
-};
-
-Problem make_problem(const GeneratedCase& c) {
-  ProblemDesc desc;
-  desc.batch = 2;
-  desc.heads_q = 4;
-  desc.heads_kv = 2;
-  desc.seq_len_q = 100;
-  desc.seq_len_kv = 77;
-  desc.head_dim_qk = c.head_dim_qk;
-  desc.head_dim_v = c.head_dim_v;
-  desc.dtype = c.dtype;
-  desc.layout = c.layout;
-  desc.device = Device::kCuda;
-  desc.tensors = c.tensors;
-  desc.params = c.params;
-  if (c.layout == Layout::kTHD) {
-    desc.cu_seqlens_q = {0, 60, 100};
-    desc.cu_seqlens_kv = {0, 30, 77};
-    desc.seq_len_q = 0;
-    desc.seq_len_kv = 0;
-  }
-  if (!c.score_mod.empty()) desc.score_mod = ir::parse(c.score_mod, desc.scope());
-  if (!c.mask_mod.empty()) desc.mask_mod = ir::parse(c.mask_mod, desc.scope());
-  return Problem(std::move(desc));
-}
-
-std::vector<GeneratedCase> cases() {
-  const TensorDecl slopes{DType::kF32, {4}};
-  const TensorDecl bias{DType::kBF16, {4, 100, 77}};
-  const TensorDecl rel{DType::kF32, {4, 129}};
-  const TensorDecl doc_q{DType::kI64, {100}};
-  const TensorDecl doc_kv{DType::kI32, {77}};
-  return {
-      {"identity_bf16_d128", DType::kBF16, 128, 128, "", "", {}, {}, Layout::kBSHD,
-       {"kIdentityScore = true", "kHasMask = false", "forward_mma", "BFloat16Tag, 128, 128"}},
-      {"softcap_causal_fp16_d64", DType::kF16, 64, 64, "30 * tanh(score / 30)", "q >= kv", {}, {},
-       Layout::kBHSD, {"ir_tanh(", "kHasMask = true", "HalfTag", "forward_mma"}},
-      {"softcap_fp32_d64", DType::kF32, 64, 64, "30 * tanh(score / 30)", "", {}, {},
-       Layout::kBSHD, {"tanhf(", "ir_mul(score", "forward_simt"}},
-      {"alibi_bf16_d80_v72_sbhd", DType::kBF16, 80, 72, "score + slopes[h] * (kv - q)", "", {{"slopes", slopes}},
-       {}, Layout::kSBHD, {"load_tensor_f32(", "inv.s", "80, 72, 128, 128"}},
-      {"bias_window_fp32_d256", DType::kF32, 256, 256, "score + bias[h, q, kv]", "q >= kv && q - kv < 32",
-       {{"bias", bias}}, {}, Layout::kBSHD, {"load_tensor_bf16(", "forward_simt", "Float32Tag"}},
-      {"relative_bias_thd_d64", DType::kBF16, 64, 64, "score + rel[h, clamp(kv - q + 64, 0, 128)]",
-       "q + (KV_LEN - Q_LEN) >= kv", {{"rel", rel}}, {}, Layout::kTHD,
-       {"ir_clamp(", "at.kv_len", "at.q_len"}},
-      {"document_piecewise_d17", DType::kBF16, 17, 17,
-       "where(score > 0, score * 0.5, score * 2 + 0.25 * float(kv % 3))", "docq[q] == dockv[kv]",
-       {{"docq", doc_q}, {"dockv", doc_kv}}, {}, Layout::kBSHD,
-       {"load_tensor_i64(", "load_tensor_i32(", "ir_mod(", "forward_simt"}},
-      {"params_neginf_fp16_d128", DType::kF16, 128, 96, "where(kv % 5 == 3, -inf, score * gain)",
-       "!(kv < 8) || q >= kv", {}, {{"gain", 0.7}}, Layout::kBSHD,
-       {"p.params[0]", "negative_infinity()", "(!"}},
-      {"gate_exp_bf16_d64", DType::kBF16, 64, 64,
-       "score * sigmoid(gate[h]) + log2(exp2(abs(score))) - sqrt(rsqrt(4.0)) + floor(score) + exp(log(1.5)) + int(score)",
-       "", {{"gate", TensorDecl{DType::kF16, {4}}}}, {}, Layout::kBSHD,
-       {"ir_sigmoid(", "load_tensor_f16(", "ir_to_int(", "floorf("}},
-  };
-}
+using namespace test;
 
 TEST(CudaCodegen, EngineIsListedAndExplainsAvailability) {
   SKIP_WITHOUT_CUDA_ENGINE();
@@ -127,6 +31,23 @@ TEST(CudaCodegen, EngineIsListedAndExplainsAvailability) {
   } else {
     EXPECT_NE(engine->memory(), nullptr);
   }
+}
+
+// FLEXATTN_CUDA_WGMMA=0 keeps the mma.sync kernels on sm_90: a plan setting, so a context never
+// serves a plan made under the other value. Other values leave the wgmma kernels allowed.
+TEST(CudaCodegen, TheWgmmaSwitchIsAPlanSetting) {
+  SKIP_WITHOUT_CUDA_ENGINE();
+  const auto engine = cuda_engine();
+  {
+    const test::ScopedEnvironment unset("FLEXATTN_CUDA_WGMMA", nullptr);
+    EXPECT_EQ(engine->plan_settings(), "");
+  }
+  {
+    const test::ScopedEnvironment mma_sync("FLEXATTN_CUDA_WGMMA", "0");
+    EXPECT_EQ(engine->plan_settings(), "wgmma=0");
+  }
+  const test::ScopedEnvironment allowed("FLEXATTN_CUDA_WGMMA", "1");
+  EXPECT_EQ(engine->plan_settings(), "");
 }
 
 TEST(CudaCodegen, GeneratedSourceLowersEveryFeature) {
@@ -170,24 +91,6 @@ TEST(CudaCodegen, Float64IsRefusedWithAReason) {
 
 // ---- backward ------------------------------------------------------------------------------
 
-Problem make_backward_problem(const GeneratedCase& c) {
-  Problem forward = make_problem(c);
-  ProblemDesc desc = forward.desc();
-  desc.direction = Direction::kForwardBackward;
-  return Problem(std::move(desc));
-}
-
-// The generated part of a translation unit, and pieces of it.
-std::string generated_part(const std::string& source) {
-  const std::size_t marker = source.find("// ---- generated");
-  return marker == std::string::npos ? source : source.substr(marker);
-}
-std::string between(const std::string& text, const std::string& from, const std::string& to) {
-  const std::size_t begin = text.find(from);
-  if (begin == std::string::npos) return {};
-  const std::size_t end = text.find(to, begin + from.size());
-  return text.substr(begin, end == std::string::npos ? std::string::npos : end - begin);
-}
 std::string tensor_grads_body(const std::string& source) {
   return between(source, "void tensor_grads(", "void flush_tensor_grads(");
 }
@@ -248,43 +151,6 @@ TEST(CudaCodegenBackward, BoundedDerivativeOnlyWhereItsIntervalIsFinite) {
               std::string::npos)
         << modifier << "\n"
         << source;
-  }
-}
-
-// kStaticReference (the forward's softmax subtracts a bound on every logit, no running max)
-// only where score_mod's interval is finite and at most 100 log2 units wide, and not for fp16
-// (whose P would underflow); the reference is the interval's top in log2 units.
-TEST(CudaCodegen, StaticReferenceOnlyForNarrowBoundedLogits) {
-  SKIP_WITHOUT_CUDA_ENGINE();
-  struct Expected {
-    std::string modifier;
-    DType dtype;
-    std::string fragment;
-  };
-  const std::string off = "kStaticReference = false";
-  const std::vector<Expected> cases = {
-      // 30 log2 e = 43.28: the span 86.6 log2 units.
-      {"30 * tanh(score / 30)", DType::kBF16, "kStaticReferenceLog2 = (0x1.5a3f2ep+5f)"},
-      {"30 * tanh(score / 30)", DType::kF32, "kStaticReferenceLog2 = (0x1.5a3f2ep+5f)"},
-      {"30 * tanh(score / 30)", DType::kF16, off},
-      {"50 * tanh(score / 50)", DType::kBF16, off},  // 144 log2 units
-      {"where(score > 0, 3, -2)", DType::kBF16, "kStaticReferenceLog2 = (0x1.14ff58p+2f)"},
-      {"", DType::kBF16, off},
-      {"score + bias[h, q, kv]", DType::kBF16, off},
-      {"where(kv % 5 == 3, -inf, 30 * tanh(score / 30))", DType::kBF16, off},
-  };
-  for (const Expected& e : cases) {
-    std::map<std::string, TensorDecl> tensors;
-    if (e.modifier.find("bias") != std::string::npos) {
-      tensors["bias"] = TensorDecl{DType::kF32, {4, 100, 100}};
-    }
-    const Problem problem = make_problem(
-        GeneratedCase{"static", e.dtype, 128, 128, e.modifier, "", tensors, {}, Layout::kBSHD, {}});
-    const std::string source = generated_part(cuda_engine()->generated_source(problem));
-    EXPECT_NE(source.find(e.fragment), std::string::npos) << e.modifier << "\n" << source;
-    if (e.fragment != off) {
-      EXPECT_NE(source.find("kStaticReference = true"), std::string::npos) << e.modifier;
-    }
   }
 }
 
@@ -401,304 +267,43 @@ TEST(CudaCodegenBackward, UnservedProblemsAreRefusedWithAReason) {
   EXPECT_NE(source.find("256"), std::string::npos) << source;
 }
 
-#if FLEXATTN_HAVE_CUDA
-Problem backward_problem_with(DType dtype, std::int64_t head_dim_qk, std::int64_t head_dim_v) {
-  GeneratedCase c{"choice", dtype, head_dim_qk, head_dim_v, "", "", {}, {}, Layout::kBSHD, {}};
-  return make_backward_problem(c);
-}
+// ---- the forward's logit and its variants ----------------------------------------------------
 
-TEST(CudaBackwardChoice, TensorCoresForSixteenBitStorageUpToHeadDim128) {
-  const cuda::BackwardSelection d64 = cuda::choose_backward_kernel(
-      backward_problem_with(DType::kBF16, 64, 64));
-  ASSERT_TRUE(d64.reason.empty()) << d64.reason;
-  EXPECT_EQ(d64.choice.kind, cuda::KernelKind::kMma);
-  EXPECT_EQ(d64.choice.block_q, 64);
-  EXPECT_EQ(d64.choice.block_kv, 64);
-  EXPECT_EQ(d64.choice.threads, 128);
-  // kernels/backward_mma.cuh: 6 * 64 * (pqk + pv) bytes, plus 1024 for lse and delta (dK/dV).
-  EXPECT_EQ(d64.choice.shared_dkdv, 6 * 64 * (64 + 64) + 1024);
-  EXPECT_EQ(d64.choice.shared_dq, 6 * 64 * (64 + 64));
-
-  const cuda::BackwardSelection d80 = cuda::choose_backward_kernel(
-      backward_problem_with(DType::kF16, 80, 72));
-  ASSERT_TRUE(d80.reason.empty()) << d80.reason;
-  EXPECT_EQ(d80.choice.kind, cuda::KernelKind::kMma);
-  EXPECT_EQ(d80.choice.padded_qk, 128);
-  EXPECT_EQ(d80.choice.padded_v, 128);
-  EXPECT_EQ(d80.choice.shared_dq, 6 * 64 * (128 + 128));
-  EXPECT_NE(d80.choice.config_type().find("BackwardMmaConfig<flexattn_kernels::HalfTag, 80, 72, "
-                                          "128, 128, "),
-            std::string::npos)
-      << d80.choice.config_type();
-}
-
-// On sm_90 both backward kernels run on wgmma for head dims 64/128: dK/dV over 128-key blocks
-// (64-row q blocks), dQ over 128-row blocks (64-key tiles), 256 threads each.
-TEST(CudaBackwardChoice, WgmmaOnSm90ForHeadDims64And128) {
-  const cuda::BackwardSelection d128 =
-      cuda::choose_backward_kernel(backward_problem_with(DType::kBF16, 128, 128), 90);
-  ASSERT_TRUE(d128.reason.empty()) << d128.reason;
-  const cuda::BackwardChoice& c = d128.choice;
-  EXPECT_TRUE(c.wgmma);
-  EXPECT_EQ(c.block_q, 64);
-  EXPECT_EQ(c.block_kv, 64);
-  EXPECT_EQ(c.dkdv_block_kv, 128);
-  EXPECT_EQ(c.dq_block_q, 128);
-  EXPECT_EQ(c.dkdv_threads, 256);
-  EXPECT_EQ(c.dq_threads, 256);
-  EXPECT_EQ(c.architecture_suffix(), "a");
-  EXPECT_EQ(c.dkdv_template(), "backward_dkdv_wgmma");
-  EXPECT_EQ(c.dq_template(), "backward_dq_wgmma");
-  // kernels/backward_wgmma.cuh: 1024 + 128 rows resident (K, V or Q, dO) + 3 stages of 64 rows
-  // of the other pair, + 3 x 512 for lse and delta (dK/dV).
-  EXPECT_EQ(c.dkdv_shared_bytes(), 1024 + 128 * 256 * 2 + 3 * 64 * 256 * 2 + 3 * 512);
-  EXPECT_EQ(c.dq_shared_bytes(), 1024 + 128 * 256 * 2 + 3 * 64 * 256 * 2);
-  EXPECT_EQ(c.wgmma_config_type(),
-            fmt::format("flexattn_kernels::BackwardWgmmaConfig<flexattn_kernels::BFloat16Tag, "
-                        "128, 128, {}, {}>",
-                        c.dkdv_shared_bytes(), c.dq_shared_bytes()));
-  for (const cuda::BackwardSelection& other :
-       {cuda::choose_backward_kernel(backward_problem_with(DType::kBF16, 128, 128), 80),
-        cuda::choose_backward_kernel(backward_problem_with(DType::kBF16, 128, 128), 90, false),
-        cuda::choose_backward_kernel(backward_problem_with(DType::kF16, 80, 72), 90)}) {
-    EXPECT_FALSE(other.choice.wgmma);
-    EXPECT_EQ(other.choice.dkdv_block_kv, other.choice.block_kv);
-    EXPECT_EQ(other.choice.dq_block_q, other.choice.block_q);
-    EXPECT_EQ(other.choice.dkdv_shared_bytes(), other.choice.shared_dkdv);
-    EXPECT_EQ(other.choice.dkdv_template(), "backward_dkdv_mma");
-    EXPECT_EQ(other.choice.dq_template(), "backward_dq_mma");
-  }
-}
-
-// The fused dQ (use_fused_dq): wgmma at head dim 128 without tensor gradients, 16 KB more for
-// the dS^T tile, its own kernel type; refused with a reason elsewhere, the choice unchanged.
-// The tile starts on a 1024-byte boundary (its swizzle): three row stages of 512 bytes end half
-// a kilobyte past one, so 512 bytes of padding come first (without them the fused dQ's
-// gradients were wrong on the H200, 2026-12-03).
-TEST(CudaBackwardChoice, FusedDqOnTheWgmmaBackwardAtHeadDim128) {
-  cuda::BackwardChoice c =
-      cuda::choose_backward_kernel(backward_problem_with(DType::kBF16, 128, 128), 90).choice;
-  const int shared = c.dkdv_shared_bytes();
-  ASSERT_EQ(cuda::use_fused_dq(c, false), "");
-  EXPECT_TRUE(c.fused_dq);
-  EXPECT_EQ(c.dkdv_shared_bytes(), shared + 512 + 128 * 64 * 2);
-  EXPECT_EQ((c.dkdv_shared_bytes() - 1024 - 128 * 64 * 2) % 1024, 0)
-      << "the dS^T tile's offset from the aligned start";
-  EXPECT_LE(c.dkdv_shared_bytes(), 227 * 1024);
-  EXPECT_EQ(c.wgmma_config_type(),
-            fmt::format("flexattn_kernels::BackwardWgmmaConfig<flexattn_kernels::BFloat16Tag, "
-                        "128, 128, {}, {}, true>",
-                        c.dkdv_shared_bytes(), c.dq_shared_bytes()));
-  EXPECT_NE(c.describe().find("dQ accumulated by the dK/dV kernel"), std::string::npos);
-  EXPECT_EQ(cuda::use_fused_dq(c, false), "") << "applying it twice changes nothing";
-  EXPECT_EQ(c.dkdv_shared_bytes(), shared + 512 + 128 * 64 * 2);
-
-  struct Refusal {
-    cuda::BackwardChoice choice;
-    bool tensor_grads;
-    const char* reason;
-  };
-  for (const Refusal& r :
-       {Refusal{cuda::choose_backward_kernel(backward_problem_with(DType::kBF16, 128, 128), 90)
-                    .choice,
-                true, "tensor gradients"},
-        Refusal{cuda::choose_backward_kernel(backward_problem_with(DType::kBF16, 64, 64), 90)
-                    .choice,
-                false, "head dim 128"},
-        Refusal{cuda::choose_backward_kernel(backward_problem_with(DType::kBF16, 128, 128), 80)
-                    .choice,
-                false, "wgmma"}}) {
-    cuda::BackwardChoice choice = r.choice;
-    const std::string reason = cuda::use_fused_dq(choice, r.tensor_grads);
-    EXPECT_NE(reason.find(r.reason), std::string::npos) << reason;
-    EXPECT_FALSE(choice.fused_dq);
-    EXPECT_EQ(choice.dkdv_shared_bytes(), r.choice.dkdv_shared_bytes());
-  }
-}
-
-// The fused dQ's order: each (kv tile, q block) entry's turn is the number of smaller kv tiles
-// visiting that q block, so the turns of one q block are 0, 1, 2, ... in kv-tile order.
-TEST(CudaBackwardTiles, FusedDqTurnsCountEarlierVisitors) {
-  for (const char* mask : {"q >= kv", "q >= kv && q - kv < 200", ""}) {
-    SCOPED_TRACE(mask);
-    GeneratedCase c{"turns", DType::kBF16, 128, 128, "", mask, {}, {}, Layout::kBSHD, {}};
-    ProblemDesc desc = make_backward_problem(c).desc();
-    desc.seq_len_q = 700;
-    desc.seq_len_kv = 700;
-    const Problem problem(desc);
-    const cuda::TileList list = cuda::classify_tiles(problem, 64, 128);
-    const cuda::KvTileList transposed = cuda::transpose_tiles(list);
-    const std::vector<int> turns = cuda::kv_tile_turns(transposed, list.query_blocks);
-    ASSERT_EQ(turns.size(), transposed.entries.size());
-    std::map<int, std::vector<std::pair<int, int>>> by_block;  // q block -> (kv tile, turn)
-    for (std::size_t tile = 0; tile + 1 < transposed.offsets.size(); ++tile) {
-      for (int i = transposed.offsets[tile]; i < transposed.offsets[tile + 1]; ++i) {
-        by_block[transposed.entries[static_cast<std::size_t>(i)] >> 1].emplace_back(
-            static_cast<int>(tile), turns[static_cast<std::size_t>(i)]);
-      }
-    }
-    ASSERT_EQ(static_cast<std::int64_t>(by_block.size()), list.query_blocks);
-    for (const auto& [block, visits] : by_block) {
-      for (std::size_t k = 0; k < visits.size(); ++k) {
-        EXPECT_EQ(visits[k].second, static_cast<int>(k)) << "q block " << block;
-        if (k > 0) {
-          EXPECT_LT(visits[k - 1].first, visits[k].first) << "q block " << block;
-        }
-      }
-    }
-  }
-}
-
-TEST(CudaBackwardChoice, FloatUnitsOtherwiseWithTheirReason) {
+// kStaticReference (the forward's softmax subtracts a bound on every logit, no running max)
+// only where score_mod's interval is finite and at most 100 log2 units wide, and not for fp16
+// (whose P would underflow); the reference is the interval's top in log2 units.
+TEST(CudaCodegen, StaticReferenceOnlyForNarrowBoundedLogits) {
+  SKIP_WITHOUT_CUDA_ENGINE();
   struct Expected {
+    std::string modifier;
     DType dtype;
-    std::int64_t head_dim_qk, head_dim_v;
-    const char* why;
+    std::string fragment;
   };
-  for (const Expected& e : {Expected{DType::kF32, 64, 64, "fp32 storage"},
-                            Expected{DType::kBF16, 17, 17, "not multiples of 8"},
-                            Expected{DType::kBF16, 160, 160, "exceeds the tensor-core"},
-                            Expected{DType::kF16, 256, 128, "exceeds the tensor-core"}}) {
-    SCOPED_TRACE(e.why);
-    const cuda::BackwardSelection selection =
-        cuda::choose_backward_kernel(backward_problem_with(e.dtype, e.head_dim_qk, e.head_dim_v));
-    ASSERT_TRUE(selection.reason.empty()) << selection.reason;
-    EXPECT_EQ(selection.choice.kind, cuda::KernelKind::kSimt);
-    EXPECT_NE(selection.choice.why.find(e.why), std::string::npos) << selection.choice.why;
-    EXPECT_NE(selection.choice.describe().find(e.why), std::string::npos);
-    EXPECT_EQ(selection.choice.block_q, 32);
-    EXPECT_EQ(selection.choice.block_kv, 32);
-    // kernels/backward_simt.cuh: 4 * (2 * 32 * (dqk + dv) + 2 * 32 + 2 * 32 * 33) bytes.
-    const auto dims = static_cast<int>(e.head_dim_qk + e.head_dim_v);
-    EXPECT_EQ(selection.choice.shared_dkdv, 4 * (2 * 32 * dims + 2 * 32 + 2 * 32 * 33));
-    EXPECT_EQ(selection.choice.shared_dq, selection.choice.shared_dkdv);
-  }
-
-  // A query stride of 68 elements: rows are not 16-byte aligned.
-  GeneratedCase strided{"strided", DType::kBF16, 64, 64, "", "", {}, {}, Layout::kBSHD, {}};
-  ProblemDesc desc = make_backward_problem(strided).desc();
-  desc.q_strides = std::vector<std::int64_t>{100 * 4 * 68, 4 * 68, 68, 1};
-  const cuda::BackwardSelection selection = cuda::choose_backward_kernel(Problem(desc));
-  ASSERT_TRUE(selection.reason.empty()) << selection.reason;
-  EXPECT_EQ(selection.choice.kind, cuda::KernelKind::kSimt);
-  EXPECT_NE(selection.choice.why.find("stride"), std::string::npos) << selection.choice.why;
-}
-
-TEST(CudaBackwardChoice, RefusesFloat64AndHeadDimsAbove256) {
-  const cuda::BackwardSelection fp64 =
-      cuda::choose_backward_kernel(backward_problem_with(DType::kF64, 64, 64));
-  EXPECT_NE(fp64.reason.find("fp64"), std::string::npos) << fp64.reason;
-  const cuda::BackwardSelection wide =
-      cuda::choose_backward_kernel(backward_problem_with(DType::kF32, 64, 264));
-  EXPECT_NE(wide.reason.find("264"), std::string::npos) << wide.reason;
-  EXPECT_NE(wide.reason.find("256"), std::string::npos) << wide.reason;
-}
-
-// The kv-major list holds exactly the q-major list's pairs, each kv tile's query blocks in
-// ascending order with their mixed bits, for masks with skipped, full and mixed tiles.
-TEST(CudaBackwardTiles, TransposeMatchesTheQueryMajorList) {
-  struct MaskCase {
-    const char* mask;
-    std::int64_t seq_len_q, seq_len_kv;
-    int block_q, block_kv;
+  const std::string off = "kStaticReference = false";
+  const std::vector<Expected> cases = {
+      // 30 log2 e = 43.28: the span 86.6 log2 units.
+      {"30 * tanh(score / 30)", DType::kBF16, "kStaticReferenceLog2 = (0x1.5a3f2ep+5f)"},
+      {"30 * tanh(score / 30)", DType::kF32, "kStaticReferenceLog2 = (0x1.5a3f2ep+5f)"},
+      {"30 * tanh(score / 30)", DType::kF16, off},
+      {"50 * tanh(score / 50)", DType::kBF16, off},  // 144 log2 units
+      {"where(score > 0, 3, -2)", DType::kBF16, "kStaticReferenceLog2 = (0x1.14ff58p+2f)"},
+      {"", DType::kBF16, off},
+      {"score + bias[h, q, kv]", DType::kBF16, off},
+      {"where(kv % 5 == 3, -inf, 30 * tanh(score / 30))", DType::kBF16, off},
   };
-  for (const MaskCase& m : {MaskCase{"q >= kv", 300, 300, 64, 64},
-                            MaskCase{"q + (KV_LEN - Q_LEN) >= kv", 200, 333, 32, 32},
-                            MaskCase{"q >= kv && q - kv < 80", 500, 500, 64, 64},
-                            MaskCase{"", 70, 129, 32, 32}}) {
-    SCOPED_TRACE(m.mask);
-    GeneratedCase c{"tiles", DType::kBF16, 64, 64, "", m.mask, {}, {}, Layout::kBSHD, {}};
-    ProblemDesc desc = make_backward_problem(c).desc();
-    desc.seq_len_q = m.seq_len_q;
-    desc.seq_len_kv = m.seq_len_kv;
-    const Problem problem(desc);
-    const cuda::TileList list = cuda::classify_tiles(problem, m.block_q, m.block_kv);
-    const cuda::KvTileList transposed = cuda::transpose_tiles(list);
-    ASSERT_EQ(transposed.offsets.size(), static_cast<std::size_t>(list.kv_tiles + 1));
-    ASSERT_EQ(transposed.offsets.front(), 0);
-    ASSERT_EQ(transposed.offsets.back(), static_cast<int>(list.entries.size()));
-    for (std::int64_t tile = 0; tile < list.kv_tiles; ++tile) {
-      std::vector<int> expected;  // brute force: every query block whose list names this tile
-      for (std::int64_t block = 0; block < list.query_blocks; ++block) {
-        for (int i = list.offsets[static_cast<std::size_t>(block)];
-             i < list.offsets[static_cast<std::size_t>(block) + 1]; ++i) {
-          const int entry = list.entries[static_cast<std::size_t>(i)];
-          if ((entry >> 1) == tile) expected.push_back(static_cast<int>(block << 1) | (entry & 1));
-        }
-      }
-      const std::vector<int> actual(
-          transposed.entries.begin() + transposed.offsets[static_cast<std::size_t>(tile)],
-          transposed.entries.begin() + transposed.offsets[static_cast<std::size_t>(tile) + 1]);
-      EXPECT_EQ(actual, expected) << "kv tile " << tile;
+  for (const Expected& e : cases) {
+    std::map<std::string, TensorDecl> tensors;
+    if (e.modifier.find("bias") != std::string::npos) {
+      tensors["bias"] = TensorDecl{DType::kF32, {4, 100, 100}};
     }
-    if (std::string(m.mask) == "q >= kv") {
-      // Causal, square tiles: kv tile t is visited by query blocks t.. (the diagonal mixed).
-      const std::int64_t blocks = list.query_blocks;
-      for (std::int64_t tile = 0; tile < list.kv_tiles; ++tile) {
-        const int begin = transposed.offsets[static_cast<std::size_t>(tile)];
-        EXPECT_EQ(transposed.offsets[static_cast<std::size_t>(tile) + 1] - begin, blocks - tile);
-        EXPECT_EQ(transposed.entries[static_cast<std::size_t>(begin)],
-                  static_cast<int>(tile << 1) | 1);
-      }
+    const Problem problem = make_problem(
+        GeneratedCase{"static", e.dtype, 128, 128, e.modifier, "", tensors, {}, Layout::kBSHD, {}});
+    const std::string source = generated_part(cuda_engine()->generated_source(problem));
+    EXPECT_NE(source.find(e.fragment), std::string::npos) << e.modifier << "\n" << source;
+    if (e.fragment != off) {
+      EXPECT_NE(source.find("kStaticReference = true"), std::string::npos) << e.modifier;
     }
   }
-}
-
-// ---- forward kernel choice: wgmma on sm_90, mma.sync elsewhere ----------------------------------
-
-TEST(CudaForwardChoice, WgmmaOnlyOnSm90ForSixteenBitHeadDims64And128) {
-  const auto choose = [](DType dtype, std::int64_t qk, std::int64_t v, int capability,
-                         bool allow = true) {
-    GeneratedCase c{"choice", dtype, qk, v, "", "", {}, {}, Layout::kBSHD, {}};
-    const cuda::KernelSelection selection = cuda::choose_kernel(make_problem(c), capability, allow);
-    EXPECT_TRUE(selection.reason.empty()) << selection.reason;
-    return selection.choice;
-  };
-  const cuda::KernelChoice d128 = choose(DType::kBF16, 128, 128, 90);
-  EXPECT_EQ(d128.kind, cuda::KernelKind::kWgmma);
-  EXPECT_EQ(d128.block_m, 128);
-  EXPECT_EQ(d128.block_n, 128);
-  EXPECT_TRUE(d128.producer);  // two computing warpgroups and the producer's
-  EXPECT_EQ(d128.threads(), 384);
-  EXPECT_EQ(d128.architecture_suffix(), "a");
-  EXPECT_EQ(d128.kernel_template(), "forward_wgmma");
-  // kernels/forward_wgmma.cuh: 1024 (alignment) + Q 128 rows + 3 stages of 128 keys of K and V +
-  // the producer's 64 bytes of stage barriers.
-  EXPECT_EQ(d128.shared_bytes, 1024 + 128 * 128 * 2 + 3 * 128 * (128 + 128) * 2 + 64);
-  EXPECT_LE(d128.shared_bytes, 227 * 1024);  // what one block may have on sm_90
-  EXPECT_EQ(d128.config_type(),
-            fmt::format("flexattn_kernels::WgmmaConfig<flexattn_kernels::BFloat16Tag, 128, 128, "
-                        "128, 3, true, {}, false, 2, 1, false, true>",
-                        d128.shared_bytes));
-  EXPECT_TRUE(d128.pipelined);
-  // Head dim 64: the loop that waits for each product, two stages of 128 keys, two blocks per
-  // multiprocessor (the largest shared-memory carveout).
-  const cuda::KernelChoice d64 = choose(DType::kF16, 64, 64, 90);
-  EXPECT_EQ(d64.kind, cuda::KernelKind::kWgmma);
-  EXPECT_FALSE(d64.pipelined);
-  EXPECT_EQ(d64.stages, 2);
-  EXPECT_EQ(d64.block_n, 128);
-  EXPECT_EQ(d64.min_blocks, 2);
-  EXPECT_EQ(d64.shared_bytes, 1024 + 128 * 64 * 2 + 2 * 128 * (64 + 64) * 2);
-  EXPECT_NE(d64.config_type().find(", false, 2, 2>"), std::string::npos) << d64.config_type();
-  EXPECT_EQ(choose(DType::kBF16, 128, 64, 90).kind, cuda::KernelKind::kWgmma);
-  // Elsewhere the portable kernels: another architecture or none known, head dims wgmma does not
-  // hold unpadded, fp32 storage, or the switch off.
-  for (const cuda::KernelChoice& other :
-       {choose(DType::kBF16, 128, 128, 80), choose(DType::kBF16, 128, 128, 0),
-        choose(DType::kBF16, 128, 128, 100), choose(DType::kBF16, 96, 96, 90),
-        choose(DType::kBF16, 128, 128, 90, false)}) {
-    EXPECT_EQ(other.kind, cuda::KernelKind::kMma);
-    EXPECT_EQ(other.architecture_suffix(), "");
-  }
-  EXPECT_EQ(choose(DType::kF32, 128, 128, 90).kind, cuda::KernelKind::kSimt);
-}
-
-// The body of one generated function, from its name to the closing brace of its definition.
-std::string function_body(const std::string& source, const std::string& name) {
-  const std::size_t start = source.find(" " + name + "(", source.find("// ---- generated"));
-  if (start == std::string::npos) return {};
-  return source.substr(start, source.find("\n  }\n", start) - start);
 }
 
 // score_mod_log2 (the tensor-core kernels' logit in the exp2 domain) merges the constant
@@ -897,422 +502,6 @@ TEST(CudaCodegen, SmallTanhVariantsComeWithTheirBound) {
   EXPECT_EQ(function_body(source, "tanh_args_small").find(" && "), std::string::npos)
       << "the derivative's condition is the logit's, stated once";
 }
-
-// NVRTC compiles `source` to a cubin (no GPU needed); a compile error is the test's failure.
-void expect_compiles(const std::string& source, const std::string& name, int capability,
-                     const std::string& suffix = "") {
-  std::vector<char> cubin;
-  try {
-    cubin = cuda::compile_to_cubin(source, name, capability, suffix);
-  } catch (const Error& error) {
-    ADD_FAILURE() << error.what();
-  }
-  EXPECT_FALSE(cubin.empty());
-}
-
-// The wgmma translation units, forward and forward + backward, compile for sm_90a with NVRTC (no
-// GPU) and hold the warpgroup instructions: the engine's module on an H200.
-TEST(CudaForwardCompile, WgmmaTranslationUnitsCompileForSm90a) {
-  SKIP_WITHOUT_CUDA_ENGINE();
-  constexpr int kCapability = 90;
-  const TensorDecl slopes{DType::kF32, {4}};
-  for (const auto& [c, backward] :
-       {std::pair{GeneratedCase{"wgmma_bf16_d128_softcap_causal", DType::kBF16, 128, 128,
-                                "30 * tanh(score / 30)", "q >= kv", {}, {}, Layout::kBSHD, {}},
-                  false},
-        std::pair{GeneratedCase{"wgmma_f16_d64_alibi_thd", DType::kF16, 64, 64,
-                                "score + slopes[h] * (kv - q)", "", {{"slopes", slopes}}, {},
-                                Layout::kTHD, {}},
-                  true}}) {
-    SCOPED_TRACE(c.name);
-    const Problem problem = backward ? make_backward_problem(c) : make_problem(c);
-    const cuda::KernelSelection selection = cuda::choose_kernel(problem, kCapability);
-    ASSERT_EQ(selection.choice.kind, cuda::KernelKind::kWgmma);
-    const cuda::BindingSelection bindings = cuda::bind_modifier(problem);
-    ASSERT_TRUE(bindings.reason.empty()) << bindings.reason;
-    std::optional<cuda::BackwardCode> backward_code;
-    if (backward) {
-      const cuda::BackwardChoice choice =
-          cuda::choose_backward_kernel(problem, kCapability).choice;
-      EXPECT_TRUE(choice.wgmma);
-      backward_code = cuda::backward_code(problem, choice);
-    }
-    const std::string source = cuda::generate_translation_unit(
-        problem, bindings.bindings, selection.choice, backward_code ? &*backward_code : nullptr);
-    EXPECT_NE(source.find("flexattn_kernels::forward_wgmma<FlexattnConfig"), std::string::npos);
-    if (backward) {
-      EXPECT_NE(source.find("flexattn_kernels::backward_dkdv_wgmma<FlexattnWgmmaConfig"),
-                std::string::npos);
-      EXPECT_NE(source.find("flexattn_kernels::backward_dq_wgmma<FlexattnWgmmaConfig"),
-                std::string::npos);
-    }
-    expect_compiles(source, c.name + ".cu", kCapability, selection.choice.architecture_suffix());
-  }
-}
-
-// FLEXATTN_CUDA_WGMMA_TILE's shapes: parsed, checked against the shared memory of a
-// multiprocessor, refused with a reason; other kernel kinds untouched.
-TEST(CudaForwardChoice, WgmmaTileExperimentsAreParsedAndChecked) {
-  constexpr int kCapability = 90;
-  const Problem d128 = make_problem(GeneratedCase{"d128", DType::kBF16, 128, 128, "", "", {}, {},
-                                                  Layout::kBSHD, {}});
-  const cuda::KernelChoice base = cuda::choose_kernel(d128, kCapability).choice;
-  ASSERT_EQ(base.kind, cuda::KernelKind::kWgmma);
-  cuda::KernelChoice c = base;
-  c.take_turns = true;
-  ASSERT_EQ(cuda::apply_wgmma_tile(c, "warpgroups=1,block_n=64,stages=3,blocks=2"), "");
-  EXPECT_EQ(c.warps, 4);
-  EXPECT_EQ(c.block_m, 64);
-  EXPECT_EQ(c.class_block_q, 64);
-  EXPECT_EQ(c.block_n, 64);
-  EXPECT_EQ(c.min_blocks, 2);
-  EXPECT_FALSE(c.take_turns);  // one warpgroup: nobody to take turns with
-  EXPECT_EQ(c.shared_bytes, 1024 + 64 * 256 + 3 * 64 * 512);
-  EXPECT_NE(c.config_type().find(", false, 1, 2>"), std::string::npos) << c.config_type();
-  EXPECT_NE(c.describe().find("2 blocks per multiprocessor"), std::string::npos) << c.describe();
-  // The default shape's type is unchanged by an empty experiment.
-  cuda::KernelChoice same = base;
-  ASSERT_EQ(cuda::apply_wgmma_tile(same, ""), "");
-  EXPECT_EQ(same.config_type(), base.config_type());
-  for (const char* bad : {"warpgroups=3", "block_n=96", "stages", "stages=x", "colour=1",
-                          "pipelined=1,stages=2", "blocks=2"}) {
-    SCOPED_TRACE(bad);
-    cuda::KernelChoice refused = base;
-    const std::string reason = cuda::apply_wgmma_tile(refused, bad);
-    EXPECT_NE(reason.find("FLEXATTN_CUDA_WGMMA_TILE"), std::string::npos) << reason;
-    EXPECT_EQ(refused.config_type(), base.config_type());
-  }
-  // A head-dim prefix: applies to its head dim only.
-  cuda::KernelChoice other_dim = base;
-  ASSERT_EQ(cuda::apply_wgmma_tile(other_dim, "d64:warpgroups=1"), "");
-  EXPECT_EQ(other_dim.config_type(), base.config_type());
-  ASSERT_EQ(cuda::apply_wgmma_tile(other_dim, "d128:warpgroups=1"), "");
-  EXPECT_EQ(other_dim.warps, 4);
-  EXPECT_NE(cuda::apply_wgmma_tile(other_dim, "d96:blocks=1").find("not d64 or d128"),
-            std::string::npos);
-  // blocks=2 at the default D128 shape: 2 x 225 KB do not fit.
-  cuda::KernelChoice two = base;
-  EXPECT_NE(cuda::apply_wgmma_tile(two, "blocks=2").find("do not fit"), std::string::npos);
-  cuda::KernelChoice mma = cuda::choose_kernel(d128, 80).choice;
-  const std::string before = mma.config_type();
-  EXPECT_EQ(cuda::apply_wgmma_tile(mma, "warpgroups=1"), "");
-  EXPECT_EQ(mma.config_type(), before);
-}
-
-// producer=1: a third warpgroup of 128 threads (launched, not counted in `warps`), 64 bytes of
-// stage barriers; only with two computing warpgroups at one block per multiprocessor.
-TEST(CudaForwardChoice, WgmmaProducerAddsAWarpgroupAndItsBarriers) {
-  constexpr int kCapability = 90;
-  const Problem d128 = make_problem(GeneratedCase{"d128", DType::kBF16, 128, 128, "", "", {}, {},
-                                                  Layout::kBSHD, {}});
-  const cuda::KernelChoice base = cuda::choose_kernel(d128, kCapability).choice;
-  ASSERT_TRUE(base.producer);  // the head-dim-128 default
-  cuda::KernelChoice c = base;
-  c.take_turns = true;
-  ASSERT_EQ(cuda::apply_wgmma_tile(c, "producer=1"), "");
-  EXPECT_TRUE(c.producer);
-  EXPECT_TRUE(c.take_turns);
-  EXPECT_EQ(c.warps, 8);
-  EXPECT_EQ(c.threads(), 384);
-  EXPECT_NE(c.config_type().find(", 230464, true, 2, 1, false, true>"), std::string::npos)
-      << c.config_type();
-  EXPECT_NE(c.describe().find("producer warpgroup"), std::string::npos) << c.describe();
-  cuda::KernelChoice without = c;
-  ASSERT_EQ(cuda::apply_wgmma_tile(without, "producer=0"), "");
-  EXPECT_FALSE(without.producer);
-  EXPECT_EQ(without.threads(), 256);
-  EXPECT_EQ(without.shared_bytes, base.shared_bytes - 64);
-  EXPECT_NE(without.config_type().find(", 230400, true>"), std::string::npos)
-      << without.config_type();
-  // A shape the producer cannot serve drops it unless it is named.
-  cuda::KernelChoice one = base;
-  ASSERT_EQ(cuda::apply_wgmma_tile(one, "warpgroups=1"), "");
-  EXPECT_FALSE(one.producer);
-  // (-1 was accepted as "off" until 2026-12-03: the values are 0 or 1 exactly.)
-  for (const char* bad :
-       {"producer=1,warpgroups=1", "producer=2", "producer=-1", "pipelined=-1"}) {
-    SCOPED_TRACE(bad);
-    cuda::KernelChoice refused = base;
-    EXPECT_NE(cuda::apply_wgmma_tile(refused, bad).find("FLEXATTN_CUDA_WGMMA_TILE"),
-              std::string::npos);
-    EXPECT_EQ(refused.config_type(), base.config_type());
-  }
-  // Head dim 64 runs two blocks per multiprocessor by default: the producer needs blocks=1.
-  const Problem d64 = make_problem(GeneratedCase{"d64", DType::kBF16, 64, 64, "", "", {}, {},
-                                                 Layout::kBSHD, {}});
-  cuda::KernelChoice small = cuda::choose_kernel(d64, kCapability).choice;
-  EXPECT_NE(cuda::apply_wgmma_tile(small, "producer=1").find("blocks=1"), std::string::npos);
-  ASSERT_EQ(cuda::apply_wgmma_tile(small, "producer=1,blocks=1"), "");
-  EXPECT_EQ(small.threads(), 384);
-}
-
-// The experiment shapes compile for sm_90a (one warpgroup, 64-key tiles, two blocks).
-TEST(CudaForwardCompile, WgmmaTileExperimentsCompileForSm90a) {
-  SKIP_WITHOUT_CUDA_ENGINE();
-  constexpr int kCapability = 90;
-  for (const auto& [head_dim, spec] :
-       {std::pair{128, "warpgroups=1,block_n=64,stages=3,blocks=2"},
-        std::pair{64, "block_n=64,blocks=2"}, std::pair{64, "warpgroups=1,blocks=2"}}) {
-    SCOPED_TRACE(spec);
-    const Problem problem = make_problem(GeneratedCase{"tile", DType::kBF16, head_dim, head_dim,
-                                                       "30 * tanh(score / 30)", "q >= kv", {},
-                                                       {}, Layout::kBSHD, {}});
-    cuda::KernelChoice choice = cuda::choose_kernel(problem, kCapability).choice;
-    ASSERT_EQ(cuda::apply_wgmma_tile(choice, spec), "");
-    const std::string source = cuda::generate_translation_unit(
-        problem, cuda::bind_modifier(problem).bindings, choice, nullptr);
-    expect_compiles(source, "tile.cu", kCapability, choice.architecture_suffix());
-  }
-}
-
-// A bias-like problem for the staging experiment: B 2, H 4, S 128 (kv a multiple of 8).
-Problem staging_problem(const std::string& score_mod, TensorDecl bias,
-                        Layout layout = Layout::kBSHD, std::int64_t head_dim = 128) {
-  ProblemDesc desc;
-  desc.batch = 2;
-  desc.heads_q = 4;
-  desc.heads_kv = 4;
-  desc.seq_len_q = 128;
-  desc.seq_len_kv = 128;
-  desc.head_dim_qk = head_dim;
-  desc.head_dim_v = head_dim;
-  desc.dtype = DType::kBF16;
-  desc.layout = layout;
-  desc.device = Device::kCuda;
-  if (layout == Layout::kTHD) {
-    desc.cu_seqlens_q = {0, 60, 128};
-    desc.cu_seqlens_kv = {0, 60, 128};
-    desc.seq_len_q = 0;
-    desc.seq_len_kv = 0;
-  }
-  desc.tensors["bias"] = std::move(bias);
-  desc.score_mod = ir::parse(score_mod, desc.scope());
-  return Problem(std::move(desc));
-}
-
-// FLEXATTN_CUDA_STAGE_TENSORS: which loads can be staged through shared memory.
-TEST(CudaCodegen, StageableTensorsAreDenseQueryKeyTiles) {
-  const TensorDecl hqk{DType::kBF16, {4, 128, 128}};
-  EXPECT_EQ(cuda::stageable_tensor(staging_problem("score + bias[h, q, kv]", hqk)), "bias");
-  EXPECT_EQ(cuda::stageable_tensor(staging_problem("score + bias[b, h, q, kv]",
-                                                   TensorDecl{DType::kF16, {2, 4, 128, 128}})),
-            "bias");
-  EXPECT_EQ(cuda::stageable_tensor(staging_problem("score * bias[h, q, kv] + 1", hqk)), "bias");
-  for (const auto& [score_mod, decl, layout] :
-       {std::tuple{"score + bias[h, q, kv]", TensorDecl{DType::kF32, {4, 128, 128}},
-                   Layout::kBSHD},                                            // 4-byte values
-        std::tuple{"score + bias[h, kv, q]", hqk, Layout::kBSHD},             // transposed
-        std::tuple{"score + bias[h, q, min(kv + 1, 127)]", hqk, Layout::kBSHD},  // shifted
-        std::tuple{"score + bias[h, q, kv]", hqk, Layout::kTHD},              // varlen
-        std::tuple{"score + bias[kv % 4, q, kv]", hqk, Layout::kBSHD}}) {     // varying head
-    SCOPED_TRACE(score_mod);
-    EXPECT_EQ(cuda::stageable_tensor(staging_problem(score_mod, decl, layout)), "");
-  }
-}
-
-// The staged wgmma forward: two stages without pipelining and the bias tiles in the shared
-// memory; the generated code reads the tile when the kernel passes one, and compiles for sm_90a.
-TEST(CudaForwardCompile, StagedTensorCompilesForSm90a) {
-  SKIP_WITHOUT_CUDA_ENGINE();
-  constexpr int kCapability = 90;
-  for (const std::int64_t head_dim : {64, 128}) {
-    SCOPED_TRACE(head_dim);
-    const Problem problem =
-        staging_problem("score + bias[h, q, kv]", TensorDecl{DType::kBF16, {4, 128, 128}},
-                        Layout::kBSHD, head_dim);
-    cuda::KernelChoice choice = cuda::choose_kernel(problem, kCapability).choice;
-    ASSERT_EQ(choice.kind, cuda::KernelKind::kWgmma);
-    choice.take_turns = choice.pipelined;
-    ASSERT_EQ(cuda::stage_wgmma_tensor(choice), "");
-    EXPECT_TRUE(choice.stage_tensor);
-    EXPECT_FALSE(choice.pipelined);
-    EXPECT_FALSE(choice.take_turns);
-    EXPECT_EQ(choice.stages, 2);
-    const int h = static_cast<int>(head_dim);
-    const int n = head_dim == 64 ? 64 : 128;  // keys per tile
-    const int blocks = head_dim == 64 ? 2 : 1;  // per multiprocessor
-    EXPECT_EQ(choice.block_n, n);
-    EXPECT_EQ(choice.min_blocks, blocks);
-    EXPECT_EQ(choice.shared_bytes, 1024 + 128 * h * 2 + 2 * (n * 2 * h * 2 + 128 * n * 2));
-    EXPECT_NE(choice.config_type().find(fmt::format(", false, 2, {}, true>", blocks)),
-              std::string::npos)
-        << choice.config_type();
-    // The unstaged fallback: the same shape without the tile.
-    const cuda::KernelChoice unstaged = cuda::without_staged_tensor(choice);
-    EXPECT_FALSE(unstaged.stage_tensor);
-    EXPECT_EQ(unstaged.block_n, n);
-    EXPECT_EQ(unstaged.shared_bytes, 1024 + 128 * h * 2 + 2 * n * 2 * h * 2);
-    if (head_dim == 64) {
-      // The shape measured on the H200 as the experiment d64:block_n=64,blocks=2 over the staged
-      // 128-key default (2026-12-03): the same kernel.
-      cuda::KernelChoice measured = cuda::choose_kernel(problem, kCapability).choice;
-      measured.take_turns = measured.pipelined;
-      cuda::KernelChoice staged128 = measured;
-      staged128.block_n = 128;
-      staged128.min_blocks = 1;
-      staged128.stage_tensor = true;
-      ASSERT_EQ(cuda::apply_wgmma_tile(staged128, "d64:block_n=64,blocks=2"), "");
-      EXPECT_EQ(staged128.config_type(), choice.config_type());
-    }
-    EXPECT_NE(choice.describe().find("staged in shared memory"), std::string::npos);
-    const std::string source = cuda::generate_translation_unit(
-        problem, cuda::bind_modifier(problem).bindings, choice, nullptr);
-    const std::string generated = source.substr(source.find("// ---- generated"));
-    for (const char* fragment :
-         {"staged != nullptr ? staged_bf16(*staged) : load_tensor_bf16(",
-          "kStagedTensor = 0;", "kStagedRowStride = 128LL;", "staged_origin("}) {
-      EXPECT_NE(generated.find(fragment), std::string::npos) << fragment << "\n" << generated;
-    }
-    expect_compiles(source, "staged.cu", kCapability, choice.architecture_suffix());
-    if (head_dim == 64) {
-      // Three stages with the staged tile fit beside Q at head dim 64: the pipelined loop with a
-      // producer warpgroup takes it too.
-      ASSERT_EQ(cuda::apply_wgmma_tile(choice, "d64:pipelined=1,stages=3,blocks=1,producer=1"), "");
-      EXPECT_TRUE(choice.pipelined && choice.producer && choice.stage_tensor);
-      EXPECT_EQ(choice.shared_bytes, 1024 + 128 * h * 2 + 3 * (n * 2 * h * 2 + 128 * n * 2) + 64);
-      expect_compiles(cuda::generate_translation_unit(
-                          problem, cuda::bind_modifier(problem).bindings, choice, nullptr),
-                      "staged_pipelined.cu", kCapability, choice.architecture_suffix());
-    }
-  }
-  // The mma.sync kernel (no sm_90) never stages: its generated code has no staged read.
-  const Problem plain =
-      staging_problem("score + bias[h, q, kv]", TensorDecl{DType::kBF16, {4, 128, 128}});
-  const cuda::KernelChoice mma_sync = cuda::choose_kernel(plain, 0).choice;
-  ASSERT_EQ(mma_sync.kind, cuda::KernelKind::kMma);
-  const std::string source = cuda::generate_translation_unit(
-      plain, cuda::bind_modifier(plain).bindings, mma_sync, nullptr);
-  EXPECT_EQ(source.find("staged_bf16(*staged"), std::string::npos);
-  EXPECT_NE(source.find("kStagedTensor = -1;"), std::string::npos);
-}
-
-// The producer variant compiles for sm_90a in both loops (pipelined, and without pipelining with
-// a staged tensor or at head dim 64), hands its registers over (setmaxnreg) and launches with the
-// producer's threads.
-TEST(CudaForwardCompile, WgmmaProducerCompilesForSm90a) {
-  SKIP_WITHOUT_CUDA_ENGINE();
-  constexpr int kCapability = 90;
-  const TensorDecl bias{DType::kBF16, {4, 128, 128}};
-  for (const auto& [head_dim, score_mod, spec] :
-       {std::tuple{128, "30 * tanh(score / 30)", "producer=1"},
-        std::tuple{128, "score + bias[h, q, kv]", "producer=1"},
-        std::tuple{64, "30 * tanh(score / 30)", "producer=1,blocks=1"}}) {
-    SCOPED_TRACE(score_mod);
-    const Problem problem = staging_problem(score_mod, bias, Layout::kBSHD, head_dim);
-    cuda::KernelChoice choice = cuda::choose_kernel(problem, kCapability).choice;
-    if (!cuda::stageable_tensor(problem).empty()) {
-      ASSERT_EQ(cuda::stage_wgmma_tensor(choice), "");
-    }
-    ASSERT_EQ(cuda::apply_wgmma_tile(choice, spec), "");
-    const std::string source = cuda::generate_translation_unit(
-        problem, cuda::bind_modifier(problem).bindings, choice, nullptr);
-    EXPECT_NE(source.find("__launch_bounds__(FlexattnConfig::kBlockThreads"), std::string::npos);
-    expect_compiles(source, "producer.cu", kCapability, choice.architecture_suffix());
-  }
-}
-
-// The variant where warpgroups take turns issuing (the default; FLEXATTN_CUDA_WGMMA_TURNS=0 is
-// without) compiles with the producer warpgroup (the default) and without it (producer=0, where
-// the block barrier per tile pairs the turns), and says so.
-TEST(CudaForwardCompile, WgmmaTakingTurnsCompilesForSm90a) {
-  SKIP_WITHOUT_CUDA_ENGINE();
-  constexpr int kCapability = 90;
-  const Problem problem = make_problem(GeneratedCase{"turns", DType::kBF16, 128, 128,
-                                                     "30 * tanh(score / 30)", "q >= kv", {}, {},
-                                                     Layout::kBSHD, {}});
-  for (const bool producer : {true, false}) {
-    SCOPED_TRACE(producer);
-    cuda::KernelChoice choice = cuda::choose_kernel(problem, kCapability).choice;
-    ASSERT_TRUE(choice.pipelined);
-    ASSERT_TRUE(choice.producer);
-    ASSERT_EQ(cuda::apply_wgmma_tile(choice, producer ? "producer=1" : "producer=0"), "");
-    choice.take_turns = true;
-    EXPECT_NE(choice.describe().find("take turns"), std::string::npos) << choice.describe();
-    const std::string source = cuda::generate_translation_unit(
-        problem, cuda::bind_modifier(problem).bindings, choice, nullptr);
-    EXPECT_NE(source.find(producer ? "230464, true, 2, 1, false, true>" : "230400, true>"),
-              std::string::npos);
-    expect_compiles(source, "turns.cu", kCapability, choice.architecture_suffix());
-  }
-}
-
-// The backward translation units compile for sm_90 (NVRTC, no GPU). These need the backward
-// kernels (kernels/backward_mma.cuh and backward_simt.cuh): they fail until those templates exist.
-TEST(CudaBackwardCompile, GeneratedBackwardTranslationUnitsCompile) {
-  SKIP_WITHOUT_CUDA_ENGINE();
-  constexpr int kCapability = 90;
-  const TensorDecl per_head{DType::kF32, {4}};
-  const TensorDecl bias{DType::kF32, {4, 100, 77}};
-  for (const GeneratedCase& c :
-       {GeneratedCase{"bwd_bf16_d64_softcap_alibi_bias", DType::kBF16, 64, 64,
-                      "30 * tanh(score / 30) + slopes[h] * (kv - q) + bias[h, q, kv]", "q >= kv",
-                      {{"slopes", per_head}, {"bias", bias}}, {}, Layout::kBSHD, {}},
-        GeneratedCase{"bwd_fp32_d80_gate", DType::kF32, 80, 80, "score * gate[h]", "",
-                      {{"gate", per_head}}, {}, Layout::kBSHD, {}}}) {
-    SCOPED_TRACE(c.name);
-    const std::string source = cuda_engine()->generated_source(make_backward_problem(c));
-    ASSERT_EQ(source.find("not supported"), std::string::npos) << source;
-    expect_compiles(source, c.name + ".cu", kCapability);
-  }
-  // The fused dQ (use_fused_dq) at head dim 128, softcap and causal, for sm_90a.
-  const GeneratedCase fused{"bwd_bf16_d128_softcap_fused", DType::kBF16, 128, 128,
-                            "30 * tanh(score / 30)", "q >= kv", {}, {}, Layout::kBSHD, {}};
-  const Problem problem = make_backward_problem(fused);
-  const cuda::KernelSelection selection = cuda::choose_kernel(problem, kCapability);
-  cuda::BackwardCode code =
-      cuda::backward_code(problem, cuda::choose_backward_kernel(problem, kCapability).choice);
-  ASSERT_EQ(cuda::use_fused_dq(code.choice, !code.load_derivatives.empty()), "");
-  const std::string source = cuda::generate_translation_unit(
-      problem, cuda::bind_modifier(problem).bindings, selection.choice, &code);
-  EXPECT_NE(source.find(code.choice.wgmma_config_type()), std::string::npos) << source;
-  EXPECT_NE(source.find(", true>"), std::string::npos) << "the fused kernel type";
-  expect_compiles(source, fused.name + ".cu", kCapability, "a");
-}
-#endif
-
-#if FLEXATTN_TEST_HAS_NVRTC
-// NVRTC as the engine opens it at run time (the library of the toolkit's major version).
-template <class Function>
-Function nvrtc_function(const char* name) {
-  static void* const handle =
-      dlopen(("libnvrtc.so." + std::to_string(CUDA_VERSION / 1000)).c_str(), RTLD_NOW);
-  return handle == nullptr ? nullptr : reinterpret_cast<Function>(dlsym(handle, name));
-}
-
-// Compiles like the engine does (kernel_cache.cpp) and returns NVRTC's log on failure.
-std::string compile_errors(const std::string& source, const std::string& name) {
-  const auto create = nvrtc_function<decltype(&nvrtcCreateProgram)>("nvrtcCreateProgram");
-  const auto compile = nvrtc_function<decltype(&nvrtcCompileProgram)>("nvrtcCompileProgram");
-  const auto log_size = nvrtc_function<decltype(&nvrtcGetProgramLogSize)>("nvrtcGetProgramLogSize");
-  const auto get_log = nvrtc_function<decltype(&nvrtcGetProgramLog)>("nvrtcGetProgramLog");
-  const auto destroy = nvrtc_function<decltype(&nvrtcDestroyProgram)>("nvrtcDestroyProgram");
-  if (!create || !compile || !log_size || !get_log || !destroy) return "NVRTC not loaded";
-  nvrtcProgram program = nullptr;
-  if (create(&program, source.c_str(), name.c_str(), 0, nullptr, nullptr) != NVRTC_SUCCESS) {
-    return "nvrtcCreateProgram failed";
-  }
-  const char* options[] = {kArchitecture, "-std=c++17"};
-  const nvrtcResult result = compile(program, 2, options);
-  std::string log;
-  std::size_t size = 0;
-  log_size(program, &size);
-  log.resize(size);
-  if (size > 0) get_log(program, log.data());
-  destroy(&program);
-  return result == NVRTC_SUCCESS ? std::string() : log;
-}
-
-TEST(CudaCodegen, GeneratedSourcesCompileWithNvrtc) {
-  SKIP_WITHOUT_CUDA_ENGINE();
-  const auto engine = cuda_engine();
-  for (const GeneratedCase& c : cases()) {
-    SCOPED_TRACE(c.name);
-    const std::string source = engine->generated_source(make_problem(c));
-    const std::string errors = compile_errors(source, c.name + ".cu");
-    EXPECT_TRUE(errors.empty()) << errors << "\n" << source.substr(source.find("// ---- generated"));
-  }
-}
-#endif
 
 }  // namespace
 }  // namespace flexattn

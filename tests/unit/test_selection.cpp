@@ -6,6 +6,7 @@
 #include <gtest/gtest.h>
 
 #include <cstdlib>
+#include <memory>
 #include <optional>
 #include <sstream>
 #include <string>
@@ -376,6 +377,54 @@ TEST(PlanCache, KeyedByEngine) {
   EXPECT_EQ(reference.select(problem)->info().engine, "cpu_ref");
   EXPECT_EQ(lying.select(problem)->info().engine, "faulty_lying_hash");
   EXPECT_EQ(lying.select(problem).get(), lying.select(problem).get());
+}
+
+// The built-in cpu_ref engine under another name, with plan settings the test changes.
+class SettingsEngine final : public Engine {
+ public:
+  std::string settings;
+
+  std::string_view name() const override { return "settings"; }
+  Support available() const override { return Support::yes(); }
+  std::string plan_settings() const override { return settings; }
+
+ protected:
+  Lowered lower(const Problem& problem, Stage stage) const override {
+    Lowered lowered;
+    lowered.support = reference_->supports(problem);
+    if (lowered.support && stage == Stage::kBuild) lowered.plan = reference_->plan(problem);
+    return lowered;
+  }
+
+ private:
+  std::shared_ptr<const Engine> reference_ = [] {
+    for (const auto& engine : builtin_engines()) {
+      if (engine->name() == "cpu_ref") return engine;
+    }
+    return std::shared_ptr<const Engine>();
+  }();
+};
+
+// A plan built under one of an engine's plan settings is never served under another.
+TEST(PlanCache, KeyedByTheEnginesPlanSettings) {
+  const auto engine = std::make_shared<SettingsEngine>();
+  ContextOptions options;
+  options.policy = forced("settings");
+  options.log_level = LogLevel::kOff;
+  options.canary = false;  // a plan of cpu_ref itself
+  options.extra_engines = {engine};
+  Context context(options);
+  const Problem problem(small_desc());
+  const auto plain = context.select(problem);
+  EXPECT_EQ(context.select(problem).get(), plain.get());
+  engine->settings = "wgmma=0";
+  const auto other = context.select(problem);
+  EXPECT_NE(other.get(), plain.get());
+  EXPECT_EQ(context.cached_plans(), 2u);
+  EXPECT_EQ(context.select(problem).get(), other.get());
+  engine->settings.clear();
+  EXPECT_EQ(context.select(problem).get(), plain.get());
+  EXPECT_EQ(context.cached_plans(), 2u);
 }
 
 // ---- the plan proof (docs/design.md section 1)

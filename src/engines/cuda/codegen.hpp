@@ -44,7 +44,7 @@ struct BackwardCode {
 BackwardCode backward_code(const Problem& problem, const BackwardChoice& choice);
 
 // The load of score_mod that the wgmma forward can stage in shared memory beside K and V
-// (KernelChoice::stage_tensor, FLEXATTN_CUDA_STAGE_TENSORS): a bf16/fp16 tensor indexed
+// (KernelChoice::stage_tensor): a bf16/fp16 tensor indexed
 // [..., q, kv] whose other indices depend only on (b, h) and the lengths, of shape
 // [..., seq_len_q, seq_len_kv] with seq_len_kv a multiple of 8, in a problem with fixed-length
 // sequences (not thd). Its tensor's name, or empty.

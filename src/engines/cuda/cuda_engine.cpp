@@ -56,6 +56,7 @@ std::int64_t ceil_div(std::int64_t value, std::int64_t divisor) {
 
 // Whether the wgmma kernels (forward and backward) may be chosen on sm_90: FLEXATTN_CUDA_WGMMA=0
 // keeps the mma.sync kernels (comparisons, and a way around a wgmma problem without a rebuild).
+// A plan setting (CudaEngine::plan_settings).
 bool wgmma_allowed() {
   const char* value = std::getenv("FLEXATTN_CUDA_WGMMA");
   return value == nullptr || std::string_view(value) != "0";
@@ -69,17 +70,6 @@ Support lower_backward(const Problem& problem, Lowering& lowering, int capabilit
   } catch (const Error& error) {
     return Support::no(fmt::format("cannot differentiate the score modifier: {}", error.what()));
   }
-  // FLEXATTN_CUDA_FUSED_DQ=1: the dK/dV kernel accumulates dQ (use_fused_dq), where it applies;
-  // =unordered: the same without the kv-tile order (not deterministic). An experiment until
-  // measured (docs/design/wgmma-plan.md).
-  if (const char* fused = std::getenv("FLEXATTN_CUDA_FUSED_DQ"); fused != nullptr) {
-    const std::string_view mode(fused);
-    BackwardChoice& choice = lowering.backward->choice;
-    if ((mode == "1" || mode == "unordered") &&
-        use_fused_dq(choice, !lowering.backward->load_derivatives.empty()).empty()) {
-      choice.unordered_dq = mode == "unordered";
-    }
-  }
   // The finalize kernel converts one tensor gradient per launch, in a one-dimensional grid.
   for (const std::string& name : lowering.bindings.tensors) {
     std::int64_t elements = 1;
@@ -92,29 +82,14 @@ Support lower_backward(const Problem& problem, Lowering& lowering, int capabilit
 }
 
 // `capability`: the device's compute capability, 0 without a device (the portable kernels).
-// The pipelined wgmma forward's warpgroups take turns issuing their products
-// (WgmmaConfig::kTakeTurns): measured faster on every head-dim-128 row (no modifier +8%, softcap
-// +4%; docs/measurements/2026-12-02-wgmma-backward.md). FLEXATTN_CUDA_WGMMA_TURNS=0 switches it
-// off (comparisons).
-bool wgmma_turns() {
-  const char* value = std::getenv("FLEXATTN_CUDA_WGMMA_TURNS");
-  return value == nullptr || std::string_view(value) != "0";
-}
-
-bool stage_tensors() {
-  const char* value = std::getenv("FLEXATTN_CUDA_STAGE_TENSORS");
-  return value == nullptr || std::string_view(value) != "0";
-}
-
 Support lower_problem(const Problem& problem, Lowering& lowering, int capability) {
   KernelSelection selection = choose_kernel(problem, capability, wgmma_allowed());
   if (!selection.reason.empty()) return Support::no(selection.reason);
   // A dense bias-like tensor travels through shared memory (stage_wgmma_tensor) where it can: a
-  // [.., q, kv] bf16 bias at head dim 128 measured 215 -> 360 TFLOP/s (H200, 2026-12-02).
-  // FLEXATTN_CUDA_STAGE_TENSORS=0 switches it off (comparisons). Where the stages do not fit, the
-  // kernel reads the tensor from global memory as before.
+  // [.., q, kv] bf16 bias at head dim 128 measured 215 -> 360 TFLOP/s (H200). Where the stages do
+  // not fit, the kernel reads the tensor from global memory.
   std::optional<KernelChoice> unstaged;
-  if (stage_tensors() && !stageable_tensor(problem).empty()) {
+  if (!stageable_tensor(problem).empty()) {
     KernelChoice staged = selection.choice;
     if (stage_wgmma_tensor(staged).empty() && staged.stage_tensor) {
       // The unstaged fallback walks the same tile list: the default shape where the tiles agree
@@ -124,18 +99,13 @@ Support lower_problem(const Problem& problem, Lowering& lowering, int capability
       selection.choice = staged;
     }
   }
-  // FLEXATTN_CUDA_WGMMA_TILE: a shape experiment (apply_wgmma_tile); a bad one is refused loudly.
-  if (const char* tile = std::getenv("FLEXATTN_CUDA_WGMMA_TILE"); tile != nullptr && *tile) {
-    for (KernelChoice* choice : {&selection.choice, unstaged ? &*unstaged : nullptr}) {
-      if (choice == nullptr) continue;
-      const std::string error = apply_wgmma_tile(*choice, tile);
-      if (!error.empty()) return Support::no(error);
-    }
-  }
-  // Turns need the pipelined loop and two warpgroups (also where an experiment made them so).
-  selection.choice.take_turns = selection.choice.turns_possible() && wgmma_turns();
+  // The pipelined wgmma forward's warpgroups take turns issuing their products
+  // (WgmmaConfig::kTakeTurns): measured faster on every head-dim-128 row (no modifier +8%, softcap
+  // +4%; docs/measurements/2026-12-02-wgmma-backward.md). Turns need the pipelined loop and two
+  // warpgroups.
+  selection.choice.take_turns = selection.choice.turns_possible();
   if (unstaged) {
-    unstaged->take_turns = unstaged->turns_possible() && wgmma_turns();
+    unstaged->take_turns = unstaged->turns_possible();
     // Both run on the same tile list and grid.
     if (unstaged->block_m != selection.choice.block_m ||
         unstaged->block_n != selection.choice.block_n ||
@@ -350,18 +320,6 @@ class StreamFork {
   CUstream side_;
 };
 
-// Whether the backward runs its dQ kernel on a second stream beside the dK/dV kernel (the
-// default; FLEXATTN_CUDA_BACKWARD_STREAMS=1 keeps both on the caller's stream): the dQ blocks
-// then fill the multiprocessors the dK/dV kernel's last partial wave leaves idle. Forward and
-// backward, bf16, head dim 128 (H200, 2026-12-03,
-// docs/measurements/2026-12-03-second-stream-fixed-reference.md): softcap 313.0 -> 316.5
-// TFLOP/s, no modifier 383.1 -> 392.1, causal softcap 276.4 -> 284.1, causal 356.7 -> 368.6.
-// Not with the fused dQ, whose dQ kernel reads what the dK/dV kernel writes.
-bool dq_on_side_stream() {
-  const char* value = std::getenv("FLEXATTN_CUDA_BACKWARD_STREAMS");
-  return value == nullptr || std::string_view(value) != "1";
-}
-
 // What the forward pass of every plan needs, and its grid.
 struct ForwardState {
   CUfunction function = nullptr;
@@ -407,12 +365,13 @@ struct BackwardState {
   DeviceBuffer tile_entries;
   DeviceBuffer kv_tile_offsets;
   DeviceBuffer kv_tile_entries;
-  DeviceBuffer kv_tile_turns;  // the fused dQ's order (choice.fused_dq)
   BackwardParams params{};
-  std::size_t delta_floats = 0;     // one per (b, h, query), like the LSE
-  std::size_t dq_accum_floats = 0;  // fused dQ: tokens x heads x head_dim_qk
-  std::size_t dq_counters = 0;      // fused dQ in order: batch x heads x q blocks
-  // The dQ kernel's stream when dq_on_side_stream() and no fused dQ, else null.
+  std::size_t delta_floats = 0;  // one per (b, h, query), like the LSE
+  // The dQ kernel's stream: a second stream beside the dK/dV kernel's, so the dQ blocks fill the
+  // multiprocessors the dK/dV kernel's last partial wave leaves idle. Forward and backward, bf16,
+  // head dim 128 (H200, docs/measurements/2026-12-03-second-stream-fixed-reference.md): softcap
+  // 313.0 -> 316.5 TFLOP/s, no modifier 383.1 -> 392.1, causal softcap 276.4 -> 284.1, causal
+  // 356.7 -> 368.6.
   std::unique_ptr<PlanStream> side_stream;
 };
 
@@ -464,13 +423,9 @@ class CudaPlan final : public Plan {
     forward_.params.class_block_q = tiles.class_block_q;
     // A staged tensor's kernel numbers its blocks batch-fastest (params.cuh), so a bias without
     // a batch index is read from memory once per head: bias at head dim 64 277.5 -> 280.7 TFLOP/s,
-    // causal 236.4 -> 245.1; head dim 128 373.0 -> 374.0 (H200, 2026-12-03).
-    // FLEXATTN_CUDA_BATCH_FASTEST=0|1 overrides it (comparisons).
+    // causal 236.4 -> 245.1; head dim 128 373.0 -> 374.0 (H200,
+    // docs/measurements/2026-12-03-head-dim-64-tiles.md).
     forward_.params.batch_fastest = lowering.choice.stage_tensor ? 1 : 0;
-    if (const char* order = std::getenv("FLEXATTN_CUDA_BATCH_FASTEST");
-        order != nullptr && (std::string_view(order) == "0" || std::string_view(order) == "1")) {
-      forward_.params.batch_fastest = std::string_view(order) == "1" ? 1 : 0;
-    }
     forward_.grid_x = static_cast<unsigned>(ceil_div(problem.seq_len_q(), lowering.choice.block_m));
     if (lowering.unstaged_choice) {
       unstaged_ = std::make_unique<UnstagedForward>();
@@ -508,22 +463,7 @@ class CudaPlan final : public Plan {
       p.kv_tile_offsets = device_ints(b.kv_tile_offsets);
       p.kv_tile_entries = device_ints(b.kv_tile_entries);
       b.delta_floats = static_cast<std::size_t>(lse.numel());
-      if (dq_on_side_stream() && !b.choice.fused_dq) {
-        b.side_stream = std::make_unique<PlanStream>(driver_);
-      }
-      if (b.choice.fused_dq) {
-        const TileList& kv_list = dkdv_tiles != nullptr ? *dkdv_tiles : *backward_tiles;
-        p.heads_q = static_cast<int>(problem.heads_q());
-        p.dq_blocks = static_cast<int>(kv_list.query_blocks);
-        b.dq_accum_floats = static_cast<std::size_t>(problem.total_tokens_q() * problem.heads_q() *
-                                                     problem.head_dim_qk());
-        if (!b.choice.unordered_dq) {  // the order: a turn table and counters to wait on
-          b.kv_tile_turns = upload_ints(driver_, kv_tile_turns(transposed, kv_list.query_blocks));
-          p.kv_tile_turns = device_ints(b.kv_tile_turns);
-          b.dq_counters =
-              static_cast<std::size_t>(problem.batch() * problem.heads_q() * kv_list.query_blocks);
-        }
-      }
+      b.side_stream = std::make_unique<PlanStream>(driver_);
     }
   }
 
@@ -591,11 +531,6 @@ class CudaPlan final : public Plan {
     const std::size_t lse2_offset = bytes;
     bytes += align_scratch(b.delta_floats * sizeof(float));
     const std::size_t accumulators_begin = bytes;
-    // Fused dQ: its fp32 sums and the order counters, zeroed with the gradient accumulators.
-    const std::size_t dq_accum_offset = bytes;
-    bytes += align_scratch(b.dq_accum_floats * sizeof(float));
-    const std::size_t dq_counters_offset = bytes;
-    bytes += align_scratch(b.dq_counters * sizeof(int));
     for (std::size_t slot = 0; slot < bindings_.tensors.size(); ++slot) {
       const auto found = args.tensor_grads.find(bindings_.tensors[slot]);
       if (found == args.tensor_grads.end()) continue;
@@ -608,12 +543,6 @@ class CudaPlan final : public Plan {
     StreamScratch scratch(*driver_, bytes, stream);
     p.delta = reinterpret_cast<float*>(scratch.address());
     p.lse2 = reinterpret_cast<float*>(scratch.address() + lse2_offset);
-    if (b.choice.fused_dq) {
-      p.dq_accum = reinterpret_cast<float*>(scratch.address() + dq_accum_offset);
-      p.dq_counters = b.dq_counters == 0
-                          ? nullptr
-                          : reinterpret_cast<int*>(scratch.address() + dq_counters_offset);
-    }
     if (bytes > accumulators_begin) {
       driver_->check(driver_->api().memset_d8_async(scratch.address() + accumulators_begin, 0,
                                                     bytes - accumulators_begin, stream),
@@ -632,11 +561,10 @@ class CudaPlan final : public Plan {
     launch(b.delta, {grid_q(flexattn_kernels::kDeltaRows), heads_q(), batch()},
            flexattn_kernels::kDeltaThreads, 0, stream, &p, "backward delta");
     {
-      // The dQ kernel on the second stream (dq_on_side_stream); `stream` waits for it at the end
+      // The dQ kernel on the second stream (side_stream); `stream` waits for it at the end
       // of this block, before the finalize kernels read its tensor gradients.
-      const CUstream side = b.side_stream ? b.side_stream->get() : stream;
-      std::optional<StreamFork> fork;
-      if (b.side_stream) fork.emplace(*driver_, stream, side);
+      const CUstream side = b.side_stream->get();
+      const StreamFork fork(*driver_, stream, side);
       launch(b.dkdv,
              {static_cast<unsigned>(ceil_div(problem_.seq_len_kv(), b.choice.dkdv_block_kv)),
               heads_kv, batch()},
@@ -711,6 +639,9 @@ class CudaEngine final : public Engine {
     if (!driver_->availability()) return driver_->availability();
     return nvrtc_availability();
   }
+
+  // FLEXATTN_CUDA_WGMMA=0 changes the kernels of sm_90 plans.
+  std::string plan_settings() const override { return wgmma_allowed() ? "" : "wgmma=0"; }
 
   std::string generated_source(const Problem& problem) const override {
     Lowering lowering;

@@ -39,7 +39,7 @@ struct DriverFunctions {
   decltype(&::cuMemAllocAsync) memory_allocate_async = nullptr;
   decltype(&::cuMemFreeAsync) memory_free_async = nullptr;
   decltype(&::cuMemsetD8Async) memset_d8_async = nullptr;
-  // A second stream for the backward's dQ kernel (FLEXATTN_CUDA_BACKWARD_STREAMS=2).
+  // A second stream for the backward's dQ kernel.
   decltype(&::cuStreamCreate) stream_create = nullptr;
   decltype(&::cuStreamDestroy) stream_destroy = nullptr;
   decltype(&::cuEventCreate) event_create = nullptr;

@@ -3,7 +3,6 @@
 #include <fmt/format.h>
 
 #include <algorithm>
-#include <charconv>
 
 #include "flexattn/analysis.hpp"
 #include "flexattn/error.hpp"
@@ -380,8 +379,7 @@ std::string stage_wgmma_tensor(KernelChoice& choice) {
   }
   c.shared_bytes = wgmma_shared_bytes(c);
   if (!wgmma_shared_fits(c)) {
-    return fmt::format("FLEXATTN_CUDA_STAGE_TENSORS: {} bytes of shared memory do not fit",
-                       c.shared_bytes);
+    return fmt::format("the staged tensor's {} bytes of shared memory do not fit", c.shared_bytes);
   }
   choice = c;
   return {};
@@ -392,79 +390,6 @@ KernelChoice without_staged_tensor(const KernelChoice& staged) {
   c.stage_tensor = false;
   if (c.kind == KernelKind::kWgmma) c.shared_bytes = wgmma_shared_bytes(c);
   return c;
-}
-
-std::string apply_wgmma_tile(KernelChoice& choice, std::string_view spec) {
-  if (choice.kind != KernelKind::kWgmma) return {};
-  // "d64:..." applies to head dim 64 only (likewise d128).
-  if (const std::size_t colon = spec.find(':'); colon != std::string_view::npos) {
-    const std::string_view dims = spec.substr(0, colon);
-    if (dims != "d64" && dims != "d128") {
-      return fmt::format("FLEXATTN_CUDA_WGMMA_TILE: '{}' is not d64 or d128", dims);
-    }
-    if (std::to_string(std::max(choice.head_dim_qk, choice.head_dim_v)) != dims.substr(1))
-      return {};
-    spec.remove_prefix(colon + 1);
-  }
-  KernelChoice c = choice;
-  int warpgroups = c.warps / 4;
-  bool producer_named = false;
-  std::size_t start = 0;
-  while (start < spec.size()) {
-    const std::size_t end = std::min(spec.find(',', start), spec.size());
-    const std::string_view item = spec.substr(start, end - start);
-    start = end + 1;
-    const std::size_t equals = item.find('=');
-    const std::string_view key = item.substr(0, equals);
-    int value = 0;
-    const std::string_view digits =
-        equals == std::string_view::npos ? std::string_view() : item.substr(equals + 1);
-    const auto [last, error] = std::from_chars(digits.data(), digits.data() + digits.size(), value);
-    if (digits.empty() || error != std::errc() || last != digits.data() + digits.size()) {
-      return fmt::format("FLEXATTN_CUDA_WGMMA_TILE: '{}' is not NAME=NUMBER", item);
-    }
-    if (key == "warpgroups" && (value == 1 || value == 2)) {
-      warpgroups = value;
-    } else if (key == "block_n" && (value == 64 || value == 128)) {
-      c.block_n = value;
-    } else if (key == "stages" && value >= 2 && value <= 4) {
-      c.stages = value;
-    } else if (key == "pipelined" && (value == 0 || value == 1)) {
-      c.pipelined = value == 1;
-    } else if (key == "blocks" && (value == 1 || value == 2)) {
-      c.min_blocks = value;
-    } else if (key == "producer" && (value == 0 || value == 1)) {
-      c.producer = value == 1;
-      producer_named = true;
-    } else {
-      return fmt::format(
-          "FLEXATTN_CUDA_WGMMA_TILE: '{}' is not one of warpgroups=1|2, block_n=64|128, "
-          "stages=2..4, pipelined=0|1, blocks=1|2, producer=0|1",
-          item);
-    }
-  }
-  c.warps = 4 * warpgroups;
-  c.block_m = kWgmmaBlockM / 2 * warpgroups;
-  c.class_block_q = c.block_m;
-  c.take_turns = c.take_turns && c.turns_possible();
-  // Where the spec does not name it, the producer stays only where it can serve the new shape.
-  if (!producer_named) c.producer = c.producer && warpgroups == 2 && c.min_blocks == 1;
-  if (c.pipelined && c.stages < 3) {
-    return "FLEXATTN_CUDA_WGMMA_TILE: the pipelined loop needs 3 stages or more";
-  }
-  if (c.producer && (warpgroups != 2 || c.min_blocks != 1)) {
-    return "FLEXATTN_CUDA_WGMMA_TILE: a producer serves two warpgroups at one block per "
-           "multiprocessor (warpgroups=2, blocks=1)";
-  }
-  c.shared_bytes = wgmma_shared_bytes(c);
-  if (!wgmma_shared_fits(c)) {
-    return fmt::format(
-        "FLEXATTN_CUDA_WGMMA_TILE: {} blocks of {} bytes of shared memory do not fit "
-        "a multiprocessor",
-        c.min_blocks, c.shared_bytes);
-  }
-  choice = c;
-  return {};
 }
 
 KernelSelection choose_kernel(const Problem& problem, int capability, bool allow_wgmma) {
@@ -498,44 +423,9 @@ std::string BackwardChoice::config_type() const {
 }
 
 std::string BackwardChoice::wgmma_config_type() const {
-  return fmt::format("flexattn_kernels::BackwardWgmmaConfig<{}, {}, {}, {}, {}{}>",
+  return fmt::format("flexattn_kernels::BackwardWgmmaConfig<{}, {}, {}, {}, {}>",
                      element_tag(dtype), head_dim_qk, head_dim_v, shared_wgmma_dkdv,
-                     shared_wgmma_dq, fused_dq ? ", true" : "");
-}
-
-std::string use_fused_dq(BackwardChoice& choice, bool tensor_grads) {
-  if (!choice.wgmma) return "the fused dQ runs on the wgmma backward only";
-  if (choice.head_dim_qk != 128) {
-    return fmt::format("the fused dQ takes head dim 128 (q and k), not {}", choice.head_dim_qk);
-  }
-  if (tensor_grads) return "tensor gradients take the dQ kernel";
-  if (choice.fused_dq) return {};
-  BackwardChoice c = choice;
-  c.fused_dq = true;
-  // dS^T of a q block: dkdv_block_kv keys x block_q queries, 16-bit, from the next 1024-byte
-  // boundary after the row stages (its swizzle; BackwardWgmmaConfig::kDsOffset).
-  c.shared_wgmma_dkdv = kWgmmaAlignment +
-                        round_up(c.shared_wgmma_dkdv - kWgmmaAlignment, kWgmmaAlignment) +
-                        c.dkdv_block_kv * c.block_q * 2;
-  if (c.shared_wgmma_dkdv > kWgmmaMaxSharedBytes) {
-    return fmt::format("the fused dQ's {} bytes of shared memory do not fit", c.shared_wgmma_dkdv);
-  }
-  choice = c;
-  return {};
-}
-
-std::vector<int> kv_tile_turns(const KvTileList& list, std::int64_t query_blocks) {
-  std::vector<int> visitors(static_cast<std::size_t>(query_blocks), 0);
-  std::vector<int> turns(list.entries.size(), 0);
-  // Kv tiles in ascending order: each entry's turn is the count of earlier visitors.
-  for (std::size_t tile = 0; tile + 1 < list.offsets.size(); ++tile) {
-    for (int i = list.offsets[tile]; i < list.offsets[tile + 1]; ++i) {
-      const auto block = static_cast<std::size_t>(list.entries[static_cast<std::size_t>(i)] >> 1);
-      if (block >= visitors.size()) throw_internal("cuda: a q block past the tile list's");
-      turns[static_cast<std::size_t>(i)] = visitors[block]++;
-    }
-  }
-  return turns;
+                     shared_wgmma_dq);
 }
 
 std::string BackwardChoice::architecture_suffix() const { return wgmma ? "a" : ""; }
@@ -554,12 +444,9 @@ std::string BackwardChoice::describe() const {
   if (wgmma) {
     return fmt::format(
         "tensor-core (wgmma, sm_90a) {}, dK/dV {}x{} tiles, dQ {}x{} tiles, {} threads, head dims "
-        "{} and {}, {} KB shared (dK/dV) and {} KB (dQ){}",
+        "{} and {}, {} KB shared (dK/dV) and {} KB (dQ)",
         to_string(dtype), block_q, dkdv_block_kv, dq_block_q, block_kv, dkdv_threads, head_dim_qk,
-        head_dim_v, shared_wgmma_dkdv / 1024, shared_wgmma_dq / 1024,
-        !fused_dq      ? ""
-        : unordered_dq ? ", dQ accumulated by the dK/dV kernel in any order (not deterministic)"
-                       : ", dQ accumulated by the dK/dV kernel in kv-tile order");
+        head_dim_v, shared_wgmma_dkdv / 1024, shared_wgmma_dq / 1024);
   }
   if (kind == KernelKind::kMma) {
     return fmt::format(

@@ -5,7 +5,6 @@
 
 #include <cstdint>
 #include <string>
-#include <string_view>
 #include <vector>
 
 #include "flexattn/problem.hpp"
@@ -59,7 +58,7 @@ struct KernelChoice {
 // The kernel for `problem`, or an empty `reason` explaining why the engine cannot serve it.
 // `capability` is the device's compute capability (90 for sm_90), 0 when unknown: only a known
 // sm_90 gets the wgmma kernel; `allow_wgmma` false keeps the mma.sync kernel there too (the
-// FLEXATTN_CUDA_WGMMA=0 switch, for comparisons).
+// engine's FLEXATTN_CUDA_WGMMA=0 setting).
 struct KernelSelection {
   KernelChoice choice;
   std::string reason;  // empty when a kernel fits
@@ -69,21 +68,13 @@ KernelSelection choose_kernel(const Problem& problem, int capability, bool allow
 // The wgmma forward with the modifier's stageable tensor (codegen.hpp: stageable_tensor) staged
 // in shared memory beside K and V, a tile per stage: the loop without pipelining, two stages;
 // head dim 128: 128-key tiles, one block per multiprocessor; head dim 64: 64-key tiles, two
-// blocks (the engine's default where it fits; FLEXATTN_CUDA_STAGE_TENSORS=0 switches it off).
+// blocks (what the engine does wherever it fits).
 // Returns why it cannot (choice unchanged), or empty. Other kernel kinds are left alone.
 std::string stage_wgmma_tensor(KernelChoice& choice);
 
 // The same kernel shape without the staged tensor: the forward the engine runs for a call whose
 // staged tensor is not 16-byte aligned (it must walk the same tile list on the same grid).
 KernelChoice without_staged_tensor(const KernelChoice& staged);
-
-// Tuning experiments on the wgmma forward's shape (the FLEXATTN_CUDA_WGMMA_TILE variable): `spec`
-// is a comma-separated subset of warpgroups=1|2, block_n=64|128, stages=2..4, pipelined=0|1,
-// blocks=1|2 (blocks per multiprocessor the registers and shared memory must allow) and
-// producer=0|1 (a producer warpgroup; two computing warpgroups, one block), optionally
-// after "d64:" or "d128:" (only problems of that head dim are changed). Returns why
-// the shape is refused (choice unchanged), or empty. Other kernel kinds are left alone.
-std::string apply_wgmma_tile(KernelChoice& choice, std::string_view spec);
 
 // For every classified query block c (class_block_q rows), the kv tiles to visit:
 // entries[offsets[c] .. offsets[c + 1]), each kv_tile << 1 | mixed (the mask must be evaluated
@@ -138,10 +129,6 @@ struct BackwardChoice {
   int dq_threads = 0;
   int shared_wgmma_dkdv = 0;  // the wgmma kernels' dynamic shared memory, bytes
   int shared_wgmma_dq = 0;
-  // wgmma only: the dK/dV kernel also accumulates dQ (use_fused_dq); the dQ kernel converts it.
-  bool fused_dq = false;
-  // With fused_dq: the additions go in any order (no turn table; not deterministic).
-  bool unordered_dq = false;
 
   // The dynamic shared memory each kernel is launched with (wgmma or not).
   int dkdv_shared_bytes() const { return wgmma ? shared_wgmma_dkdv : shared_dkdv; }
@@ -158,18 +145,6 @@ struct BackwardChoice {
   std::string dq_template() const;
   std::string describe() const;
 };
-
-// The fused dQ (BackwardWgmmaConfig::kFusedDq) on a wgmma choice: the dK/dV kernel computes
-// dQ += dS K per kv tile and adds it to an fp32 buffer in kv-tile order (deterministic), and the
-// dQ kernel only converts the sums. For head dim 128 (q and k) without tensor gradients
-// (`tensor_grads`: the modifier has float tensor loads, whose gradients the dQ kernel scatters).
-// Returns why not (choice unchanged), or empty.
-std::string use_fused_dq(BackwardChoice& choice, bool tensor_grads);
-
-// For each entry of the kv-major list (transpose_tiles), its turn in the fused dQ's ordered
-// accumulation: how many kv tiles before it visit the same q block. `query_blocks` bounds the
-// q block indices.
-std::vector<int> kv_tile_turns(const KvTileList& list, std::int64_t query_blocks);
 
 struct BackwardSelection {
   BackwardChoice choice;

@@ -281,31 +281,22 @@ FLEXATTN_AOT_BACKWARD_MMA(aot_backward_f16_d80_v72, CausalSoftcapModifier, HalfT
 FLEXATTN_AOT_BACKWARD_MMA(aot_backward_bf16_d64, IdentityModifier, BFloat16Tag, 64, 64, 64, 64)
 
 // wgmma dK/dV and dQ (backward_wgmma.cuh, sm_90a): dK/dV shared bytes = 1024 + K and V of 128
-// keys + 3 stages of Q and dO (64 rows) + 3 stages of lse2 and delta (+ 512 bytes to the next
-// kilobyte and dS^T, 128 keys x 64 queries, with the fused dQ); dQ = 1024 + Q and dO of 128 rows + 3 stages of K and V (64 keys)
-// (tile_plan.cpp).
-#define FLEXATTN_AOT_BACKWARD_WGMMA(name, modifier, tag, qk, v, fused)                          \
-  using name##_config = flexattn_kernels::BackwardWgmmaConfig<                                \
-      tag, qk, v,                                                                             \
-      1024 + 128 * ((qk) + (v)) * 2 + 3 * 64 * ((qk) + (v)) * 2 + 3 * 512 +                   \
-          ((fused) ? 512 + 128 * 64 * 2 : 0),                                                 \
-      1024 + 128 * ((qk) + (v)) * 2 + 3 * 64 * ((qk) + (v)) * 2, fused>;                      \
-  extern "C" __global__ void __launch_bounds__(name##_config::kThreads, 1)                    \
-      name##_dkdv(const BackwardParams params) {                                              \
-    flexattn_kernels::backward_dkdv_wgmma<name##_config, modifier>(params);                   \
-  }                                                                                           \
-  extern "C" __global__ void __launch_bounds__(name##_config::kThreads, 1)                    \
-      name##_dq(const BackwardParams params) {                                                \
-    flexattn_kernels::backward_dq_wgmma<name##_config, modifier>(params);                     \
+// keys + 3 stages of Q and dO (64 rows) + 3 stages of lse2 and delta; dQ = 1024 + Q and dO of
+// 128 rows + 3 stages of K and V (64 keys) (tile_plan.cpp).
+#define FLEXATTN_AOT_BACKWARD_WGMMA(name, modifier, tag, qk, v)                        \
+  using name##_config = flexattn_kernels::BackwardWgmmaConfig<                         \
+      tag, qk, v, 1024 + 128 * ((qk) + (v)) * 2 + 3 * 64 * ((qk) + (v)) * 2 + 3 * 512, \
+      1024 + 128 * ((qk) + (v)) * 2 + 3 * 64 * ((qk) + (v)) * 2>;                      \
+  extern "C" __global__ void __launch_bounds__(name##_config::kThreads, 1)             \
+      name##_dkdv(const BackwardParams params) {                                       \
+    flexattn_kernels::backward_dkdv_wgmma<name##_config, modifier>(params);            \
+  }                                                                                    \
+  extern "C" __global__ void __launch_bounds__(name##_config::kThreads, 1)             \
+      name##_dq(const BackwardParams params) {                                         \
+    flexattn_kernels::backward_dq_wgmma<name##_config, modifier>(params);              \
   }
 
-FLEXATTN_AOT_BACKWARD_WGMMA(aot_backward_wgmma_bf16_d128, IdentityModifier, BFloat16Tag, 128, 128,
-                            false)
+FLEXATTN_AOT_BACKWARD_WGMMA(aot_backward_wgmma_bf16_d128, IdentityModifier, BFloat16Tag, 128, 128)
 FLEXATTN_AOT_BACKWARD_WGMMA(aot_backward_wgmma_bf16_d128_softcap, CausalSoftcapModifier,
-                            BFloat16Tag, 128, 128, false)
-FLEXATTN_AOT_BACKWARD_WGMMA(aot_backward_wgmma_f16_d64, CausalSoftcapModifier, HalfTag, 64, 64,
-                            false)
-// The fused dQ at head dim 128 (the generated softcap unit compiles in test_cuda_codegen;
-// CausalSoftcapModifier here has tensor gradients, which take the dQ kernel).
-FLEXATTN_AOT_BACKWARD_WGMMA(aot_backward_fused_bf16_d128, IdentityModifier, BFloat16Tag, 128, 128,
-                            true)
+                            BFloat16Tag, 128, 128)
+FLEXATTN_AOT_BACKWARD_WGMMA(aot_backward_wgmma_f16_d64, CausalSoftcapModifier, HalfTag, 64, 64)

@@ -1,5 +1,5 @@
 // The backward's dK/dV kernel on Hopper's warpgroup tensor cores (wgmma, sm_90a; bf16/fp16,
-// head dims 64 and 128). Step 4 of docs/design/wgmma-plan.md: backward_dkdv_mma's pipeline with
+// head dims 64 and 128; docs/engines.md, "Backward on sm_90"): backward_dkdv_mma's pipeline with
 // its four products per tile on wgmma, in the layouts the forward proved (forward_wgmma.cuh).
 //
 // A block owns kBlockKv = 128 keys of one kv head (two warpgroups of 64; warp w holds keys
@@ -35,13 +35,9 @@
 
 namespace flexattn_kernels {
 
-template <class ElementTag, int kHeadDimQk_, int kHeadDimV_, int kSharedBytes_, int kSharedDq_,
-          bool kFusedDq_ = false>
+template <class ElementTag, int kHeadDimQk_, int kHeadDimV_, int kSharedBytes_, int kSharedDq_>
 struct BackwardWgmmaConfig {
   using Tag = ElementTag;
-  // The dK/dV kernel also accumulates dQ (dS K per kv tile, added to global memory in kv-tile
-  // order) and the dQ kernel only converts it (docs/design/wgmma-plan.md, "dQ fused").
-  static constexpr bool kFusedDq = kFusedDq_;
   static constexpr int kHeadDimQk = kHeadDimQk_;
   static constexpr int kHeadDimV = kHeadDimV_;
   static constexpr int kWarpgroups = 2;
@@ -71,18 +67,8 @@ struct BackwardWgmmaConfig {
       2 * kBlockQ * static_cast<int>(sizeof(float));  // lse2, delta
   static constexpr int kAlignment = 1024;             // the panels' swizzle (forward_wgmma.cuh)
   static constexpr int kStreamBytes = kStages * (kQBytes + kDoBytes);
-  // kFusedDq: dS^T of the q block (128 keys x 64 queries, rows of keys: one 128-byte panel row
-  // each), the MN-major A operand of dQ = dS K.
-  using DsLayout = SwizzledPanels<kBlockKv, kBlockQ / kChunkElements>;
-  static constexpr int kDsBytes = kFusedDq ? kBlockKv * kBlockQ * 2 : 0;
-  // Its offset from the aligned start: after the row stages, rounded up to the swizzle's 1024
-  // bytes (three row stages end 512 bytes past a kilobyte; a misaligned tile reads as garbage).
-  static constexpr int kRowsEnd = kKBytes + kVBytes + kStreamBytes + kStages * kRowStageBytes;
-  static constexpr int kDsOffset = (kRowsEnd + kAlignment - 1) / kAlignment * kAlignment;
-  static constexpr int kDqColumns = kHeadDimQk / kWarpgroups;  // dQ columns per warpgroup
-  static constexpr int kDqTiles = kDqColumns / 8;
   static constexpr int kSharedBytes =
-      kAlignment + (kFusedDq ? kDsOffset + kDsBytes : kRowsEnd);
+      kAlignment + kKBytes + kVBytes + kStreamBytes + kStages * kRowStageBytes;
 
   static_assert((kHeadDimQk == 64 || kHeadDimQk == 128) && (kHeadDimV == 64 || kHeadDimV == 128),
                 "the wgmma backward takes head dims 64 and 128");
@@ -91,9 +77,6 @@ struct BackwardWgmmaConfig {
   static_assert(kStreamBytes >= kBlockKv * (kChunksQk + kChunksV) * kChunkBytes,
                 "dK and dV fit the streaming stages");
   static_assert(kSharedBytes == kSharedBytes_, "the host's shared-memory size (tile_plan.cpp)");
-  static_assert(!kFusedDq || kHeadDimQk == 128,
-                "the fused dQ splits 128 columns into one 64-column panel of K per warpgroup");
-  static_assert(kBlockQ == 64, "dS^T rows are one 64-query panel row");
 
   // The dQ kernel: two warpgroups of 64 query rows (128), kv tiles of 64 keys in kStages stages.
   static constexpr int kDqBlockQ = kWarpgroupRows * kWarpgroups;
@@ -221,13 +204,6 @@ __device__ __forceinline__ void backward_dkdv_wgmma(const BackwardParams& bp) {
   const unsigned row_tiles = do_tiles + Config::kStages * Config::kDoBytes;
   unsigned char* stream_area = shared + Config::kKBytes + Config::kVBytes;
   const float* row_floats = reinterpret_cast<const float*>(stream_area + Config::kStreamBytes);
-  // kFusedDq: the dS^T tile at Config::kDsOffset (1024-byte aligned). Its addresses and
-  // dq_accum's are computed where they are used, so they take no registers during the element
-  // pipeline.
-  constexpr int kDsOffset = Config::kDsOffset;
-  static_assert(kDsOffset % Config::kAlignment == 0, "the dS^T tile's swizzle needs 1024 bytes");
-  static_assert(!Config::kFusedDq || !Modifier::kHasTensorGrads,
-                "tensor gradients take the dQ kernel (its exact-delta pass and scatter)");
 
   load_rows_async<Config::kBlockKv, typename Config::KLayout, Config::kChunksQk, kThreads>(
       k_tile, view_row<const unsigned short>(p.k, batch, span.kv_offset + kv_start, head_kv),
@@ -319,161 +295,60 @@ __device__ __forceinline__ void backward_dkdv_wgmma(const BackwardParams& bp) {
     }
   };
 
-  if constexpr (!Config::kFusedDq) {
-    // The warpgroups run half an interval apart, so that one's element work overlaps the
-    // other's products on the tensor cores. Interval i (one block barrier each):
-    //   warpgroup 0: products (dV/dK of q block i - 1, S^T/dP^T of q block i), then q block i's
-    //                element work;
-    //   warpgroup 1: q block i - 1's element work (its S^T/dP^T came at the end of the last
-    //                interval), then the same products.
-    // Intervals 0 .. total: the first has no dV/dK, the last no S^T/dP^T. q blocks i - 1 and i
-    // are read during interval i while i + 1 loads: three stages.
-    // No interval at all without a q block (dK and dV stay zero).
-    static_assert(Config::kStages >= 3, "two q blocks in use and one loading");
-    for (int interval = 0; total > 0 && interval <= total; ++interval) {
-      wait_copies<0>();
-      fence_async_shared();  // this thread's copies, visible to the wgmma reads after the barrier
-      __syncthreads();       // q block `interval` visible; interval - 2's stage no longer read
-      if (interval + 1 < total) load_queries(interval + 1, (interval + 1) % Config::kStages);
-      commit_copies();
+  // The warpgroups run half an interval apart, so that one's element work overlaps the
+  // other's products on the tensor cores. Interval i (one block barrier each):
+  //   warpgroup 0: products (dV/dK of q block i - 1, S^T/dP^T of q block i), then q block i's
+  //                element work;
+  //   warpgroup 1: q block i - 1's element work (its S^T/dP^T came at the end of the last
+  //                interval), then the same products.
+  // Intervals 0 .. total: the first has no dV/dK, the last no S^T/dP^T. q blocks i - 1 and i
+  // are read during interval i while i + 1 loads: three stages.
+  // No interval at all without a q block (dK and dV stay zero).
+  static_assert(Config::kStages >= 3, "two q blocks in use and one loading");
+  for (int interval = 0; total > 0 && interval <= total; ++interval) {
+    wait_copies<0>();
+    fence_async_shared();  // this thread's copies, visible to the wgmma reads after the barrier
+    __syncthreads();       // q block `interval` visible; interval - 2's stage no longer read
+    if (interval + 1 < total) load_queries(interval + 1, (interval + 1) % Config::kStages);
+    commit_copies();
 #pragma unroll 1
-      for (int half = 0; half < 2; ++half) {
-        if ((half == 0) != (warpgroup == 0)) {
-          const int iteration = interval - warpgroup;
-          if (iteration >= 0 && iteration < total) run_elements(iteration);
-          continue;
-        }
-        fence_operands(dk_flat);
-        fence_operands(dv_flat);
-        auto gradients = [&]() {  // of q block interval - 1
-          const int last = (interval + Config::kStages - 1) % Config::kStages;
-          issue_key_gradients<Config>(dk_flat, dv_flat, pa, sa, q_tiles + last * Config::kQBytes,
-                                      do_tiles + last * Config::kDoBytes);
-        };
-        auto scores = [&]() {  // of q block `interval`
-          const int stage = interval % Config::kStages;
-          issue_transposed_scores<Config>(st_flat, dpt_flat, k_descriptor, v_descriptor,
-                                          q_tiles + stage * Config::kQBytes,
-                                          do_tiles + stage * Config::kDoBytes);
-        };
-        if (interval == 0) {
-          wgmma_group(scores);
-        } else if (interval == total) {
-          wgmma_group(gradients);
-        } else {
-          wgmma_group([&]() {
-            gradients();
-            scores();
-          });
-        }
-        fence_operands(dk_flat);
-        fence_operands(dv_flat);
-        fence_operands(st_flat);
-        fence_operands(dpt_flat);
-#pragma unroll
-        for (int step = 0; step < Config::kStepsQ; ++step) {
-          fence_operands(pa[step]);  // read by dV/dK until the wait: not reused before it
-          fence_operands(sa[step]);
-        }
+    for (int half = 0; half < 2; ++half) {
+      if ((half == 0) != (warpgroup == 0)) {
+        const int iteration = interval - warpgroup;
+        if (iteration >= 0 && iteration < total) run_elements(iteration);
+        continue;
       }
-    }
-  } else {
-    // kFusedDq: one q block per interval, both warpgroups together (both write dS^T for dQ).
-    for (int iteration = 0; iteration < total; ++iteration) {
-      const int stage = iteration % Config::kStages;
-      wait_copies<0>();
-      fence_async_shared();  // this thread's copies, visible to the wgmma reads after the barrier
-      __syncthreads();       // this iteration's Q/dO visible; older stages are no longer read
-      if (iteration + 1 < total) load_queries(iteration + 1, (iteration + 1) % Config::kStages);
-      commit_copies();
-
-      const int head = head_kv * p.heads_per_kv + iteration / per_head;
-      const int entry = bp.kv_tile_entries[begin + iteration % per_head];
-      const int q_start = (entry >> 1) * kBlockQ;
-      const unsigned q_tile = q_tiles + stage * Config::kQBytes;
-      const unsigned do_tile = do_tiles + stage * Config::kDoBytes;
-      wgmma_fence();
-      issue_transposed_scores<Config>(st_flat, dpt_flat, k_descriptor, v_descriptor, q_tile,
-                                      do_tile);
-      wgmma_commit();
-      wgmma_wait<0>();
+      fence_operands(dk_flat);
+      fence_operands(dv_flat);
+      auto gradients = [&]() {  // of q block interval - 1
+        const int last = (interval + Config::kStages - 1) % Config::kStages;
+        issue_key_gradients<Config>(dk_flat, dv_flat, pa, sa, q_tiles + last * Config::kQBytes,
+                                    do_tiles + last * Config::kDoBytes);
+      };
+      auto scores = [&]() {  // of q block `interval`
+        const int stage = interval % Config::kStages;
+        issue_transposed_scores<Config>(st_flat, dpt_flat, k_descriptor, v_descriptor,
+                                        q_tiles + stage * Config::kQBytes,
+                                        do_tiles + stage * Config::kDoBytes);
+      };
+      if (interval == 0) {
+        wgmma_group(scores);
+      } else if (interval == total) {
+        wgmma_group(gradients);
+      } else {
+        wgmma_group([&]() {
+          gradients();
+          scores();
+        });
+      }
+      fence_operands(dk_flat);
+      fence_operands(dv_flat);
       fence_operands(st_flat);
       fence_operands(dpt_flat);
-      run_elements(iteration);
-
-      // This warp's 16 keys of dS^T (the values sa holds) into the shared tile; the block's
-      // barrier at the top of the next iteration keeps it until both warpgroups' dQ products
-      // are done with it.
-      stage_rows<Tag, Config::kBlockQ / kChunkElements>(
-          aligned_shared_memory<Config::kAlignment>().pointer + kDsOffset, dpt, warp * 16, group,
-          quad_lane, 1.0f);
-      fence_async_shared();
-      __syncthreads();  // both warpgroups' keys stored
-      fence_operands(dk_flat);
-      fence_operands(dv_flat);
-      wgmma_fence();
-      issue_key_gradients<Config>(dk_flat, dv_flat, pa, sa, q_tile, do_tile);
-      wgmma_commit();
-      wgmma_wait<0>();
-      fence_operands(dk_flat);
-      fence_operands(dv_flat);
-      // dQ[:, 64 g .. 64 g + 63] of this q block over the 128 keys, for warpgroup g, in its own
-      // group once the P^T and dS^T fragments are free (one group with dV and dK kept them live
-      // beside dQ's 32 accumulators: 80 bytes of spills at softcap). A = dS^T (keys x queries,
-      // MN-major), B = panel g of K (keys x 64 dims, MN-major); k = the 128 keys in steps of 16.
-      float dq_part[Config::kDqTiles][4];
-      float(&dq_flat)[Config::kDqTiles * 4] =
-          reinterpret_cast<float(&)[Config::kDqTiles * 4]>(dq_part);
-      const unsigned long long ds_values =
-          matrix_descriptor(aligned_shared_memory<Config::kAlignment>().address + kDsOffset,
-                            Config::DsLayout::kPanelBytes, kCoreGroupBytes);
-      const unsigned long long k_values = matrix_descriptor(
-          k_tile + warpgroup * Config::KLayout::kPanelBytes, Config::KLayout::kPanelBytes,
-          kCoreGroupBytes);
-      fence_operands(dq_flat);
-      wgmma_fence();
 #pragma unroll
-      for (int step = 0; step < Config::kBlockKv / 16; ++step) {
-        wgmma_ss_tt_n64(Tag{}, dq_flat, advance_descriptor(ds_values, step * 16 * kPanelRowBytes),
-                        advance_descriptor(k_values, step * 16 * kPanelRowBytes), step > 0);
-      }
-      wgmma_commit();
-      wgmma_wait<0>();
-      fence_operands(dq_flat);
-      // Added in kv-tile order: this tile's turn among those visiting the q block (host table),
-      // so the fp32 sums are the same in every run. Without a turn table and counters
-      // (FLEXATTN_CUDA_FUSED_DQ=unordered) the additions go in any order.
-      const bool ordered = bp.kv_tile_turns != nullptr;
-      int* counter = nullptr;
-      int turn = 0;
-      if (ordered) {
-        counter = bp.dq_counters +
-                  (static_cast<long long>(batch) * bp.heads_q + head) * bp.dq_blocks + (entry >> 1);
-        turn = bp.kv_tile_turns[begin + iteration % per_head];
-        if (thread == 0) wait_for_turn(counter, turn);
-        __syncthreads();
-      }
-      const int warp_row = (warp % 4) * 16 + group;
-      // This sequence's first token in dq_accum.
-      const long long dq_token0 =
-          (p.cu_seqlens_q != nullptr ? 0LL : static_cast<long long>(batch) * p.seq_len_q) +
-          span.q_offset;
-#pragma unroll
-      for (int half = 0; half < 2; ++half) {
-        const int row = q_start + warp_row + half * 8;
-        if (row < span.q_len) {
-          float* destination =
-              bp.dq_accum + ((dq_token0 + row) * bp.heads_q + head) * Config::kHeadDimQk +
-              warpgroup * Config::kDqColumns + 2 * quad_lane;
-#pragma unroll
-          for (int j = 0; j < Config::kDqTiles; ++j) {
-            reduce_add_pair(destination + 8 * j, dq_part[j][2 * half], dq_part[j][2 * half + 1]);
-          }
-        }
-      }
-      if (ordered) {
-        __syncthreads();  // every thread's additions precede the release
-        if (thread == 0) pass_turn(counter, turn + 1);
+      for (int step = 0; step < Config::kStepsQ; ++step) {
+        fence_operands(pa[step]);  // read by dV/dK until the wait: not reused before it
+        fence_operands(sa[step]);
       }
     }
   }
@@ -494,48 +369,8 @@ __device__ __forceinline__ void backward_dkdv_wgmma(const BackwardParams& bp) {
       bp.dv.token_stride, rows_valid, thread);
 }
 
-// With kFusedDq, the dQ kernel's grid converts what the dK/dV kernel accumulated: dq_accum
-// times the scale, as the storage type, into dq's layout (16-byte stores).
-template <class Config>
-__device__ __forceinline__ void finalize_fused_dq(const BackwardParams& bp) {
-  using Tag = typename Config::Tag;
-  constexpr int kBlockQ = Config::kDqBlockQ;
-  constexpr int kChunks = Config::kHeadDimQk / kChunkElements;
-  const ForwardParams& p = bp.fwd;
-  const int q_block = gridDim.x - 1 - blockIdx.x;
-  const int head = blockIdx.y;
-  const int batch = blockIdx.z;
-  const SequenceSpan span = sequence_span(p, batch);
-  const int q_start = q_block * kBlockQ;
-  if (q_start >= span.q_len) return;
-  const int rows_valid = ir_min(kBlockQ, span.q_len - q_start);
-  const long long token0 =
-      (p.cu_seqlens_q != nullptr ? 0LL : static_cast<long long>(batch) * p.seq_len_q) +
-      span.q_offset + q_start;
-  for (int index = threadIdx.x; index < rows_valid * kChunks; index += Config::kThreads) {
-    const int row = index / kChunks;
-    const int chunk = index % kChunks;
-    const float* source = bp.dq_accum + ((token0 + row) * bp.heads_q + head) * Config::kHeadDimQk +
-                          chunk * kChunkElements;
-    const float4 low = reinterpret_cast<const float4*>(source)[0];
-    const float4 high = reinterpret_cast<const float4*>(source)[1];
-    SharedChunk packed;
-    packed.words[0] = pack_pair(Tag{}, low.x * p.scale, low.y * p.scale);
-    packed.words[1] = pack_pair(Tag{}, low.z * p.scale, low.w * p.scale);
-    packed.words[2] = pack_pair(Tag{}, high.x * p.scale, high.y * p.scale);
-    packed.words[3] = pack_pair(Tag{}, high.z * p.scale, high.w * p.scale);
-    *reinterpret_cast<SharedChunk*>(
-        view_row<unsigned short>(bp.dq, batch, span.q_offset + q_start + row, head) +
-        chunk * kChunkElements) = packed;
-  }
-}
-
 template <class Config, class Modifier>
 __device__ __forceinline__ void backward_dq_wgmma(const BackwardParams& bp) {
-  if constexpr (Config::kFusedDq) {
-    finalize_fused_dq<Config>(bp);
-    return;
-  }
   using Tag = typename Config::Tag;
   constexpr int kThreads = Config::kThreads;
   constexpr int kBlockQ = Config::kDqBlockQ;

@@ -39,7 +39,7 @@ struct Coordinates {
   int kv_len;
 };
 
-// A modifier tensor tile staged in shared memory by the wgmma forward (FLEXATTN_CUDA_STAGE_TENSORS:
+// A modifier tensor tile staged in shared memory by the wgmma forward (KernelChoice::stage_tensor:
 // a 16-bit tensor indexed [..., q, kv], e.g. a dense bias): the block's rows and the kv tile's
 // columns, in 64-value panels of panel_bytes with the 128-byte swizzle (SwizzledPanels).
 struct StagedTile {

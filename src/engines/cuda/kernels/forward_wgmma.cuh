@@ -1,5 +1,5 @@
 // Flash-attention-2 forward on Hopper's warpgroup tensor cores (wgmma, sm_90a; bf16/fp16 storage,
-// fp32 accumulation). Step 2 of docs/design/wgmma-plan.md: the mma.sync kernel's pipeline
+// fp32 accumulation; docs/engines.md, "Forward on sm_90"): the mma.sync kernel's pipeline
 // (forward_mma.cuh) with both products on wgmma.
 //
 // A thread block of kWarpgroups warpgroups computes kBlockM = 64 * kWarpgroups query rows of one
@@ -8,8 +8,8 @@
 // are that kernel's. Q stays in shared memory; K and V tiles of kBlockN keys stream through
 // kStages buffers filled by cp.async. All tiles use the 128-byte-swizzled panel layout
 // (SwizzledPanels) that the wgmma descriptors read. Per kv tile j and warpgroup, pipelined
-// (kPipelined; step 3 of docs/design/wgmma-plan.md within a warpgroup) so the element work of one
-// tile runs while the tensor cores multiply the previous one's P V:
+// (kPipelined) so the element work of one tile runs while the tensor cores multiply the previous
+// one's P V:
 //   issue S_j = Q K_j^T          wgmma m64 n kBlockN k16, Q and K from shared memory (K-major)
 //   issue O += P_{j-1} V_{j-1}   wgmma m64 n head_dim_v k16, P from registers, V MN-major
 //   wait for S_j; logits and softmax of tile j (probabilities, row max and sums)
@@ -32,8 +32,8 @@ template <class ElementTag, int kHeadDimQk, int kHeadDimV, int kBlockN_, int kSt
           int kMinBlocks_ = 1, bool kStageTensor_ = false, bool kProducer_ = false>
 struct WgmmaConfig {
   using Tag = ElementTag;
-  // Warpgroups per block (1 or 2), and blocks per multiprocessor the registers must allow: the
-  // default shape is 2 and 1; others are tuning experiments (FLEXATTN_CUDA_WGMMA_TILE).
+  // Warpgroups per block (1 or 2; the engine chooses 2), and blocks per multiprocessor the
+  // registers must allow (tile_plan.cpp).
   static constexpr int kWarpgroups = kWarpgroups_;
   static constexpr int kWarpgroupRows = 64;  // the M of every wgmma
   static constexpr int kWarps = 4 * kWarpgroups;
@@ -70,7 +70,7 @@ struct WgmmaConfig {
   static constexpr int kAlignment = 1024;
   // With kStageTensor the modifier's staged tensor (Modifier::kStagedTensor, 16-bit, indexed
   // [..., q, kv]) travels beside K and V: a (kBlockM, kBlockN) tile per stage, read by the element
-  // code from shared memory instead of one global load per score (FLEXATTN_CUDA_STAGE_TENSORS).
+  // code from shared memory instead of one global load per score.
   static constexpr bool kStageTensor = kStageTensor_;
   using StagedLayout = SwizzledPanels<kBlockM, kBlockN / kChunkElements>;
   static constexpr int kStagedBytes = kStageTensor ? kBlockM * kBlockN * 2 : 0;

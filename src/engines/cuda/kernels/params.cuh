@@ -43,8 +43,7 @@ struct ForwardParams {
   const int* tile_entries;
   int class_block_q;  // query rows per classified block (a multiple of the kernel's block)
   // 1: the wgmma forward numbers its blocks with the batch fastest (forward_wgmma.cuh; the
-  // engine's default with a staged tensor, FLEXATTN_CUDA_BATCH_FASTEST=0|1 overrides it);
-  // 0: (q block, head, batch) as launched.
+  // engine sets it with a staged tensor); 0: (q block, head, batch) as launched.
   int batch_fastest;
   TensorArg tensors[kMaxTensors];
   float params[kMaxParams];
@@ -88,17 +87,6 @@ struct BackwardParams {
   // the tensor-gradient scatter (a modifier with tensor loads whose gradients nobody asked for
   // costs what one without them does).
   int tensor_grads_wanted;
-  // The fused dQ (BackwardWgmmaConfig::kFusedDq): the dK/dV kernel adds each kv tile's dS K into
-  // dq_accum (fp32, [token][head][head_dim_qk], tokens as thd's or batch * seq_len_q + position;
-  // zeroed before the launch) in the order of kv_tile_turns (per kv-major entry: the rank of its
-  // kv tile among those visiting its q block), one counter per (batch, head, q block of
-  // dq_blocks) in dq_counters (zeroed); the dQ kernel then converts dq_accum to dq. Without
-  // kv_tile_turns and dq_counters (both null) the additions go in any order.
-  float* dq_accum;
-  int* dq_counters;
-  const int* kv_tile_turns;
-  int heads_q;
-  int dq_blocks;  // q blocks (of the dK/dV kernel's 64 rows) per (batch, head)
 };
 
 // Converts one fixed-point accumulator to the gradient tensor (fp32 or fp64, contiguous).

@@ -1,7 +1,7 @@
 // Hopper's warpgroup matrix products (wgmma, PTX ISA 8.0+, target sm_90a only) and what they
 // rest on: shared-memory matrix descriptors, the async-proxy fence, commit and wait.
-// docs/design/wgmma-plan.md has the facts; tests/gpu/test_wgmma_tile.cpp proves the descriptor,
-// swizzle and accumulator layout on one tile.
+// docs/engines.md ("wgmma building blocks") has the facts; tests/gpu/test_wgmma_tile.cpp proves
+// the descriptor, swizzle and accumulator layout on one tile.
 //
 // One wgmma is issued by a warpgroup (4 warps, 128 threads) for a 64 x N x 16 product. The
 // accumulator of m64nNk16 is N / 2 floats per thread in the m16n8 C layout per warp (tile_ops.cuh):
@@ -155,12 +155,10 @@ __device__ __forceinline__ void claim_registers() {
   FLEXATTN_WGMMA_ACC32, FLEXATTN_WGMMA_ACC8(32), FLEXATTN_WGMMA_ACC8(40), FLEXATTN_WGMMA_ACC8(48), \
       FLEXATTN_WGMMA_ACC8(56)
 
-// d (64 x N) = A B (+ d when accumulate != 0), A and B in shared memory (descriptors): both
-// K-major, wgmma_ss_n<N>; both MN-major (the transpose flags set: A stored K x M, e.g. dS^T rows
-// of keys for dQ = dS K, and B stored K x N, e.g. K's rows of keys), wgmma_ss_tt_n<N>, with
-// descriptors as for an MN-major B. A from registers (m16n8k16 A layout), B MN-major in shared
-// memory: wgmma_rs_n<N>. ACC is the accumulator count (N / 2); A, B and SCALE name the operands
-// that follow the accumulators.
+// d (64 x N) = A B (+ d when accumulate != 0), A and B in shared memory (descriptors), both
+// K-major: wgmma_ss_n<N> (TRANSPOSE: the operands' transpose flags). A from registers (m16n8k16 A
+// layout), B MN-major in shared memory: wgmma_rs_n<N>. ACC is the accumulator count (N / 2); A, B
+// and SCALE name the operands that follow the accumulators.
 #if FLEXATTN_WGMMA_AVAILABLE
 #define FLEXATTN_WGMMA_SS(NAME, TRANSPOSE, TAG, TYPE, N, ACC, PLACEHOLDERS, OPERANDS, A, B, SCALE) \
   __device__ __forceinline__ void NAME##_n##N(TAG, float(&d)[ACC], unsigned long long a,           \
@@ -203,10 +201,6 @@ FLEXATTN_WGMMA_SS(wgmma_ss, "0, 0", BFloat16Tag, "bf16", 128, 64, FLEXATTN_WGMMA
                   FLEXATTN_WGMMA_ACC64, "%64", "%65", "%66")
 FLEXATTN_WGMMA_SS(wgmma_ss, "0, 0", HalfTag, "f16", 128, 64, FLEXATTN_WGMMA_D64,
                   FLEXATTN_WGMMA_ACC64, "%64", "%65", "%66")
-FLEXATTN_WGMMA_SS(wgmma_ss_tt, "1, 1", BFloat16Tag, "bf16", 64, 32, FLEXATTN_WGMMA_D32,
-                  FLEXATTN_WGMMA_ACC32, "%32", "%33", "%34")
-FLEXATTN_WGMMA_SS(wgmma_ss_tt, "1, 1", HalfTag, "f16", 64, 32, FLEXATTN_WGMMA_D32,
-                  FLEXATTN_WGMMA_ACC32, "%32", "%33", "%34")
 FLEXATTN_WGMMA_RS(BFloat16Tag, "bf16", 64, 32, FLEXATTN_WGMMA_D32, FLEXATTN_WGMMA_ACC32,
                   "%32, %33, %34, %35", "%36", "%37")
 FLEXATTN_WGMMA_RS(HalfTag, "f16", 64, 32, FLEXATTN_WGMMA_D32, FLEXATTN_WGMMA_ACC32,
@@ -245,34 +239,6 @@ __device__ __forceinline__ void wgmma_from_registers(Tag tag, float (&d)[kCount]
   } else {
     wgmma_rs_n128(tag, d, a, b, accumulate);
   }
-}
-
-// ---- ordered global accumulation (the fused dQ, backward_wgmma.cuh) -------------------------
-
-// Spins until the gpu-scope counter holds `turn` (acquire: what the holder of the previous turn
-// wrote before its release is visible after it).
-__device__ __forceinline__ void wait_for_turn(const int* counter, int turn) {
-  for (;;) {
-    int value;
-    asm volatile("ld.acquire.gpu.global.b32 %0, [%1];\n" : "=r"(value) : "l"(counter) : "memory");
-    if (value == turn) return;
-    __nanosleep(32);
-  }
-}
-// Hands the counter to the next turn (release, after a fence covering the block's writes that
-// the caller's barrier ordered before it).
-__device__ __forceinline__ void pass_turn(int* counter, int next) {
-  __threadfence();
-  asm volatile("st.release.gpu.global.b32 [%0], %1;\n" ::"l"(counter), "r"(next) : "memory");
-}
-// address[0] += a, address[1] += b in one vector reduction (8-byte aligned global memory).
-__device__ __forceinline__ void reduce_add_pair(float* address, float a, float b) {
-#if FLEXATTN_WGMMA_AVAILABLE
-  asm volatile("red.global.add.v2.f32 [%0], {%1, %2};\n" ::"l"(address), "f"(a), "f"(b) : "memory");
-#else
-  atomicAdd(address, a);
-  atomicAdd(address + 1, b);
-#endif
 }
 
 }  // namespace flexattn_kernels

@@ -1,0 +1,243 @@
+// The cuda engine's generated translation units compile with NVRTC (no GPU needed): the
+// modifiers of the shared cases for sm_90, the wgmma forward (pipelined with its producer
+// warpgroup, with a staged tensor) and the backward for sm_90a. Skipped in builds without CUDA.
+#include <fmt/format.h>
+#include <gtest/gtest.h>
+
+#include <string>
+#include <tuple>
+#include <utility>
+#include <vector>
+
+#include "flexattn/flexattn.hpp"
+#include "support/cuda_codegen_cases.hpp"
+
+// The engine's internals (tile plan, NVRTC compilation) exist only in builds with the engine.
+#if FLEXATTN_HAVE_CUDA
+#include "engines/cuda/codegen.hpp"
+#include "engines/cuda/kernel_cache.hpp"
+#include "engines/cuda/tile_plan.hpp"
+#endif
+
+#if __has_include(<nvrtc.h>)
+#include <cuda.h>
+#include <dlfcn.h>
+#include <nvrtc.h>
+#define FLEXATTN_TEST_HAS_NVRTC 1
+#endif
+
+namespace flexattn {
+namespace {
+
+using namespace test;
+
+#if FLEXATTN_HAVE_CUDA
+// NVRTC compiles `source` to a cubin (no GPU needed); a compile error is the test's failure.
+void expect_compiles(const std::string& source, const std::string& name, int capability,
+                     const std::string& suffix = "") {
+  std::vector<char> cubin;
+  try {
+    cubin = cuda::compile_to_cubin(source, name, capability, suffix);
+  } catch (const Error& error) {
+    ADD_FAILURE() << error.what();
+  }
+  EXPECT_FALSE(cubin.empty());
+}
+
+// The wgmma translation units, forward and forward + backward, compile for sm_90a with NVRTC (no
+// GPU) and hold the warpgroup instructions: the engine's module on an H200.
+TEST(CudaForwardCompile, WgmmaTranslationUnitsCompileForSm90a) {
+  SKIP_WITHOUT_CUDA_ENGINE();
+  constexpr int kCapability = 90;
+  const TensorDecl slopes{DType::kF32, {4}};
+  for (const auto& [c, backward] :
+       {std::pair{GeneratedCase{"wgmma_bf16_d128_softcap_causal", DType::kBF16, 128, 128,
+                                "30 * tanh(score / 30)", "q >= kv", {}, {}, Layout::kBSHD, {}},
+                  false},
+        std::pair{GeneratedCase{"wgmma_f16_d64_alibi_thd", DType::kF16, 64, 64,
+                                "score + slopes[h] * (kv - q)", "", {{"slopes", slopes}}, {},
+                                Layout::kTHD, {}},
+                  true}}) {
+    SCOPED_TRACE(c.name);
+    const Problem problem = backward ? make_backward_problem(c) : make_problem(c);
+    const cuda::KernelSelection selection = cuda::choose_kernel(problem, kCapability);
+    ASSERT_EQ(selection.choice.kind, cuda::KernelKind::kWgmma);
+    const cuda::BindingSelection bindings = cuda::bind_modifier(problem);
+    ASSERT_TRUE(bindings.reason.empty()) << bindings.reason;
+    std::optional<cuda::BackwardCode> backward_code;
+    if (backward) {
+      const cuda::BackwardChoice choice =
+          cuda::choose_backward_kernel(problem, kCapability).choice;
+      EXPECT_TRUE(choice.wgmma);
+      backward_code = cuda::backward_code(problem, choice);
+    }
+    const std::string source = cuda::generate_translation_unit(
+        problem, bindings.bindings, selection.choice, backward_code ? &*backward_code : nullptr);
+    EXPECT_NE(source.find("flexattn_kernels::forward_wgmma<FlexattnConfig"), std::string::npos);
+    if (backward) {
+      EXPECT_NE(source.find("flexattn_kernels::backward_dkdv_wgmma<FlexattnWgmmaConfig"),
+                std::string::npos);
+      EXPECT_NE(source.find("flexattn_kernels::backward_dq_wgmma<FlexattnWgmmaConfig"),
+                std::string::npos);
+    }
+    expect_compiles(source, c.name + ".cu", kCapability, selection.choice.architecture_suffix());
+  }
+}
+
+// The staged wgmma forward: two stages without pipelining and the bias tiles in the shared
+// memory; the generated code reads the tile when the kernel passes one, and compiles for sm_90a.
+TEST(CudaForwardCompile, StagedTensorCompilesForSm90a) {
+  SKIP_WITHOUT_CUDA_ENGINE();
+  constexpr int kCapability = 90;
+  for (const std::int64_t head_dim : {64, 128}) {
+    SCOPED_TRACE(head_dim);
+    const Problem problem =
+        staging_problem("score + bias[h, q, kv]", TensorDecl{DType::kBF16, {4, 128, 128}},
+                        Layout::kBSHD, head_dim);
+    cuda::KernelChoice choice = cuda::choose_kernel(problem, kCapability).choice;
+    ASSERT_EQ(choice.kind, cuda::KernelKind::kWgmma);
+    choice.take_turns = choice.pipelined;
+    ASSERT_EQ(cuda::stage_wgmma_tensor(choice), "");
+    EXPECT_TRUE(choice.stage_tensor);
+    EXPECT_FALSE(choice.pipelined);
+    EXPECT_FALSE(choice.take_turns);
+    EXPECT_EQ(choice.stages, 2);
+    const int h = static_cast<int>(head_dim);
+    const int n = head_dim == 64 ? 64 : 128;  // keys per tile
+    const int blocks = head_dim == 64 ? 2 : 1;  // per multiprocessor
+    EXPECT_EQ(choice.block_n, n);
+    EXPECT_EQ(choice.min_blocks, blocks);
+    EXPECT_EQ(choice.shared_bytes, 1024 + 128 * h * 2 + 2 * (n * 2 * h * 2 + 128 * n * 2));
+    EXPECT_NE(choice.config_type().find(fmt::format(", false, 2, {}, true>", blocks)),
+              std::string::npos)
+        << choice.config_type();
+    // The unstaged fallback: the same shape without the tile.
+    const cuda::KernelChoice unstaged = cuda::without_staged_tensor(choice);
+    EXPECT_FALSE(unstaged.stage_tensor);
+    EXPECT_EQ(unstaged.block_n, n);
+    EXPECT_EQ(unstaged.shared_bytes, 1024 + 128 * h * 2 + 2 * n * 2 * h * 2);
+    EXPECT_NE(choice.describe().find("staged in shared memory"), std::string::npos);
+    const std::string source = cuda::generate_translation_unit(
+        problem, cuda::bind_modifier(problem).bindings, choice, nullptr);
+    const std::string generated = source.substr(source.find("// ---- generated"));
+    for (const char* fragment :
+         {"staged != nullptr ? staged_bf16(*staged) : load_tensor_bf16(",
+          "kStagedTensor = 0;", "kStagedRowStride = 128LL;", "staged_origin("}) {
+      EXPECT_NE(generated.find(fragment), std::string::npos) << fragment << "\n" << generated;
+    }
+    expect_compiles(source, "staged.cu", kCapability, choice.architecture_suffix());
+  }
+  // The mma.sync kernel (no sm_90) never stages: its generated code has no staged read.
+  const Problem plain =
+      staging_problem("score + bias[h, q, kv]", TensorDecl{DType::kBF16, {4, 128, 128}});
+  const cuda::KernelChoice mma_sync = cuda::choose_kernel(plain, 0).choice;
+  ASSERT_EQ(mma_sync.kind, cuda::KernelKind::kMma);
+  const std::string source = cuda::generate_translation_unit(
+      plain, cuda::bind_modifier(plain).bindings, mma_sync, nullptr);
+  EXPECT_EQ(source.find("staged_bf16(*staged"), std::string::npos);
+  EXPECT_NE(source.find("kStagedTensor = -1;"), std::string::npos);
+}
+
+// The head-dim-128 wgmma forward compiles for sm_90a with its producer warpgroup and with the
+// warpgroups taking turns, hands its registers over (setmaxnreg), launches with the producer's
+// threads, and says so.
+TEST(CudaForwardCompile, WgmmaProducerTakingTurnsCompilesForSm90a) {
+  SKIP_WITHOUT_CUDA_ENGINE();
+  constexpr int kCapability = 90;
+  const Problem problem = make_problem(GeneratedCase{"turns", DType::kBF16, 128, 128,
+                                                     "30 * tanh(score / 30)", "q >= kv", {}, {},
+                                                     Layout::kBSHD, {}});
+  cuda::KernelChoice choice = cuda::choose_kernel(problem, kCapability).choice;
+  ASSERT_TRUE(choice.pipelined);
+  ASSERT_TRUE(choice.producer);
+  choice.take_turns = choice.turns_possible();
+  EXPECT_NE(choice.describe().find("take turns"), std::string::npos) << choice.describe();
+  const std::string source = cuda::generate_translation_unit(
+      problem, cuda::bind_modifier(problem).bindings, choice, nullptr);
+  EXPECT_NE(source.find("230464, true, 2, 1, false, true>"), std::string::npos);
+  EXPECT_NE(source.find("__launch_bounds__(FlexattnConfig::kBlockThreads"), std::string::npos);
+  expect_compiles(source, "turns.cu", kCapability, choice.architecture_suffix());
+}
+
+// The backward translation units compile for sm_90 (NVRTC, no GPU). These need the backward
+// kernels (kernels/backward_mma.cuh and backward_simt.cuh): they fail until those templates exist.
+TEST(CudaBackwardCompile, GeneratedBackwardTranslationUnitsCompile) {
+  SKIP_WITHOUT_CUDA_ENGINE();
+  constexpr int kCapability = 90;
+  const TensorDecl per_head{DType::kF32, {4}};
+  const TensorDecl bias{DType::kF32, {4, 100, 77}};
+  for (const GeneratedCase& c :
+       {GeneratedCase{"bwd_bf16_d64_softcap_alibi_bias", DType::kBF16, 64, 64,
+                      "30 * tanh(score / 30) + slopes[h] * (kv - q) + bias[h, q, kv]", "q >= kv",
+                      {{"slopes", per_head}, {"bias", bias}}, {}, Layout::kBSHD, {}},
+        GeneratedCase{"bwd_fp32_d80_gate", DType::kF32, 80, 80, "score * gate[h]", "",
+                      {{"gate", per_head}}, {}, Layout::kBSHD, {}}}) {
+    SCOPED_TRACE(c.name);
+    const std::string source = cuda_engine()->generated_source(make_backward_problem(c));
+    ASSERT_EQ(source.find("not supported"), std::string::npos) << source;
+    expect_compiles(source, c.name + ".cu", kCapability);
+  }
+  // The wgmma backward at head dim 128, softcap and causal, for sm_90a.
+  const GeneratedCase wgmma{"bwd_bf16_d128_softcap_wgmma", DType::kBF16, 128, 128,
+                            "30 * tanh(score / 30)", "q >= kv", {}, {}, Layout::kBSHD, {}};
+  const Problem problem = make_backward_problem(wgmma);
+  const cuda::KernelSelection selection = cuda::choose_kernel(problem, kCapability);
+  const cuda::BackwardCode code =
+      cuda::backward_code(problem, cuda::choose_backward_kernel(problem, kCapability).choice);
+  ASSERT_TRUE(code.choice.wgmma);
+  const std::string source = cuda::generate_translation_unit(
+      problem, cuda::bind_modifier(problem).bindings, selection.choice, &code);
+  EXPECT_NE(source.find(code.choice.wgmma_config_type()), std::string::npos) << source;
+  expect_compiles(source, wgmma.name + ".cu", kCapability, "a");
+}
+#endif
+
+#if FLEXATTN_TEST_HAS_NVRTC
+// The architecture the generated code is checked for (the H200 of the benchmarks).
+constexpr const char* kArchitecture = "--gpu-architecture=sm_90";
+
+// NVRTC as the engine opens it at run time (the library of the toolkit's major version).
+template <class Function>
+Function nvrtc_function(const char* name) {
+  static void* const handle =
+      dlopen(("libnvrtc.so." + std::to_string(CUDA_VERSION / 1000)).c_str(), RTLD_NOW);
+  return handle == nullptr ? nullptr : reinterpret_cast<Function>(dlsym(handle, name));
+}
+
+// Compiles like the engine does (kernel_cache.cpp) and returns NVRTC's log on failure.
+std::string compile_errors(const std::string& source, const std::string& name) {
+  const auto create = nvrtc_function<decltype(&nvrtcCreateProgram)>("nvrtcCreateProgram");
+  const auto compile = nvrtc_function<decltype(&nvrtcCompileProgram)>("nvrtcCompileProgram");
+  const auto log_size = nvrtc_function<decltype(&nvrtcGetProgramLogSize)>("nvrtcGetProgramLogSize");
+  const auto get_log = nvrtc_function<decltype(&nvrtcGetProgramLog)>("nvrtcGetProgramLog");
+  const auto destroy = nvrtc_function<decltype(&nvrtcDestroyProgram)>("nvrtcDestroyProgram");
+  if (!create || !compile || !log_size || !get_log || !destroy) return "NVRTC not loaded";
+  nvrtcProgram program = nullptr;
+  if (create(&program, source.c_str(), name.c_str(), 0, nullptr, nullptr) != NVRTC_SUCCESS) {
+    return "nvrtcCreateProgram failed";
+  }
+  const char* options[] = {kArchitecture, "-std=c++17"};
+  const nvrtcResult result = compile(program, 2, options);
+  std::string log;
+  std::size_t size = 0;
+  log_size(program, &size);
+  log.resize(size);
+  if (size > 0) get_log(program, log.data());
+  destroy(&program);
+  return result == NVRTC_SUCCESS ? std::string() : log;
+}
+
+TEST(CudaCodegen, GeneratedSourcesCompileWithNvrtc) {
+  SKIP_WITHOUT_CUDA_ENGINE();
+  const auto engine = cuda_engine();
+  for (const GeneratedCase& c : cases()) {
+    SCOPED_TRACE(c.name);
+    const std::string source = engine->generated_source(make_problem(c));
+    const std::string errors = compile_errors(source, c.name + ".cu");
+    EXPECT_TRUE(errors.empty()) << errors << "\n" << source.substr(source.find("// ---- generated"));
+  }
+}
+#endif
+
+}  // namespace
+}  // namespace flexattn
