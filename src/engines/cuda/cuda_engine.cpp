@@ -224,35 +224,6 @@ std::size_t align_scratch(std::size_t bytes) {
   return (bytes + kScratchAlignment - 1) / kScratchAlignment * kScratchAlignment;
 }
 
-// Device memory ordered on a stream (cuMemAllocAsync): usable by the work enqueued after the
-// allocation, returned to the stream's pool after the work enqueued before release(). On an
-// exception the destructor still enqueues the free.
-class StreamScratch {
- public:
-  StreamScratch(const Driver& driver, std::size_t bytes, CUstream stream)
-      : driver_(driver), stream_(stream) {
-    driver_.check(driver_.api().memory_allocate_async(&address_, bytes, stream_),
-                  "cuMemAllocAsync");
-  }
-  ~StreamScratch() {
-    if (address_ != 0) driver_.api().memory_free_async(address_, stream_);
-  }
-  StreamScratch(const StreamScratch&) = delete;
-  StreamScratch& operator=(const StreamScratch&) = delete;
-
-  CUdeviceptr address() const { return address_; }
-  void release() {
-    const CUdeviceptr address = address_;
-    address_ = 0;
-    driver_.check(driver_.api().memory_free_async(address, stream_), "cuMemFreeAsync");
-  }
-
- private:
-  const Driver& driver_;
-  CUstream stream_;
-  CUdeviceptr address_ = 0;
-};
-
 // A stream a plan owns (the backward's second stream), created on its first use and destroyed
 // with the plan (work still queued on it completes first; cuStreamDestroy does not wait).
 class PlanStream {
@@ -469,6 +440,21 @@ class CudaPlan final : public Plan {
 
   const Problem& problem() const override { return problem_; }
 
+  // The backward's scratch at most: delta and the second LSE, then a fixed-point accumulator for
+  // every float tensor the modifier reads (run_backward takes those whose gradient is wanted).
+  std::size_t workspace_bytes(Pass pass) const override {
+    if (pass == Pass::kForward || !backward_) return 0;
+    std::size_t bytes = 2 * align_scratch(backward_->delta_floats * sizeof(float));
+    for (const std::string& name : bindings_.tensors) {
+      const TensorDecl& decl = problem_.desc().tensors.at(name);
+      if (!is_floating(decl.dtype)) continue;
+      std::size_t elements = 1;
+      for (std::int64_t extent : decl.shape) elements *= static_cast<std::size_t>(extent);
+      bytes += align_scratch(elements * sizeof(long long));
+    }
+    return bytes;
+  }
+
  protected:
   void run_forward(const ForwardArgs& args) const override {
     ForwardParams p = forward_.params;
@@ -520,7 +506,8 @@ class CudaPlan final : public Plan {
     }
     bind_tensors(args.tensors, p.fwd);
 
-    // Scratch: delta, lse2, then one fixed-point accumulator per wanted tensor gradient.
+    // Scratch (from args.workspace, args.allocator or cuMemAllocAsync): delta, lse2, then one
+    // fixed-point accumulator per wanted tensor gradient.
     struct Gradient {
       std::size_t slot;
       const TensorView* view;
@@ -540,7 +527,13 @@ class CudaPlan final : public Plan {
 
     ContextScope scope(*driver_);
     const auto stream = static_cast<CUstream>(args.stream);
-    StreamScratch scratch(*driver_, bytes, stream);
+    if (bytes > workspace_bytes(Pass::kBackward)) {
+      throw_internal(
+          fmt::format("cuda: the backward's scratch ({} bytes) exceeds the {} bytes "
+                      "workspace_bytes() reports",
+                      bytes, workspace_bytes(Pass::kBackward)));
+    }
+    CallScratch scratch(*driver_, args.workspace, args.allocator, bytes, stream);
     p.delta = reinterpret_cast<float*>(scratch.address());
     p.lse2 = reinterpret_cast<float*>(scratch.address() + lse2_offset);
     if (bytes > accumulators_begin) {
