@@ -12,6 +12,7 @@
 #include "engines/cpu/skipping_product.hpp"
 #include "engines/cpu/tape.hpp"
 #include "flexattn/flexattn.hpp"
+#include "support/test_support.hpp"
 
 namespace flexattn::cpu {
 namespace {
@@ -197,7 +198,7 @@ TEST(CpuKernels, ZeroCoefficientsSkipNonFiniteData) {
     for (const Kernels* set : kernel_sets()) {
       std::vector<float> c(m * n, 1.0f), scratch;
       gemm_skipping_zeros(*set, {m, n, k, a.data(), k, 1, b.data(), n, c.data(), n, true}, which,
-                          scratch);
+                          false, scratch);
       for (std::int64_t i = 0; i < m; ++i) {
         for (std::int64_t j = 0; j < n; ++j) {
           double expected = 1.0;
@@ -208,8 +209,8 @@ TEST(CpuKernels, ZeroCoefficientsSkipNonFiniteData) {
             if (weight != 0.0) expected += x * y;
           }
           const float got = c[static_cast<std::size_t>(i * n + j)];
-          const std::string what = std::string(set->isa) + " C(" + std::to_string(i) + ", " +
-                                   std::to_string(j) + ")";
+          const std::string what =
+              std::string(set->isa) + " C(" + std::to_string(i) + ", " + std::to_string(j) + ")";
           if (std::isnan(expected)) {
             EXPECT_TRUE(std::isnan(got)) << what;
           } else if (std::isinf(expected)) {
@@ -218,6 +219,66 @@ TEST(CpuKernels, ZeroCoefficientsSkipNonFiniteData) {
             EXPECT_NEAR(got, expected, 1e-5) << what;
           }
         }
+      }
+    }
+  }
+}
+
+// FiniteHeads finds exactly the (batch, head) that holds a NaN or an infinity, in every
+// dtype the engine reads and in every layout (a bhsd sequence is scanned as one block, the others
+// row by row); the largest finite fp16 value is not flagged.
+TEST(CpuKernels, FiniteHeadsFindExactlyThePlantedHead) {
+  const double nan = std::numeric_limits<double>::quiet_NaN();
+  const double inf = std::numeric_limits<double>::infinity();
+  for (const Layout layout : {Layout::kBSHD, Layout::kBHSD, Layout::kTHD}) {
+    for (const DType dtype : {DType::kF32, DType::kF16, DType::kBF16}) {
+      ProblemDesc desc;
+      desc.batch = 2;
+      desc.heads_q = 4;
+      desc.heads_kv = 2;
+      desc.seq_len_q = 37;
+      desc.seq_len_kv = 23;
+      desc.head_dim_qk = 24;
+      desc.head_dim_v = 16;
+      desc.layout = layout;
+      desc.dtype = dtype;
+      if (layout == Layout::kTHD) {
+        desc.seq_len_q = desc.seq_len_kv = 0;
+        desc.cu_seqlens_q = {0, 37, 60};
+        desc.cu_seqlens_kv = {0, 23, 31};
+      }
+      const Problem problem(desc);
+      test::Inputs inputs = test::random_inputs(problem, 3);
+      struct Side {
+        HostTensor* tensor;
+        bool query_side;
+        std::int64_t heads, columns;
+      };
+      for (const Side side : {Side{&inputs.q, true, 4, 24}, Side{&inputs.v, false, 2, 16}}) {
+        const TensorView view = side.tensor->view();
+        const std::int64_t b = 1, h = 1, d = side.columns - 1;
+        const std::int64_t token =
+            (side.query_side ? problem.seq_len_q_of(b) : problem.seq_len_kv_of(b)) - 1;
+        const std::vector<std::int64_t>& st = view.strides;
+        const std::vector<std::int64_t>& starts =
+            side.query_side ? desc.cu_seqlens_q : desc.cu_seqlens_kv;
+        const std::int64_t at = layout == Layout::kBSHD ? b * st[0] + token * st[1] + h * st[2] + d
+                                : layout == Layout::kBHSD
+                                    ? b * st[0] + h * st[1] + token * st[2] + d
+                                    : (starts[1] + token) * st[0] + h * st[1] + d;
+        for (const double value : {0.5, nan, inf, -inf, 65504.0}) {
+          view.store(at, value);
+          const FiniteHeads finite(problem, view, side.query_side, side.columns);
+          for (std::int64_t batch = 0; batch < 2; ++batch) {
+            for (std::int64_t head = 0; head < side.heads; ++head) {
+              const bool planted = batch == b && head == h && !std::isfinite(value);
+              EXPECT_EQ(finite.at(batch, head), !planted)
+                  << to_string(layout) << " " << to_string(dtype) << " value " << value << " batch "
+                  << batch << " head " << head << (side.query_side ? " (q)" : " (v)");
+            }
+          }
+        }
+        view.store(at, 0.5);
       }
     }
   }

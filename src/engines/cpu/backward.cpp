@@ -55,7 +55,10 @@ BackwardContext::BackwardContext(const Problem& problem, const Lowering& lowerin
       scale(static_cast<float>(problem.scale())),
       kernel(kernels()),
       args(arguments),
-      inputs{problem.desc().params, arguments.tensors} {}
+      inputs{problem.desc().params, arguments.tensors},
+      finite_q(problem, arguments.q, true, problem.head_dim_qk()),
+      finite_k(problem, arguments.k, false, problem.head_dim_qk()),
+      finite_dout(problem, arguments.dout, true, problem.head_dim_v()) {}
 
 BackwardState BackwardContext::make_state(bool with_gradients) const {
   BackwardState s;
@@ -257,8 +260,11 @@ void CpuPlan::key_tile(const BackwardContext& x, const std::vector<float>& delta
   std::fill(state.dk.begin(), state.dk.end(), 0.0f);
   std::fill(state.dv.begin(), state.dv.end(), 0.0f);
   const std::int64_t dq_block = x.dim_qk * x.ld;
+  const bool k_finite = x.finite_k.at(b, h_kv);
   for (std::int64_t g = 0; g < x.group; ++g) {
     const std::int64_t h = h_kv * x.group + g;
+    const bool q_finite = x.finite_q.at(b, h);
+    const bool dout_finite = x.finite_dout.at(b, h);
     x.set_head(b, h, s);
     for (std::int64_t qt = 0; qt < tile_grid.query_tiles; ++qt) {
       const TileClass tile_class = tile_grid.at(qt, kt);
@@ -272,17 +278,17 @@ void CpuPlan::key_tile(const BackwardContext& x, const std::vector<float>& delta
       gemm_skipping_zeros(x.kernel,
                           {nk, x.dim_v_padded, lanes, s.probs.data(), x.ld, 1, s.douts.data(),
                            x.douts_ld, state.dv.data(), x.dim_v_padded, true},
-                          DataOperand::kB, s.cleaned);
+                          DataOperand::kB, dout_finite, s.cleaned);
       gemm_skipping_zeros(x.kernel,
                           {nk, x.dim_qk_padded, lanes, s.ds_raw.data(), x.ld, 1, s.queries.data(),
                            x.queries_ld, state.dk.data(), x.dim_qk_padded, true},
-                          DataOperand::kB, s.cleaned);
+                          DataOperand::kB, q_finite, s.cleaned);
       if (dq_blocks != nullptr) {  // dQ^T += K^T dS^T, exactly as the query pass adds it
         float* dq_t = dq_blocks + (g * tile_grid.query_tiles + qt) * dq_block;
         gemm_skipping_zeros(
             x.kernel,
             {x.dim_qk, lanes, nk, keys.rows, 1, keys.ld, s.ds_raw.data(), x.ld, dq_t, x.ld, true},
-            DataOperand::kA, s.cleaned);
+            DataOperand::kA, k_finite, s.cleaned);
       }
     }
   }
