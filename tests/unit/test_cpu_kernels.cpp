@@ -2,6 +2,8 @@
 // float64 reference) and the modifier tape (every IR op against `evaluate`).
 #include <gtest/gtest.h>
 
+#include <algorithm>
+#include <array>
 #include <cmath>
 #include <limits>
 #include <random>
@@ -12,7 +14,6 @@
 #include "engines/cpu/skipping_product.hpp"
 #include "engines/cpu/tape.hpp"
 #include "flexattn/flexattn.hpp"
-#include "support/test_support.hpp"
 
 namespace flexattn::cpu {
 namespace {
@@ -224,61 +225,50 @@ TEST(CpuKernels, ZeroCoefficientsSkipNonFiniteData) {
   }
 }
 
-// FiniteHeads finds exactly the (batch, head) that holds a NaN or an infinity, in every
-// dtype the engine reads and in every layout (a bhsd sequence is scanned as one block, the others
-// row by row); the largest finite fp16 value is not flagged.
-TEST(CpuKernels, FiniteHeadsFindExactlyThePlantedHead) {
-  const double nan = std::numeric_limits<double>::quiet_NaN();
-  const double inf = std::numeric_limits<double>::infinity();
-  for (const Layout layout : {Layout::kBSHD, Layout::kBHSD, Layout::kTHD}) {
-    for (const DType dtype : {DType::kF32, DType::kF16, DType::kBF16}) {
-      ProblemDesc desc;
-      desc.batch = 2;
-      desc.heads_q = 4;
-      desc.heads_kv = 2;
-      desc.seq_len_q = 37;
-      desc.seq_len_kv = 23;
-      desc.head_dim_qk = 24;
-      desc.head_dim_v = 16;
-      desc.layout = layout;
-      desc.dtype = dtype;
-      if (layout == Layout::kTHD) {
-        desc.seq_len_q = desc.seq_len_kv = 0;
-        desc.cu_seqlens_q = {0, 37, 60};
-        desc.cu_seqlens_kv = {0, 23, 31};
-      }
-      const Problem problem(desc);
-      test::Inputs inputs = test::random_inputs(problem, 3);
-      struct Side {
-        HostTensor* tensor;
-        bool query_side;
-        std::int64_t heads, columns;
-      };
-      for (const Side side : {Side{&inputs.q, true, 4, 24}, Side{&inputs.v, false, 2, 16}}) {
-        const TensorView view = side.tensor->view();
-        const std::int64_t b = 1, h = 1, d = side.columns - 1;
-        const std::int64_t token =
-            (side.query_side ? problem.seq_len_q_of(b) : problem.seq_len_kv_of(b)) - 1;
-        const std::vector<std::int64_t>& st = view.strides;
-        const std::vector<std::int64_t>& starts =
-            side.query_side ? desc.cu_seqlens_q : desc.cu_seqlens_kv;
-        const std::int64_t at = layout == Layout::kBSHD ? b * st[0] + token * st[1] + h * st[2] + d
-                                : layout == Layout::kBHSD
-                                    ? b * st[0] + h * st[1] + token * st[2] + d
-                                    : (starts[1] + token) * st[0] + h * st[1] + d;
-        for (const double value : {0.5, nan, inf, -inf, 65504.0}) {
-          view.store(at, value);
-          const FiniteHeads finite(problem, view, side.query_side, side.columns);
-          for (std::int64_t batch = 0; batch < 2; ++batch) {
-            for (std::int64_t head = 0; head < side.heads; ++head) {
-              const bool planted = batch == b && head == h && !std::isfinite(value);
-              EXPECT_EQ(finite.at(batch, head), !planted)
-                  << to_string(layout) << " " << to_string(dtype) << " value " << value << " batch "
-                  << batch << " head " << head << (side.query_side ? " (q)" : " (v)");
-            }
-          }
+// FiniteTiles scans a tile the first time it is asked about and keeps the answer: every
+// (batch, head, tile) of ragged sequences has its own entry, a NaN or an infinity in the copy
+// makes it non-finite, and later copies are not scanned again.
+TEST(CpuKernels, FiniteTilesScanEachTileOnce) {
+  ProblemDesc desc;
+  desc.batch = 3;
+  desc.heads_q = 4;
+  desc.heads_kv = 2;
+  desc.head_dim_qk = desc.head_dim_v = 8;
+  desc.layout = Layout::kTHD;
+  desc.seq_len_q = desc.seq_len_kv = 0;
+  desc.cu_seqlens_q = {0, 37, 37, 60};  // 3 tiles of 16, none, 2
+  desc.cu_seqlens_kv = {0, 5, 40, 41};  // 1 tile, 3, 1
+  const Problem problem(desc);
+  constexpr std::int64_t kBlock = 16, kColumns = 8, kLd = 10;
+  const std::vector<float> finite(kBlock * kLd, 0.5f);
+  for (const bool query_side : {true, false}) {
+    const std::int64_t heads = query_side ? 4 : 2;
+    for (const float planted : {std::numeric_limits<float>::quiet_NaN(), kInfinity, -kInfinity}) {
+      std::vector<float> marked = finite;
+      marked[3 * kLd + kColumns - 1] = planted;
+      std::vector<float> beyond = finite;  // non-finite only outside the columns
+      beyond[3 * kLd + kColumns] = planted;
+      const FiniteTiles tiles(problem, query_side, kBlock);
+      std::vector<std::array<std::int64_t, 3>> all;
+      for (std::int64_t b = 0; b < 3; ++b) {
+        const std::int64_t length = query_side ? problem.seq_len_q_of(b) : problem.seq_len_kv_of(b);
+        for (std::int64_t h = 0; h < heads; ++h) {
+          for (std::int64_t t = 0; t * kBlock < length; ++t) all.push_back({b, h, t});
         }
-        view.store(at, 0.5);
+      }
+      const std::array<std::int64_t, 3> chosen = all[all.size() / 2];
+      for (const auto& [b, h, t] : all) {
+        const bool is_chosen = std::array<std::int64_t, 3>{b, h, t} == chosen;
+        const std::int64_t count = std::min(
+            kBlock, (query_side ? problem.seq_len_q_of(b) : problem.seq_len_kv_of(b)) - t * kBlock);
+        const std::vector<float>& copy = is_chosen ? marked : beyond;
+        EXPECT_EQ(tiles.at(b, h, t, copy.data(), kLd, count, kColumns), !is_chosen)
+            << b << " " << h << " " << t;
+      }
+      for (const auto& [b, h, t] : all) {  // remembered: the copy is not read again
+        const bool is_chosen = std::array<std::int64_t, 3>{b, h, t} == chosen;
+        EXPECT_EQ(tiles.at(b, h, t, marked.data(), kLd, 1, kColumns), !is_chosen)
+            << b << " " << h << " " << t;
       }
     }
   }

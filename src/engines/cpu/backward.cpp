@@ -56,9 +56,9 @@ BackwardContext::BackwardContext(const Problem& problem, const Lowering& lowerin
       kernel(kernels()),
       args(arguments),
       inputs{problem.desc().params, arguments.tensors},
-      finite_q(problem, arguments.q, true, problem.head_dim_qk()),
-      finite_k(problem, arguments.k, false, problem.head_dim_qk()),
-      finite_dout(problem, arguments.dout, true, problem.head_dim_v()) {}
+      finite_q(problem, true, tiles.block_q),
+      finite_k(problem, false, tiles.block_k),
+      finite_dout(problem, true, tiles.block_q) {}
 
 BackwardState BackwardContext::make_state(bool with_gradients) const {
   BackwardState s;
@@ -260,11 +260,8 @@ void CpuPlan::key_tile(const BackwardContext& x, const std::vector<float>& delta
   std::fill(state.dk.begin(), state.dk.end(), 0.0f);
   std::fill(state.dv.begin(), state.dv.end(), 0.0f);
   const std::int64_t dq_block = x.dim_qk * x.ld;
-  const bool k_finite = x.finite_k.at(b, h_kv);
   for (std::int64_t g = 0; g < x.group; ++g) {
     const std::int64_t h = h_kv * x.group + g;
-    const bool q_finite = x.finite_q.at(b, h);
-    const bool dout_finite = x.finite_dout.at(b, h);
     x.set_head(b, h, s);
     for (std::int64_t qt = 0; qt < tile_grid.query_tiles; ++qt) {
       const TileClass tile_class = tile_grid.at(qt, kt);
@@ -273,6 +270,8 @@ void CpuPlan::key_tile(const BackwardContext& x, const std::vector<float>& delta
       const std::int64_t lanes = round_up(nq, kVectorWidth);
       x.load_query_tile(b, h, q0, nq, delta, s);
       x.recompute(tile_class, k0, nk, nq, keys, values, s);
+      const bool q_finite = x.finite_q.at(b, h, qt, s.queries.data(), x.queries_ld, nq, x.dim_qk);
+      const bool dout_finite = x.finite_dout.at(b, h, qt, s.douts.data(), x.douts_ld, nq, x.dim_v);
       // dV += P^T dO;  dK += dS^T Q (the scale is applied once, at the end)
       // (P and dS are 0 where nothing may contribute: see skipping_product.hpp)
       gemm_skipping_zeros(x.kernel,
@@ -288,7 +287,8 @@ void CpuPlan::key_tile(const BackwardContext& x, const std::vector<float>& delta
         gemm_skipping_zeros(
             x.kernel,
             {x.dim_qk, lanes, nk, keys.rows, 1, keys.ld, s.ds_raw.data(), x.ld, dq_t, x.ld, true},
-            DataOperand::kA, k_finite, s.cleaned);
+            DataOperand::kA, x.finite_k.at(b, h_kv, kt, keys.rows, keys.ld, nk, x.dim_qk),
+            s.cleaned);
       }
     }
   }

@@ -70,8 +70,8 @@ struct BackwardContext {
   const BackwardArgs& args;
   TapeInputs inputs;
   const RowStatistics* statistics = nullptr;  // from a statistics pass; null: use the LSE
-  // Which heads of Q, K and dO (the data of the products that skip zero weights) are finite.
-  FiniteHeads finite_q, finite_k, finite_dout;
+  // Which tiles of Q, K and dO (the data of the products that skip zero weights) are finite.
+  FiniteTiles finite_q, finite_k, finite_dout;
 };
 
 }  // namespace flexattn::cpu

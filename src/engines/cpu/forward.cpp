@@ -62,7 +62,7 @@ void CpuPlan::forward_pass(const ForwardArgs& args, const TensorView* dout,
   float* lse = static_cast<float*>(args.lse.data);
   const bool with_output = !args.out.empty();
   // V is the data of the only product that skips zero weights (O^T += V^T P^T).
-  const FiniteHeads finite_v(p, args.v, false, dim_v);
+  const FiniteTiles finite_v(p, false, block_k);
 
   const auto make_state = [&] {
     ForwardState s;
@@ -93,7 +93,6 @@ void CpuPlan::forward_pass(const ForwardArgs& args, const TensorView* dout,
     read_rows_transposed(args.q, q_block, scale, s.queries_t.data(), ld, lanes, s.scratch.data());
     const SequenceRows k_rows = sequence_rows(p, args.k, false, b, h_kv);
     const SequenceRows v_rows = sequence_rows(p, args.v, false, b, h_kv);
-    const bool v_finite = with_output && finite_v.at(b, h_kv);
     std::fill_n(s.row_max.begin(), lanes, kNegativeInfinity);
     std::fill_n(s.row_sum.begin(), lanes, 0.0f);
     std::fill_n(s.row_delta.begin(), lanes, 0.0f);
@@ -154,7 +153,8 @@ void CpuPlan::forward_pass(const ForwardArgs& args, const TensorView* dout,
         gemm_skipping_zeros(
             kernel,
             {dim_v, lanes, nk, values.rows, 1, values.ld, probs, ld, s.out_t.data(), ld, true},
-            DataOperand::kA, v_finite, s.cleaned);
+            DataOperand::kA, finite_v.at(b, h_kv, kt, values.rows, values.ld, nk, dim_v),
+            s.cleaned);
       }
       if (dout != nullptr) {  // D += P . dP, rescaled like the sum: dP^T = V dO^T in `scores`
         // (column_dot skips P = 0, where dP may be NaN from a masked non-finite V row)

@@ -189,7 +189,6 @@ void CpuPlan::query_pass(const BackwardContext& x, const std::vector<float>& del
     }
     const SequenceRows k_rows = sequence_rows(p, x.args.k, false, b, h_kv);
     const SequenceRows v_rows = sequence_rows(p, x.args.v, false, b, h_kv);
-    const bool k_finite = x.finite_k.at(b, h_kv);
     for (std::int64_t kt = 0; kt < tile_grid.key_tiles; ++kt) {
       const TileClass tile_class = tile_grid.at(qt, kt);
       if (tile_class == TileClass::kAllFalse) continue;  // proven fully masked: skipped
@@ -201,7 +200,8 @@ void CpuPlan::query_pass(const BackwardContext& x, const std::vector<float>& del
       gemm_skipping_zeros(x.kernel,
                           {x.dim_qk, lanes, nk, keys.rows, 1, keys.ld, s.ds_raw.data(), x.ld,
                            state.dq_t.data(), x.ld, true},
-                          DataOperand::kA, k_finite, s.cleaned);
+                          DataOperand::kA,
+                          x.finite_k.at(b, h_kv, kt, keys.rows, keys.ld, nk, x.dim_qk), s.cleaned);
       if (windows != nullptr) scatter(s, k0, nk, nq, *windows);
     }
     const RowBlock dq_block{sequence_rows(p, x.args.dq, true, b, h), q0, nq, x.dim_qk};

@@ -4,17 +4,13 @@
 #include <cmath>
 
 #include "engines/cpu/plan.hpp"
-#include "engines/cpu/tile_io.hpp"
 
 namespace flexattn::cpu {
 
 namespace {
 
-// The exponent bits of a float32, float16 and bfloat16: all ones for NaN and +-inf, and only
-// for them.
+// The exponent bits of a float: all ones for NaN and +-inf, and only for them.
 constexpr std::uint32_t kExponentBits = 0x7f800000u;
-constexpr std::uint16_t kHalfExponentBits = 0x7c00u;
-constexpr std::uint16_t kBFloat16ExponentBits = 0x7f80u;
 
 // Whether any of `count` floats, `stride` apart, is NaN or infinite: an OR of integer compares
 // of the exponent bits, which vectorises with baseline SSE2 (an unsigned maximum, which SSE2
@@ -28,57 +24,29 @@ bool any_non_finite(const float* values, std::int64_t count, std::int64_t stride
   return any != 0;
 }
 
-// Whether any of `count` contiguous 16-bit floats has all of `exponent_bits` set.
-bool any_non_finite_16(const std::uint16_t* values, std::int64_t count,
-                       std::uint16_t exponent_bits) {
-  std::uint16_t any = 0;
-  for (std::int64_t i = 0; i < count; ++i) {
-    any |= static_cast<std::uint16_t>((values[i] & exponent_bits) == exponent_bits);
-  }
-  return any != 0;
-}
-
-// Whether any of `count` contiguous elements of the view from element `offset` is NaN or
-// infinite; a dtype the engine does not read is reported as holding one.
-bool any_non_finite(const TensorView& view, std::int64_t offset, std::int64_t count) {
-  switch (view.dtype) {
-    case DType::kF32:
-      return any_non_finite(static_cast<const float*>(view.data) + offset, count, 1);
-    case DType::kF16:
-      return any_non_finite_16(static_cast<const std::uint16_t*>(view.data) + offset, count,
-                               kHalfExponentBits);
-    case DType::kBF16:
-      return any_non_finite_16(static_cast<const std::uint16_t*>(view.data) + offset, count,
-                               kBFloat16ExponentBits);
-    default:
-      return true;
-  }
-}
-
 }  // namespace
 
-FiniteHeads::FiniteHeads(const Problem& problem, const TensorView& view, bool query_side,
-                         std::int64_t columns)
-    : problem_(problem),
-      view_(view),
-      query_side_(query_side),
-      columns_(columns),
-      heads_(query_side ? problem.heads_q() : problem.heads_kv()),
-      states_(to_size(problem.batch() * heads_)) {}
+FiniteTiles::FiniteTiles(const Problem& problem, bool query_side, std::int64_t block)
+    : heads_(query_side ? problem.heads_q() : problem.heads_kv()) {
+  std::int64_t entries = 0;
+  for (std::int64_t b = 0; b < problem.batch(); ++b) {
+    const std::int64_t length = query_side ? problem.seq_len_q_of(b) : problem.seq_len_kv_of(b);
+    tiles_.push_back(ceil_div(length, block));
+    first_.push_back(entries);
+    entries += heads_ * tiles_.back();
+  }
+  states_ = std::vector<std::atomic<std::uint8_t>>(to_size(entries));
+}
 
-bool FiniteHeads::at(std::int64_t batch, std::int64_t head) const {
-  std::atomic<std::uint8_t>& state = states_[to_size(batch * heads_ + head)];
+bool FiniteTiles::at(std::int64_t batch, std::int64_t head, std::int64_t tile, const float* rows,
+                     std::int64_t ld, std::int64_t count, std::int64_t columns) const {
+  const std::size_t b = to_size(batch);
+  std::atomic<std::uint8_t>& state = states_[to_size(first_[b] + head * tiles_[b] + tile)];
   const std::uint8_t known = state.load(std::memory_order_relaxed);
   if (known != kUnknown) return known == kFinite;
-  const std::int64_t length =
-      query_side_ ? problem_.seq_len_q_of(batch) : problem_.seq_len_kv_of(batch);
-  const SequenceRows rows = sequence_rows(problem_, view_, query_side_, batch, head);
   bool found = false;
-  if (rows.stride == columns_) {  // the sequence is one contiguous block
-    found = any_non_finite(view_, rows.first, length * columns_);
-  }
-  for (std::int64_t r = 0; rows.stride != columns_ && !found && r < length; ++r) {
-    found = any_non_finite(view_, rows.first + r * rows.stride, columns_);
+  for (std::int64_t r = 0; !found && r < count; ++r) {
+    found = any_non_finite(rows + r * ld, columns, 1);
   }
   state.store(found ? kNonFinite : kFinite, std::memory_order_relaxed);
   return !found;
