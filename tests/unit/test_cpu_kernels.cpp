@@ -2,6 +2,8 @@
 // float64 reference) and the modifier tape (every IR op against `evaluate`).
 #include <gtest/gtest.h>
 
+#include <algorithm>
+#include <array>
 #include <cmath>
 #include <limits>
 #include <random>
@@ -197,7 +199,7 @@ TEST(CpuKernels, ZeroCoefficientsSkipNonFiniteData) {
     for (const Kernels* set : kernel_sets()) {
       std::vector<float> c(m * n, 1.0f), scratch;
       gemm_skipping_zeros(*set, {m, n, k, a.data(), k, 1, b.data(), n, c.data(), n, true}, which,
-                          scratch);
+                          false, scratch);
       for (std::int64_t i = 0; i < m; ++i) {
         for (std::int64_t j = 0; j < n; ++j) {
           double expected = 1.0;
@@ -208,8 +210,8 @@ TEST(CpuKernels, ZeroCoefficientsSkipNonFiniteData) {
             if (weight != 0.0) expected += x * y;
           }
           const float got = c[static_cast<std::size_t>(i * n + j)];
-          const std::string what = std::string(set->isa) + " C(" + std::to_string(i) + ", " +
-                                   std::to_string(j) + ")";
+          const std::string what =
+              std::string(set->isa) + " C(" + std::to_string(i) + ", " + std::to_string(j) + ")";
           if (std::isnan(expected)) {
             EXPECT_TRUE(std::isnan(got)) << what;
           } else if (std::isinf(expected)) {
@@ -218,6 +220,55 @@ TEST(CpuKernels, ZeroCoefficientsSkipNonFiniteData) {
             EXPECT_NEAR(got, expected, 1e-5) << what;
           }
         }
+      }
+    }
+  }
+}
+
+// FiniteTiles scans a tile the first time it is asked about and keeps the answer: every
+// (batch, head, tile) of ragged sequences has its own entry, a NaN or an infinity in the copy
+// makes it non-finite, and later copies are not scanned again.
+TEST(CpuKernels, FiniteTilesScanEachTileOnce) {
+  ProblemDesc desc;
+  desc.batch = 3;
+  desc.heads_q = 4;
+  desc.heads_kv = 2;
+  desc.head_dim_qk = desc.head_dim_v = 8;
+  desc.layout = Layout::kTHD;
+  desc.seq_len_q = desc.seq_len_kv = 0;
+  desc.cu_seqlens_q = {0, 37, 37, 60};  // 3 tiles of 16, none, 2
+  desc.cu_seqlens_kv = {0, 5, 40, 41};  // 1 tile, 3, 1
+  const Problem problem(desc);
+  constexpr std::int64_t kBlock = 16, kColumns = 8, kLd = 10;
+  const std::vector<float> finite(kBlock * kLd, 0.5f);
+  for (const bool query_side : {true, false}) {
+    const std::int64_t heads = query_side ? 4 : 2;
+    for (const float planted : {std::numeric_limits<float>::quiet_NaN(), kInfinity, -kInfinity}) {
+      std::vector<float> marked = finite;
+      marked[3 * kLd + kColumns - 1] = planted;
+      std::vector<float> beyond = finite;  // non-finite only outside the columns
+      beyond[3 * kLd + kColumns] = planted;
+      const FiniteTiles tiles(problem, query_side, kBlock);
+      std::vector<std::array<std::int64_t, 3>> all;
+      for (std::int64_t b = 0; b < 3; ++b) {
+        const std::int64_t length = query_side ? problem.seq_len_q_of(b) : problem.seq_len_kv_of(b);
+        for (std::int64_t h = 0; h < heads; ++h) {
+          for (std::int64_t t = 0; t * kBlock < length; ++t) all.push_back({b, h, t});
+        }
+      }
+      const std::array<std::int64_t, 3> chosen = all[all.size() / 2];
+      for (const auto& [b, h, t] : all) {
+        const bool is_chosen = std::array<std::int64_t, 3>{b, h, t} == chosen;
+        const std::int64_t count = std::min(
+            kBlock, (query_side ? problem.seq_len_q_of(b) : problem.seq_len_kv_of(b)) - t * kBlock);
+        const std::vector<float>& copy = is_chosen ? marked : beyond;
+        EXPECT_EQ(tiles.at(b, h, t, copy.data(), kLd, count, kColumns), !is_chosen)
+            << b << " " << h << " " << t;
+      }
+      for (const auto& [b, h, t] : all) {  // remembered: the copy is not read again
+        const bool is_chosen = std::array<std::int64_t, 3>{b, h, t} == chosen;
+        EXPECT_EQ(tiles.at(b, h, t, marked.data(), kLd, 1, kColumns), !is_chosen)
+            << b << " " << h << " " << t;
       }
     }
   }

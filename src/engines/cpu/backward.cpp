@@ -55,7 +55,10 @@ BackwardContext::BackwardContext(const Problem& problem, const Lowering& lowerin
       scale(static_cast<float>(problem.scale())),
       kernel(kernels()),
       args(arguments),
-      inputs{problem.desc().params, arguments.tensors} {}
+      inputs{problem.desc().params, arguments.tensors},
+      finite_q(problem, true, tiles.block_q),
+      finite_k(problem, false, tiles.block_k),
+      finite_dout(problem, true, tiles.block_q) {}
 
 BackwardState BackwardContext::make_state(bool with_gradients) const {
   BackwardState s;
@@ -267,22 +270,25 @@ void CpuPlan::key_tile(const BackwardContext& x, const std::vector<float>& delta
       const std::int64_t lanes = round_up(nq, kVectorWidth);
       x.load_query_tile(b, h, q0, nq, delta, s);
       x.recompute(tile_class, k0, nk, nq, keys, values, s);
+      const bool q_finite = x.finite_q.at(b, h, qt, s.queries.data(), x.queries_ld, nq, x.dim_qk);
+      const bool dout_finite = x.finite_dout.at(b, h, qt, s.douts.data(), x.douts_ld, nq, x.dim_v);
       // dV += P^T dO;  dK += dS^T Q (the scale is applied once, at the end)
       // (P and dS are 0 where nothing may contribute: see skipping_product.hpp)
       gemm_skipping_zeros(x.kernel,
                           {nk, x.dim_v_padded, lanes, s.probs.data(), x.ld, 1, s.douts.data(),
                            x.douts_ld, state.dv.data(), x.dim_v_padded, true},
-                          DataOperand::kB, s.cleaned);
+                          DataOperand::kB, dout_finite, s.cleaned);
       gemm_skipping_zeros(x.kernel,
                           {nk, x.dim_qk_padded, lanes, s.ds_raw.data(), x.ld, 1, s.queries.data(),
                            x.queries_ld, state.dk.data(), x.dim_qk_padded, true},
-                          DataOperand::kB, s.cleaned);
+                          DataOperand::kB, q_finite, s.cleaned);
       if (dq_blocks != nullptr) {  // dQ^T += K^T dS^T, exactly as the query pass adds it
         float* dq_t = dq_blocks + (g * tile_grid.query_tiles + qt) * dq_block;
         gemm_skipping_zeros(
             x.kernel,
             {x.dim_qk, lanes, nk, keys.rows, 1, keys.ld, s.ds_raw.data(), x.ld, dq_t, x.ld, true},
-            DataOperand::kA, s.cleaned);
+            DataOperand::kA, x.finite_k.at(b, h_kv, kt, keys.rows, keys.ld, nk, x.dim_qk),
+            s.cleaned);
       }
     }
   }

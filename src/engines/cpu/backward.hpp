@@ -8,6 +8,7 @@
 
 #include "engines/cpu/kernels.hpp"
 #include "engines/cpu/plan.hpp"
+#include "engines/cpu/skipping_product.hpp"
 #include "engines/cpu/tile_io.hpp"
 
 namespace flexattn::cpu {
@@ -69,6 +70,8 @@ struct BackwardContext {
   const BackwardArgs& args;
   TapeInputs inputs;
   const RowStatistics* statistics = nullptr;  // from a statistics pass; null: use the LSE
+  // Which tiles of Q, K and dO (the data of the products that skip zero weights) are finite.
+  FiniteTiles finite_q, finite_k, finite_dout;
 };
 
 }  // namespace flexattn::cpu

@@ -61,6 +61,8 @@ void CpuPlan::forward_pass(const ForwardArgs& args, const TensorView* dout,
   }
   float* lse = static_cast<float*>(args.lse.data);
   const bool with_output = !args.out.empty();
+  // V is the data of the only product that skips zero weights (O^T += V^T P^T).
+  const FiniteTiles finite_v(p, false, block_k);
 
   const auto make_state = [&] {
     ForwardState s;
@@ -149,8 +151,10 @@ void CpuPlan::forward_pass(const ForwardArgs& args, const TensorView* dout,
       if (with_output) {
         if (rescale) kernel.scale_columns(s.out_t.data(), dim_v, lanes, ld, s.alpha.data());
         gemm_skipping_zeros(
-            kernel, {dim_v, lanes, nk, values.rows, 1, values.ld, probs, ld, s.out_t.data(), ld, true},
-            DataOperand::kA, s.cleaned);
+            kernel,
+            {dim_v, lanes, nk, values.rows, 1, values.ld, probs, ld, s.out_t.data(), ld, true},
+            DataOperand::kA, finite_v.at(b, h_kv, kt, values.rows, values.ld, nk, dim_v),
+            s.cleaned);
       }
       if (dout != nullptr) {  // D += P . dP, rescaled like the sum: dP^T = V dO^T in `scores`
         // (column_dot skips P = 0, where dP may be NaN from a masked non-finite V row)

@@ -200,7 +200,8 @@ void CpuPlan::query_pass(const BackwardContext& x, const std::vector<float>& del
       gemm_skipping_zeros(x.kernel,
                           {x.dim_qk, lanes, nk, keys.rows, 1, keys.ld, s.ds_raw.data(), x.ld,
                            state.dq_t.data(), x.ld, true},
-                          DataOperand::kA, s.cleaned);
+                          DataOperand::kA,
+                          x.finite_k.at(b, h_kv, kt, keys.rows, keys.ld, nk, x.dim_qk), s.cleaned);
       if (windows != nullptr) scatter(s, k0, nk, nq, *windows);
     }
     const RowBlock dq_block{sequence_rows(p, x.args.dq, true, b, h), q0, nq, x.dim_qk};
