@@ -297,9 +297,10 @@ TEST(CudaPlan, Sm90GetsTheWgmmaKernelUnlessSwitchedOff) {
   const std::string description = device_engine()->plan(problem)->info().description;
   const bool sm90 = description.find("(sm_90") != std::string::npos;
   EXPECT_EQ(description.find("wgmma, sm_90a") != std::string::npos, sm90) << description;
-  setenv("FLEXATTN_CUDA_WGMMA", "0", 1);
-  const std::string switched_off = device_engine()->plan(problem)->info().description;
-  unsetenv("FLEXATTN_CUDA_WGMMA");
+  const std::string switched_off = [&] {
+    const ScopedEnvironment mma_sync{"FLEXATTN_CUDA_WGMMA", "0"};
+    return device_engine()->plan(problem)->info().description;
+  }();
   EXPECT_NE(switched_off.find("mma.sync"), std::string::npos) << switched_off;
 }
 
