@@ -171,11 +171,11 @@ namespace {
 
 // The non-finite tier: each planted value under masks that remove the planted key for some
 // queries (causal, sliding window, documents) and under a modifier that gives -inf instead of a
-// mask, in fp32 and bf16, forward and backward (dO only backward).
+// mask, in every storage dtype, forward and backward (dO only backward).
 std::vector<Case> non_finite_cases() {
   const Shape shape{1, 4, 2, 100, 100, 64, 64};
   std::vector<Case> result;
-  for (DType dtype : {DType::kF32, DType::kBF16}) {
+  for (DType dtype : kDtypes) {
     std::vector<Case> bases;
     for (const auto& [modifier, mask] : std::vector<std::pair<const char*, const char*>>{
              {"none", "causal"}, {"softcap30", "causal"}, {"alibi", "window"},
