@@ -281,6 +281,33 @@ std::vector<conformance::Case> backward_cases() {
       result.push_back(c);
     }
   }
+  // Head dims above 128 on tensor cores, where the dK/dV kernel splits a kv tile into a dV block
+  // and a dK block (Gemma's 256, MLA's 192/128, 160 padded to 192): GQA, lengths no tile divides,
+  // packed sequences, every modifier kind (the bias's gradient too).
+  for (const auto& [head_dim_qk, head_dim_v] :
+       std::vector<std::pair<std::int64_t, std::int64_t>>{{256, 256}, {192, 128}, {160, 160}}) {
+    for (const auto& [modifier, mask] :
+         std::vector<std::pair<std::string, std::string>>{{"none", "causal"},
+                                                          {"softcap30", "none"},
+                                                          {"alibi", "window"},
+                                                          {"bias", "causal"}}) {
+      for (const DType dtype : {DType::kBF16, DType::kF16}) {
+        for (const Layout layout : {Layout::kBSHD, Layout::kTHD}) {
+          conformance::Case c;
+          c.modifier = modifier;
+          c.mask = mask;
+          c.shape = conformance::Shape{2, 4, 2, 150, 211, head_dim_qk, head_dim_v};
+          c.layout = layout;
+          c.dtype = dtype;
+          c.backward = true;
+          c.name = fmt::format("wide_{}_{}_d{}_dv{}/{}_{}_bwd", to_string(dtype),
+                               layout == Layout::kTHD ? "thd" : "bshd", head_dim_qk, head_dim_v,
+                               modifier, mask);
+          result.push_back(c);
+        }
+      }
+    }
+  }
   // Both tanh forms in one launch, and the switch between them (test_support.hpp).
   for (const conformance::Case& c : mixed_tanh_tile_cases(true)) result.push_back(c);
   return result;

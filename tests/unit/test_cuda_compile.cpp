@@ -171,7 +171,13 @@ TEST(CudaBackwardCompile, GeneratedBackwardTranslationUnitsCompile) {
                       "30 * tanh(score / 30) + slopes[h] * (kv - q) + bias[h, q, kv]", "q >= kv",
                       {{"slopes", per_head}, {"bias", bias}}, {}, Layout::kBSHD, {}},
         GeneratedCase{"bwd_fp32_d80_gate", DType::kF32, 80, 80, "score * gate[h]", "",
-                      {{"gate", per_head}}, {}, Layout::kBSHD, {}}}) {
+                      {{"gate", per_head}}, {}, Layout::kBSHD, {}},
+        // Head dims above 128: a dV and a dK block per kv tile.
+        GeneratedCase{"bwd_bf16_d256_softcap_bias", DType::kBF16, 256, 256,
+                      "30 * tanh(score / 30) + bias[h, q, kv]", "q >= kv", {{"bias", bias}}, {},
+                      Layout::kBSHD, {}},
+        GeneratedCase{"bwd_fp16_d192_v128", DType::kF16, 192, 128, "score", "", {}, {},
+                      Layout::kTHD, {}}}) {
     SCOPED_TRACE(c.name);
     const std::string source = cuda_engine()->generated_source(make_backward_problem(c));
     ASSERT_EQ(source.find("not supported"), std::string::npos) << source;

@@ -559,7 +559,8 @@ class CudaPlan final : public Plan {
       const CUstream side = b.side_stream->get();
       const StreamFork fork(*driver_, stream, side);
       launch(b.dkdv,
-             {static_cast<unsigned>(ceil_div(problem_.seq_len_kv(), b.choice.dkdv_block_kv)),
+             {static_cast<unsigned>(ceil_div(problem_.seq_len_kv(), b.choice.dkdv_block_kv) *
+                                    b.choice.dkdv_parts),
               heads_kv, batch()},
              b.choice.dkdv_threads, b.choice.dkdv_shared_bytes(), stream, &p, "backward dK/dV");
       launch(b.dq, {grid_q(b.choice.dq_block_q), heads_q(), batch()}, b.choice.dq_threads,

@@ -64,9 +64,11 @@ constexpr std::int64_t kMaxTileEntries = std::int64_t{1} << 26;
 // Both backward kernels run 4 warps.
 constexpr int kBackwardThreads = 128;
 // Tensor cores: 64 x 64 tiles, 16 rows per warp; the dK and dV accumulators of a 64-key tile
-// (64 x (head_dim_qk + head_dim_v) fp32 over 128 threads) fit the registers up to head dim 128.
+// (64 x (padded qk + padded v) fp32 over 128 threads) fit the registers up to 256 columns, e.g.
+// head dims 128 and 128. Above, each tile has two dK/dV blocks, one for dV and one for dK
+// (BackwardMmaConfig::kDkdvParts), up to head dim 256 each (kMaxHeadDim).
 constexpr int kBackwardMmaBlock = 64;
-constexpr int kBackwardMmaMaxHeadDim = 128;
+constexpr int kBackwardMmaAccumulatorColumns = 256;
 // Its accumulators take most of the registers: the launch bounds promise only one block per
 // multiprocessor, so a thread may use up to 255 registers (two blocks still fit at that count).
 constexpr int kBackwardMmaMinBlocks = 1;
@@ -218,6 +220,7 @@ BackwardChoice backward_mma_choice(const Problem& problem) {
                          static_cast<int>(sizeof(float));
   c.shared_dkdv = streamed + statistics;
   c.shared_dq = streamed;
+  c.dkdv_parts = c.padded_qk + c.padded_v > kBackwardMmaAccumulatorColumns ? 2 : 1;
   c.dkdv_block_kv = c.block_kv;
   c.dq_block_q = c.block_q;
   c.dkdv_threads = c.threads;
@@ -228,6 +231,7 @@ BackwardChoice backward_mma_choice(const Problem& problem) {
 // The wgmma kernels on top of the tensor-core choice `c` (head dims 64/128, sm_90).
 void use_wgmma(BackwardChoice& c) {
   c.wgmma = true;
+  c.dkdv_parts = 1;
   c.dkdv_block_kv = kBackwardWgmmaBlock;
   c.dq_block_q = kBackwardWgmmaBlock;
   c.dkdv_threads = kBackwardWgmmaThreads;
@@ -414,9 +418,9 @@ KernelSelection choose_kernel(const Problem& problem, int capability, bool allow
 
 std::string BackwardChoice::config_type() const {
   if (kind == KernelKind::kMma) {
-    return fmt::format("flexattn_kernels::BackwardMmaConfig<{}, {}, {}, {}, {}, {}, {}>",
+    return fmt::format("flexattn_kernels::BackwardMmaConfig<{}, {}, {}, {}, {}, {}, {}, {}>",
                        element_tag(dtype), head_dim_qk, head_dim_v, padded_qk, padded_v,
-                       shared_dkdv, shared_dq);
+                       shared_dkdv, shared_dq, dkdv_parts);
   }
   return fmt::format("flexattn_kernels::BackwardSimtConfig<{}, {}, {}, {}, {}>", element_tag(dtype),
                      head_dim_qk, head_dim_v, shared_dkdv, shared_dq);
@@ -451,9 +455,10 @@ std::string BackwardChoice::describe() const {
   if (kind == KernelKind::kMma) {
     return fmt::format(
         "tensor-core (mma.sync) {}, {}x{} tiles, {} threads, head dims {} (padded {}) and {} "
-        "(padded {}), {} KB shared (dK/dV) and {} KB (dQ)",
+        "(padded {}), {} KB shared (dK/dV) and {} KB (dQ){}",
         to_string(dtype), block_q, block_kv, threads, head_dim_qk, padded_qk, head_dim_v, padded_v,
-        shared_dkdv / 1024, shared_dq / 1024);
+        shared_dkdv / 1024, shared_dq / 1024,
+        dkdv_parts > 1 ? ", dK and dV in separate blocks" : "");
   }
   return fmt::format(
       "fp32 units {} ({}), {}x{} tiles, {} threads, head dims {} and {}, {} KB shared",
@@ -466,7 +471,6 @@ BackwardSelection choose_backward_kernel(const Problem& problem, int capability,
   selection.reason = unserved_reason(problem);
   if (!selection.reason.empty()) return selection;
   const DType dtype = problem.dtype();
-  const std::int64_t largest = std::max(problem.head_dim_qk(), problem.head_dim_v());
   if (dtype == DType::kF32) {
     selection.choice = backward_simt_choice(problem, "fp32 storage");
   } else if (problem.head_dim_qk() % kChunkElements != 0 ||
@@ -474,10 +478,6 @@ BackwardSelection choose_backward_kernel(const Problem& problem, int capability,
     selection.choice = backward_simt_choice(
         problem, fmt::format("head dims {} and {} are not multiples of {}", problem.head_dim_qk(),
                              problem.head_dim_v(), kChunkElements));
-  } else if (largest > kBackwardMmaMaxHeadDim) {
-    selection.choice = backward_simt_choice(
-        problem, fmt::format("head dim {} exceeds the tensor-core backward's {}", largest,
-                             kBackwardMmaMaxHeadDim));
   } else if (!strides_chunk_aligned(problem)) {
     selection.choice = backward_simt_choice(
         problem,

@@ -118,6 +118,9 @@ struct BackwardChoice {
   int min_blocks = 0;   // mma: thread blocks per multiprocessor the registers must allow; simt: 0
   int shared_dkdv = 0;  // dynamic shared memory of the dK/dV kernel, bytes
   int shared_dq = 0;    // of the dQ kernel
+  // mma: dK/dV blocks per kv tile: 1, or 2 (one for dV, one for dK) where both accumulators do
+  // not fit a thread's registers (padded qk + padded v > 256)
+  int dkdv_parts = 1;
   std::string why;      // why this kind ("fp32 storage", "head dim 160 exceeds 128", ...)
   // Both kernels on wgmma (kernels/backward_wgmma.cuh; sm_90, head dims 64/128), each with its
   // own block, threads and tile list: dK/dV block_q x dkdv_block_kv (kv-major), dQ

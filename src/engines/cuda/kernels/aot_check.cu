@@ -259,10 +259,9 @@ FLEXATTN_AOT_BACKWARD_SIMT(aot_backward_f32_d256, IdentityModifier, Float32Tag, 
 
 // Tensor-core backward (backward_mma.cuh): instantiations go here.
 #define FLEXATTN_AOT_BACKWARD_MMA(name, modifier, tag, qk, v, padded_qk, padded_v)                \
-  using name##_config =                                                                         \
-      flexattn_kernels::BackwardMmaConfig<tag, qk, v, padded_qk, padded_v,                      \
-                                          6 * 64 * ((padded_qk) + (padded_v)) + 1024,           \
-                                          6 * 64 * ((padded_qk) + (padded_v))>;                 \
+  using name##_config = flexattn_kernels::BackwardMmaConfig<                                     \
+      tag, qk, v, padded_qk, padded_v, 6 * 64 * ((padded_qk) + (padded_v)) + 1024,              \
+      6 * 64 * ((padded_qk) + (padded_v)), ((padded_qk) + (padded_v) > 256 ? 2 : 1)>;           \
   extern "C" __global__ void __launch_bounds__(name##_config::kThreads, 1)                      \
       name##_dkdv(const BackwardParams params) {                                                \
     flexattn_kernels::backward_dkdv_mma<name##_config, modifier>(params);                       \
@@ -278,6 +277,10 @@ FLEXATTN_AOT_BACKWARD_MMA(aot_backward_bf16_d128_softcap, CausalSoftcapModifier,
                           128, 128, 128)
 FLEXATTN_AOT_BACKWARD_MMA(aot_backward_f16_d80_v72, CausalSoftcapModifier, HalfTag, 80, 72, 128,
                           128)
+FLEXATTN_AOT_BACKWARD_MMA(aot_backward_bf16_d256_softcap, CausalSoftcapModifier, BFloat16Tag, 256,
+                          256, 256, 256)
+FLEXATTN_AOT_BACKWARD_MMA(aot_backward_bf16_d192_v128, IdentityModifier, BFloat16Tag, 192, 128,
+                          192, 128)
 FLEXATTN_AOT_BACKWARD_MMA(aot_backward_bf16_d64, IdentityModifier, BFloat16Tag, 64, 64, 64, 64)
 
 // wgmma dK/dV and dQ (backward_wgmma.cuh, sm_90a): dK/dV shared bytes = 1024 + K and V of 128

@@ -9,6 +9,9 @@
 //           dV += P^T dO
 //           dP^T = V dO^T, dS^T = P^T (dP^T - delta) * d score_mod / d score
 //           dK += dS^T Q                                 (scaled by the softmax scale at the end)
+//         Above 256 accumulator columns (head dims qk + v, padded), dK and dV of one 16-key warp
+//         tile no longer fit its registers: each 64-key tile then has two blocks, one computing
+//         S^T, P^T and dV, the other the whole chain for dK (BackwardMmaConfig::kDkdvParts).
 //   dq:   a block owns 64 query rows of one head and walks the q-major tile list like the
 //         forward, with K and V in two stages: S = Q K^T, P, dP = dO V^T, dS, dQ += dS K; it also
 //         scatters the modifier's tensor gradients (Modifier::tensor_grads).
@@ -25,7 +28,7 @@
 namespace flexattn_kernels {
 
 template <class ElementTag, int kHeadDimQk_, int kHeadDimV_, int kPaddedQk, int kPaddedV,
-          int kSharedDkdv_, int kSharedDq_>
+          int kSharedDkdv_, int kSharedDq_, int kDkdvParts_>
 struct BackwardMmaConfig {
   using Tag = ElementTag;
   static constexpr int kHeadDimQk = kHeadDimQk_;
@@ -54,12 +57,19 @@ struct BackwardMmaConfig {
   static constexpr int kSharedDq =
       kTileQkBytes + kTileVBytes + kStages * (kTileQkBytes + kTileVBytes);
 
+  // Accumulator columns a warp may hold for its 16 rows (128 fp32 registers a thread): the dK/dV
+  // kernel holds padded qk + v of them, or splits the tile into a dV and a dK block.
+  static constexpr int kAccumulatorColumns = 256;
+  static constexpr int kDkdvParts = kPaddedQk + kPaddedV > kAccumulatorColumns ? 2 : 1;
+
+  static_assert(kDkdvParts == kDkdvParts_, "host and kernel disagree on the dK/dV blocks per tile");
   static_assert(kSharedDkdv == kSharedDkdv_, "host and kernel disagree on dkdv shared memory");
   static_assert(kSharedDq == kSharedDq_, "host and kernel disagree on dq shared memory");
   static_assert(kHeadDimQk % kChunkElements == 0 && kHeadDimV % kChunkElements == 0,
                 "head dims of the tensor-core kernels are multiples of 8");
   static_assert(kPaddedQk % 64 == 0 && kPaddedV % 64 == 0, "padded dims are multiples of 64");
-  static_assert(kPaddedQk <= 128 && kPaddedV <= 128, "the accumulators hold head dims <= 128");
+  static_assert(kPaddedQk <= kAccumulatorColumns && kPaddedV <= kAccumulatorColumns,
+                "the accumulators hold head dims <= 256");
 };
 
 // Copies one float, or zero-fills it when `valid` is false.
@@ -174,7 +184,7 @@ __device__ __forceinline__ void store_staged(const unsigned char* tile, unsigned
 // The dK/dV kernels' element pipeline on one warp's (16 keys x 8 kTilesQ queries) accumulator
 // tiles: S^T becomes P^T and dP^T becomes dS^T (including d score_mod / d score). `check`: the
 // tile is mixed or crosses the end of the keys, so the mask and the bounds apply.
-template <class Modifier, bool kSmall, int kTilesQ>
+template <class Modifier, bool kSmall, bool kGradient, int kTilesQ>
 __device__ __forceinline__ void dkdv_elements_with(
     float (&st)[kTilesQ][4], float (&dpt)[kTilesQ][4], const ForwardParams& p,
     const typename Modifier::Invariants& invariants, const Coordinates& at,
@@ -198,18 +208,20 @@ __device__ __forceinline__ void dkdv_elements_with(
       }
       // lse2: +inf past the queries (stage_row_float) and in empty rows.
       const float probability = probability_log2(logit2, lse2_stage[column]);
-      const float dlogit = probability * (dpt[j][e] - delta_stage[column]);
-      const float dscore = score_gradient_from_dot<Modifier, kSmall>(dlogit, invariants, p, at,
-                                                                     dot, q_inside, kv_inside);
       st[j][e] = probability;
-      dpt[j][e] = Modifier::kBoundedDerivative || dlogit != 0.0f ? dscore : 0.0f;
+      if constexpr (kGradient) {
+        const float dlogit = probability * (dpt[j][e] - delta_stage[column]);
+        const float dscore = score_gradient_from_dot<Modifier, kSmall>(dlogit, invariants, p, at,
+                                                                       dot, q_inside, kv_inside);
+        dpt[j][e] = Modifier::kBoundedDerivative || dlogit != 0.0f ? dscore : 0.0f;
+      }
     }
   }
 }
 // With the small-tanh functions on an unmasked tile that admits them (small_tanh_tile; the masked
 // and boundary tiles take the general form, so the small one carries no mask code: the forward's
-// choice, docs/engines.md).
-template <class Modifier, int kTilesQ>
+// choice, docs/engines.md). Without kGradient only st becomes P^T (dpt is not read).
+template <class Modifier, bool kGradient, int kTilesQ>
 __device__ __forceinline__ void dkdv_elements(float (&st)[kTilesQ][4], float (&dpt)[kTilesQ][4],
                                               const ForwardParams& p,
                                               const typename Modifier::Invariants& invariants,
@@ -219,20 +231,28 @@ __device__ __forceinline__ void dkdv_elements(float (&st)[kTilesQ][4], float (&d
                                               int quad_lane) {
   if constexpr (Modifier::kSmallTanh) {
     if (!check && small_tanh_tile<Modifier, kTilesQ * 4>(&st[0][0], invariants, p)) {
-      dkdv_elements_with<Modifier, true>(st, dpt, p, invariants, at, span, kv_row, q_start, false,
-                                         lse2_stage, delta_stage, quad_lane);
+      dkdv_elements_with<Modifier, true, kGradient>(st, dpt, p, invariants, at, span, kv_row,
+                                                    q_start, false, lse2_stage, delta_stage,
+                                                    quad_lane);
       return;
     }
   }
-  dkdv_elements_with<Modifier, false>(st, dpt, p, invariants, at, span, kv_row, q_start, check,
-                                      lse2_stage, delta_stage, quad_lane);
+  dkdv_elements_with<Modifier, false, kGradient>(st, dpt, p, invariants, at, span, kv_row, q_start,
+                                                 check, lse2_stage, delta_stage, quad_lane);
 }
 
-template <class Config, class Modifier>
-__device__ __forceinline__ void backward_dkdv_mma(const BackwardParams& bp) {
+// What one dK/dV block computes: both (kDkdvParts 1), or one of them.
+enum class DkdvOutputs { kBoth, kDv, kDk };
+
+// One dK/dV block of kv tile `kv_tile`: kOutputs says which of dK and dV it computes (and so
+// whether it needs V, dP^T and dS^T at all).
+template <class Config, class Modifier, DkdvOutputs kOutputs>
+__device__ __forceinline__ void backward_dkdv_mma_part(const BackwardParams& bp, int kv_tile) {
   using Tag = typename Config::Tag;
   constexpr int kThreads = Config::kThreads;
   constexpr int kTilesQ = Config::kBlockQ / 8;  // 8-column tiles of S^T (query columns)
+  constexpr bool kWantDv = kOutputs != DkdvOutputs::kDk;
+  constexpr bool kWantDk = kOutputs != DkdvOutputs::kDv;
   const ForwardParams& p = bp.fwd;
   extern __shared__ __align__(128) unsigned char shared[];
 
@@ -241,7 +261,6 @@ __device__ __forceinline__ void backward_dkdv_mma(const BackwardParams& bp) {
   const int lane = thread % kWarpSize;
   const int group = lane / 4;
   const int quad_lane = lane % 4;
-  const int kv_tile = blockIdx.x;
   const int head_kv = blockIdx.y;
   const int batch = blockIdx.z;
   const SequenceSpan span = sequence_span(p, batch);
@@ -260,9 +279,11 @@ __device__ __forceinline__ void backward_dkdv_mma(const BackwardParams& bp) {
   load_tile_async<64, Config::kChunksQk, Config::kLoadedChunksQk, kThreads>(
       k_tile, view_row<const unsigned short>(p.k, batch, span.kv_offset + kv_start, head_kv),
       p.k.token_stride, span.kv_len - kv_start, Config::kRealChunksQk, thread);
-  load_tile_async<64, Config::kChunksV, Config::kLoadedChunksV, kThreads>(
-      v_tile, view_row<const unsigned short>(p.v, batch, span.kv_offset + kv_start, head_kv),
-      p.v.token_stride, span.kv_len - kv_start, Config::kRealChunksV, thread);
+  if constexpr (kWantDk) {  // dP^T = V dO^T
+    load_tile_async<64, Config::kChunksV, Config::kLoadedChunksV, kThreads>(
+        v_tile, view_row<const unsigned short>(p.v, batch, span.kv_offset + kv_start, head_kv),
+        p.v.token_stride, span.kv_len - kv_start, Config::kRealChunksV, thread);
+  }
   commit_copies();
 
   // The q blocks visiting this tile, without those past this sequence's queries (thd).
@@ -294,8 +315,9 @@ __device__ __forceinline__ void backward_dkdv_mma(const BackwardParams& bp) {
   if (total > 0) load_queries(0, 0);
   commit_copies();
 
-  float dk[Config::kTilesQk][4];
-  float dv[Config::kTilesV][4];
+  // (one tile where unused: no array is empty)
+  float dk[kWantDk ? Config::kTilesQk : 1][4];
+  float dv[kWantDv ? Config::kTilesV : 1][4];
   zero_accumulators(dk);
   zero_accumulators(dv);
 
@@ -339,22 +361,27 @@ __device__ __forceinline__ void backward_dkdv_mma(const BackwardParams& bp) {
     float st[kTilesQ][4];
     product_a_bt<Tag, Config::kStepsQk>(st, k_tile, k_a, q_tile, q_n);
     float dpt[kTilesQ][4];
-    product_a_bt<Tag, Config::kStepsV>(dpt, v_tile, v_a, do_tile, do_n);
+    if constexpr (kWantDk) product_a_bt<Tag, Config::kStepsV>(dpt, v_tile, v_a, do_tile, do_n);
 
     // Element pipeline: st becomes P^T, dpt becomes dS^T.
     const bool q_boundary = q_start + Config::kBlockQ > span.q_len;
-    dkdv_elements<Modifier>(st, dpt, p, invariants, at, span, kv_row, q_start,
-                            entry_is_mixed(entry) || kv_boundary || q_boundary, lse2_stage,
-                            delta_stage, quad_lane);
+    dkdv_elements<Modifier, kWantDk>(st, dpt, p, invariants, at, span, kv_row, q_start,
+                                     entry_is_mixed(entry) || kv_boundary || q_boundary,
+                                     lse2_stage, delta_stage, quad_lane);
 
     // dV += P^T dO and dK += dS^T Q (k = the 64 queries).
 #pragma unroll
     for (int step = 0; step < Config::kBlockQ / 16; ++step) {
-      unsigned pa[4], sa[4];
-      pack_fragment<Tag>(pa, st, step);
-      pack_fragment<Tag>(sa, dpt, step);
-      accumulate_a_b<Tag, Config::kStepsV>(dv, pa, do_tile, do_k, step);
-      accumulate_a_b<Tag, Config::kStepsQk>(dk, sa, q_tile, q_k, step);
+      if constexpr (kWantDv) {
+        unsigned pa[4];
+        pack_fragment<Tag>(pa, st, step);
+        accumulate_a_b<Tag, Config::kStepsV>(dv, pa, do_tile, do_k, step);
+      }
+      if constexpr (kWantDk) {
+        unsigned sa[4];
+        pack_fragment<Tag>(sa, dpt, step);
+        accumulate_a_b<Tag, Config::kStepsQk>(dk, sa, q_tile, q_k, step);
+      }
     }
   }
   wait_copies<0>();
@@ -362,16 +389,38 @@ __device__ __forceinline__ void backward_dkdv_mma(const BackwardParams& bp) {
 
   unsigned char* dk_stage = shared + Config::kTileQkBytes + Config::kTileVBytes;
   unsigned char* dv_stage = dk_stage + Config::kStages * Config::kTileQkBytes;
-  stage_rows<Tag, Config::kChunksQk>(dk_stage, dk, warp * 16, group, quad_lane, p.scale);
-  stage_rows<Tag, Config::kChunksV>(dv_stage, dv, warp * 16, group, quad_lane, 1.0f);
+  if constexpr (kWantDk) {
+    stage_rows<Tag, Config::kChunksQk>(dk_stage, dk, warp * 16, group, quad_lane, p.scale);
+  }
+  if constexpr (kWantDv) {
+    stage_rows<Tag, Config::kChunksV>(dv_stage, dv, warp * 16, group, quad_lane, 1.0f);
+  }
   __syncthreads();
   const int rows_valid = span.kv_len - kv_start;
-  store_staged<Config::kChunksQk, Config::kRealChunksQk, kThreads>(
-      dk_stage, view_row<unsigned short>(bp.dk, batch, span.kv_offset + kv_start, head_kv),
-      bp.dk.token_stride, rows_valid, thread);
-  store_staged<Config::kChunksV, Config::kRealChunksV, kThreads>(
-      dv_stage, view_row<unsigned short>(bp.dv, batch, span.kv_offset + kv_start, head_kv),
-      bp.dv.token_stride, rows_valid, thread);
+  if constexpr (kWantDk) {
+    store_staged<Config::kChunksQk, Config::kRealChunksQk, kThreads>(
+        dk_stage, view_row<unsigned short>(bp.dk, batch, span.kv_offset + kv_start, head_kv),
+        bp.dk.token_stride, rows_valid, thread);
+  }
+  if constexpr (kWantDv) {
+    store_staged<Config::kChunksV, Config::kRealChunksV, kThreads>(
+        dv_stage, view_row<unsigned short>(bp.dv, batch, span.kv_offset + kv_start, head_kv),
+        bp.dv.token_stride, rows_valid, thread);
+  }
+}
+
+// The dK/dV kernel: blockIdx.x is the kv tile, or with two parts per tile, twice the tile plus
+// the part (even: dV, odd: dK; the two blocks of a tile run side by side and share its loads in
+// L2).
+template <class Config, class Modifier>
+__device__ __forceinline__ void backward_dkdv_mma(const BackwardParams& bp) {
+  if constexpr (Config::kDkdvParts == 1) {
+    backward_dkdv_mma_part<Config, Modifier, DkdvOutputs::kBoth>(bp, blockIdx.x);
+  } else if (blockIdx.x % 2 == 0) {
+    backward_dkdv_mma_part<Config, Modifier, DkdvOutputs::kDv>(bp, blockIdx.x / 2);
+  } else {
+    backward_dkdv_mma_part<Config, Modifier, DkdvOutputs::kDk>(bp, blockIdx.x / 2);
+  }
 }
 
 // The dQ kernels' element pipeline on one warp's (16 queries x 8 kTilesKv keys) accumulator

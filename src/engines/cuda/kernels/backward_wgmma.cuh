@@ -283,9 +283,9 @@ __device__ __forceinline__ void backward_dkdv_wgmma(const BackwardParams& bp) {
     const float* lse2_stage = row_floats + stage * 2 * kBlockQ;
     const int q_start = (entry >> 1) * kBlockQ;
     const bool q_boundary = q_start + kBlockQ > span.q_len;
-    dkdv_elements<Modifier>(st, dpt, p, invariants, at, span, kv_row, q_start,
-                            entry_is_mixed(entry) || kv_boundary || q_boundary, lse2_stage,
-                            lse2_stage + kBlockQ, quad_lane);
+    dkdv_elements<Modifier, true>(st, dpt, p, invariants, at, span, kv_row, q_start,
+                                  entry_is_mixed(entry) || kv_boundary || q_boundary, lse2_stage,
+                                  lse2_stage + kBlockQ, quad_lane);
 #pragma unroll
     for (int step = 0; step < Config::kStepsQ; ++step) {
       pack_fragment<Tag>(pa[step], st, step);
