@@ -121,7 +121,7 @@ struct BackwardChoice {
   // mma: dK/dV blocks per kv tile: 1, or 2 (one for dV, one for dK) where both accumulators do
   // not fit a thread's registers (padded qk + padded v > 256)
   int dkdv_parts = 1;
-  std::string why;      // why this kind ("fp32 storage", "head dim 160 exceeds 128", ...)
+  std::string why;      // why this kind ("fp32 storage", "head dims 17 and 17 are not ...")
   // Both kernels on wgmma (kernels/backward_wgmma.cuh; sm_90, head dims 64/128), each with its
   // own block, threads and tile list: dK/dV block_q x dkdv_block_kv (kv-major), dQ
   // dq_block_q x block_kv (q-major). Without wgmma they are block_q, block_kv and `threads`.
