@@ -62,6 +62,11 @@ struct ForwardArgs {
   // else the engine's own (cuMemAllocAsync on the stream, or memory the plan keeps).
   Workspace workspace{};
   DeviceAllocator* allocator = nullptr;
+  // A KV cache problem's (Problem::kv_cache): the pages of each sequence, int32 (batch,
+  // max_pages), and its length in tokens, int32 (batch,), each 0 or in [its query count,
+  // capacity]. Entries of page_table past a sequence's length are not read. Empty otherwise.
+  TensorView page_table{};
+  TensorView cache_lens{};
 };
 
 struct BackwardArgs {
@@ -170,6 +175,11 @@ class FLEXATTN_API Engine {
   // FLEXATTN_CUDA_WGMMA=0: "wgmma=0"); empty when none do (the default). A Context keys its plan
   // cache by them, so a plan built under one setting is never served under another.
   virtual std::string plan_settings() const;
+  // Whether the engine's plans read a paged KV cache (Problem::kv_cache): K and V as page pools
+  // through the run's page table. supports() and plan() refuse a cache problem for an engine
+  // that says no before lower() sees it, so an engine that knows nothing of caches can never
+  // read a pool as dense K and V.
+  virtual bool reads_kv_cache() const { return false; }
 
  protected:
   enum class Stage { kCheck, kBuild };

@@ -25,6 +25,18 @@ FLEXATTN_API Layout parse_layout(std::string_view text);  // throws kInvalidArgu
 
 enum class Direction { kForward, kForwardBackward };
 
+// A paged KV cache (docs/design.md section 2.2). K and V are pools of `pages` pages of `page_size`
+// tokens each, shaped (pages, page_size, heads_kv, head_dim) whatever the queries' layout; the
+// run's ForwardArgs::page_table (int32, (batch, max_pages)) names the pages of each sequence in
+// order and ForwardArgs::cache_lens (int32, (batch,)) how many tokens each holds. The cache holds
+// the new queries' own keys: sequence b's queries are its last q_len tokens, at positions
+// cache_lens[b] - q_len + i (the modifiers' `q`; `KV_LEN` is cache_lens[b]). Forward only.
+struct KvCacheDesc {
+  std::int64_t pages = 0;      // pages in the K and V pools
+  std::int64_t page_size = 0;  // tokens per page
+  std::int64_t max_pages = 0;  // page-table entries per sequence; capacity = max_pages x page_size
+};
+
 struct TensorDecl {
   DType dtype = DType::kF32;  // fp32/fp64/fp16/bf16 load as f32; int32/int64 load as i32
   std::vector<std::int64_t> shape;
@@ -45,8 +57,11 @@ struct FLEXATTN_API ProblemDesc {
   std::optional<ir::Expr> mask_mod;   // absent: keep everything
   std::map<std::string, double> params;
   std::map<std::string, TensorDecl> tensors;
-  std::vector<std::int64_t> cu_seqlens_q, cu_seqlens_kv;  // thd only
-  // Strides (elements) of the views in layout order; absent: contiguous. Gradients (dQ, dK, dV,
+  std::vector<std::int64_t> cu_seqlens_q, cu_seqlens_kv;  // thd only (no cu_seqlens_kv with a cache)
+  // A paged KV cache; layouts bshd and thd only; seq_len_kv is then the capacity (0 sets it).
+  std::optional<KvCacheDesc> kv_cache;
+  // Strides (elements) of the views in layout order (K and V of a cache: in pool order, rank 4);
+  // absent: contiguous. Gradients (dQ, dK, dV,
   // dO) use the strides of Q, K, V, O respectively.
   std::optional<std::vector<std::int64_t>> q_strides, k_strides, v_strides, o_strides;
   Direction direction = Direction::kForward;
@@ -89,7 +104,10 @@ class FLEXATTN_API Problem {
   // problem.
   std::uint64_t backward_hash() const { return backward_hash_; }
 
-  // Per-sequence lengths of batch entry b (thd: from cu_seqlens; otherwise seq_len_q/kv).
+  const std::optional<KvCacheDesc>& kv_cache() const { return desc_.kv_cache; }
+
+  // Per-sequence lengths of batch entry b (thd: from cu_seqlens; otherwise seq_len_q/kv). With a
+  // KV cache, seq_len_kv_of is the capacity: the run's cache_lens give the lengths.
   std::int64_t seq_len_q_of(std::int64_t b) const;
   std::int64_t seq_len_kv_of(std::int64_t b) const;
   // Leaf ranges over the whole problem, for the interval analysis.
@@ -99,7 +117,10 @@ class FLEXATTN_API Problem {
   // q/dq: bshd (B, Sq, Hq, Dqk), sbhd (Sq, B, Hq, Dqk), bhsd (B, Hq, Sq, Dqk), thd (Tq, Hq, Dqk);
   // k/dk with Hkv, Skv; v/dv with Hkv, Skv, Dv; o/dout with Hq, Sq, Dv.
   // lse: (B, Hq, Sq) or thd (Hq, Tq), contiguous, fp64 for fp64 problems and fp32 otherwise.
-  TensorView expected(std::string_view which) const;  // "q", "k", "v", "o", "lse" (data null)
+  // A KV cache: k and v (pages, page_size, Hkv, D); page_table int32 (B, max_pages) and
+  // cache_lens int32 (B), contiguous.
+  // "q", "k", "v", "o", "lse", "page_table", "cache_lens" (data null)
+  TensorView expected(std::string_view which) const;
   std::int64_t total_tokens_q() const;  // thd: cu_seqlens_q.back(); else batch * seq_len_q
   std::int64_t total_tokens_kv() const;
 

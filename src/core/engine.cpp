@@ -54,6 +54,47 @@ void check_tensors(const Problem& problem, const std::map<std::string, TensorVie
   }
 }
 
+// A KV cache problem's page table and lengths: their views always; on the host, their contents
+// too (every length 0 or in [the sequence's query count, capacity], every page a sequence uses
+// inside the pool), so no engine reads outside the pools.
+void check_kv_cache_args(const Problem& problem, const ForwardArgs& args) {
+  if (!problem.kv_cache()) {
+    if (!args.page_table.empty() || !args.cache_lens.empty()) {
+      throw_invalid("argument page_table/cache_lens: the problem has no KV cache");
+    }
+    return;
+  }
+  check_view("page_table", args.page_table, problem.expected("page_table"));
+  check_view("cache_lens", args.cache_lens, problem.expected("cache_lens"));
+  if (problem.device() != Device::kCpu) return;
+  const KvCacheDesc& cache = *problem.kv_cache();
+  const auto* lengths = static_cast<const std::int32_t*>(args.cache_lens.data);
+  const auto* pages = static_cast<const std::int32_t*>(args.page_table.data);
+  const std::int64_t capacity = problem.seq_len_kv();
+  for (std::int64_t b = 0; b < problem.batch(); ++b) {
+    const std::int64_t length = lengths[b], q_len = problem.seq_len_q_of(b);
+    if (length != 0 && (length < q_len || length > capacity)) {
+      throw_invalid(fmt::format(
+          "argument cache_lens[{}] ({}) must be 0 or in [{}, {}]: at least the sequence's query "
+          "tokens (the cache holds their keys), at most the capacity max_pages x page_size",
+          b, length, q_len, capacity));
+    }
+    const std::int64_t used = (length + cache.page_size - 1) / cache.page_size;
+    for (std::int64_t j = 0; j < used; ++j) {
+      const std::int64_t page = pages[b * cache.max_pages + j];
+      if (page < 0 || page >= cache.pages) {
+        throw_invalid(fmt::format(
+            "argument page_table[{}, {}] ({}) is outside the pool's pages [0, {}) (sequence {} "
+            "holds {} tokens in {} pages)",
+            b, j, page, cache.pages, b, length, used));
+      }
+    }
+  }
+}
+
+constexpr std::string_view kNoKvCache =
+    "reads no paged KV cache (K and V as page pools through a page table)";
+
 }  // namespace
 
 std::string plan_proof_failure(const PlanInfo& info, const Problem& problem) {
@@ -81,6 +122,7 @@ Support Engine::supports(const Problem& problem) const {
     return Support::no(fmt::format("runs on {}, the problem is on {}", to_string(device()),
                                    to_string(problem.device())));
   }
+  if (problem.kv_cache() && !reads_kv_cache()) return Support::no(std::string(kNoKvCache));
   return lower(problem, Stage::kCheck).support;
 }
 
@@ -90,6 +132,9 @@ std::unique_ptr<Plan> Engine::plan(const Problem& problem) const {
   if (problem.device() != device()) {
     throw_unsupported(fmt::format("{}: runs on {}, the problem is on {}", name(),
                                   to_string(device()), to_string(problem.device())));
+  }
+  if (problem.kv_cache() && !reads_kv_cache()) {
+    throw_unsupported(fmt::format("{}: {}", name(), kNoKvCache));
   }
   Lowered lowered = lower(problem, Stage::kBuild);
   if (!lowered.support) throw_unsupported(fmt::format("{}: {}", name(), lowered.support.reason()));
@@ -138,6 +183,7 @@ void check_forward_args(const Problem& problem, const ForwardArgs& args) {
   check_view("out", args.out, problem.expected("o"));
   if (!args.lse.empty()) check_view("lse", args.lse, problem.expected("lse"));
   check_tensors(problem, args.tensors);
+  check_kv_cache_args(problem, args);
 }
 
 void check_backward_args(const Problem& problem, const BackwardArgs& args) {

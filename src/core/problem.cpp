@@ -54,13 +54,16 @@ std::int64_t shortest_sequence(const std::vector<std::int64_t>& offsets) {
   return shortest;
 }
 
+// `pool`: K or V of a KV cache, (pages, page_size, heads_kv, head_dim) in any layout.
 void check_strides(const std::optional<std::vector<std::int64_t>>& strides, Layout layout,
-                   const char* name) {
+                   const char* name, bool pool = false) {
   if (!strides) return;
-  const int rank = view_rank(layout);
+  const int rank = pool ? 4 : view_rank(layout);
   if (static_cast<int>(strides->size()) != rank) {
-    throw_invalid(fmt::format("{} has {} entries; layout {} needs {}", name, strides->size(),
-                              to_string(layout), rank));
+    throw_invalid(fmt::format("{} has {} entries; {} needs {}", name, strides->size(),
+                              pool ? std::string("a KV cache pool")
+                                   : fmt::format("layout {}", to_string(layout)),
+                              rank));
   }
   if (strides->back() != 1) {
     throw_invalid(
@@ -115,8 +118,13 @@ std::int64_t sequence_tensor_bytes(const ProblemDesc& d, const char* which, cons
                                    std::int64_t tokens, const char* dim_name, std::int64_t head_dim,
                                    const std::optional<std::vector<std::int64_t>>& strides) {
   const std::size_t element_bytes = size_of(d.dtype);
+  const bool pool = d.kv_cache && (std::string_view(which) == "k" || std::string_view(which) == "v");
   const std::vector<NamedExtent> extents =
-      d.layout == Layout::kTHD
+      pool ? std::vector<NamedExtent>{{"pages", d.kv_cache->pages},
+                                      {"page_size", d.kv_cache->page_size},
+                                      {heads_name, heads},
+                                      {dim_name, head_dim}}
+      : d.layout == Layout::kTHD
           ? std::vector<NamedExtent>{{"tokens", tokens}, {heads_name, heads}, {dim_name, head_dim}}
           : std::vector<NamedExtent>{
                 {"batch", d.batch}, {seq_name, seq_len}, {heads_name, heads}, {dim_name, head_dim}};
@@ -125,7 +133,10 @@ std::int64_t sequence_tensor_bytes(const ProblemDesc& d, const char* which, cons
   // The span of a strided view: 1 + sum over axes of (extent - 1) * stride elements. Extents
   // are in the layout's order; the stride of each axis pairs with it (check_strides: same rank).
   std::vector<std::int64_t> shape;
-  switch (d.layout) {
+  if (pool) {
+    shape = {d.kv_cache->pages, d.kv_cache->page_size, heads, head_dim};
+  } else {
+    switch (d.layout) {
     case Layout::kBSHD:
       shape = {d.batch, seq_len, heads, head_dim};
       break;
@@ -138,6 +149,7 @@ std::int64_t sequence_tensor_bytes(const ProblemDesc& d, const char* which, cons
     case Layout::kTHD:
       shape = {tokens, heads, head_dim};
       break;
+    }
   }
   std::optional<std::int64_t> span = 1;
   for (std::size_t axis = 0; axis < shape.size() && span; ++axis) {
@@ -162,7 +174,7 @@ void check_sizes(const ProblemDesc& d) {
   }
   const bool thd = d.layout == Layout::kTHD;
   const std::int64_t tokens_q = thd ? d.cu_seqlens_q.back() : 0;
-  const std::int64_t tokens_kv = thd ? d.cu_seqlens_kv.back() : 0;
+  const std::int64_t tokens_kv = thd && !d.kv_cache ? d.cu_seqlens_kv.back() : 0;
   const std::int64_t q =
       sequence_tensor_bytes(d, "q", "heads_q", d.heads_q, "seq_len_q", d.seq_len_q, tokens_q,
                             "head_dim_qk", d.head_dim_qk, d.q_strides);
@@ -176,6 +188,10 @@ void check_sizes(const ProblemDesc& d) {
       sequence_tensor_bytes(d, "o", "heads_q", d.heads_q, "seq_len_q", d.seq_len_q, tokens_q,
                             "head_dim_v", d.head_dim_v, d.o_strides);
   const std::size_t lse_element_bytes = d.dtype == DType::kF64 ? sizeof(double) : sizeof(float);
+  if (d.kv_cache) {  // the page table and the lengths
+    checked_tensor_bytes("page_table", {{"batch", d.batch}, {"max_pages", d.kv_cache->max_pages}},
+                         sizeof(std::int32_t));
+  }
   const std::int64_t lse =
       thd ? checked_tensor_bytes("lse", {{"heads_q", d.heads_q}, {"tokens", tokens_q}},
                                  lse_element_bytes)
@@ -193,6 +209,50 @@ void check_sizes(const ProblemDesc& d) {
   if (d.device == Device::kCpu) {
     require_host_memory("the problem's tensors",
                         total.value_or(std::numeric_limits<std::int64_t>::max()));
+  }
+}
+
+// A KV cache's geometry, before anything derives sizes from it: positive extents, a capacity the
+// modifiers' i32 positions can index, forward only, bshd or thd queries that fit the capacity.
+// Sets seq_len_kv to the capacity.
+void check_kv_cache(ProblemDesc& d) {
+  const KvCacheDesc& cache = *d.kv_cache;
+  require_positive(cache.pages, "kv_cache.pages");
+  require_positive(cache.page_size, "kv_cache.page_size");
+  require_positive(cache.max_pages, "kv_cache.max_pages");
+  if (d.layout != Layout::kBSHD && d.layout != Layout::kTHD) {
+    throw_invalid(fmt::format("a KV cache takes queries in layout bshd or thd, not {}",
+                              to_string(d.layout)));
+  }
+  if (d.direction != Direction::kForward) {
+    throw_invalid("a KV cache problem is forward only (no gradients through a cache)");
+  }
+  if (!d.cu_seqlens_kv.empty()) {
+    throw_invalid("a KV cache problem takes no cu_seqlens_kv: the run's cache_lens give the lengths");
+  }
+  const std::optional<std::int64_t> capacity = checked_multiply(cache.max_pages, cache.page_size);
+  constexpr std::int64_t kMaxIndexExtent = std::numeric_limits<std::int32_t>::max();
+  if (!capacity || *capacity > kMaxIndexExtent) {
+    throw_invalid(fmt::format(
+        "kv_cache capacity max_pages x page_size ({} x {}) is past the modifiers' i32 indices (at "
+        "most {})",
+        cache.max_pages, cache.page_size, kMaxIndexExtent));
+  }
+  if (d.seq_len_kv != 0 && d.seq_len_kv != *capacity) {
+    throw_invalid(fmt::format(
+        "seq_len_kv ({}) must be 0 or the KV cache's capacity max_pages x page_size ({})",
+        d.seq_len_kv, *capacity));
+  }
+  d.seq_len_kv = *capacity;
+  const std::int64_t longest_q =
+      d.layout == Layout::kTHD && d.cu_seqlens_q.size() == static_cast<std::size_t>(d.batch + 1)
+          ? check_offsets(d.cu_seqlens_q, d.batch, "cu_seqlens_q")
+          : d.seq_len_q;
+  if (longest_q > *capacity) {
+    throw_invalid(fmt::format(
+        "a sequence of {} query tokens does not fit the KV cache's capacity max_pages x page_size "
+        "({}): the cache holds the new tokens' keys too",
+        longest_q, *capacity));
   }
 }
 
@@ -267,7 +327,17 @@ Problem::Problem(ProblemDesc desc) : desc_(std::move(desc)) {
   if (d.head_dim_v == 0) d.head_dim_v = d.head_dim_qk;
   require_positive(d.head_dim_v, "head_dim_v");
 
-  if (d.layout == Layout::kTHD) {
+  if (d.kv_cache) check_kv_cache(d);
+  if (d.layout == Layout::kTHD && d.kv_cache) {
+    if (d.cu_seqlens_q.empty()) throw_invalid("layout thd needs cu_seqlens_q (batch + 1 offsets)");
+    const std::int64_t longest_q = check_offsets(d.cu_seqlens_q, d.batch, "cu_seqlens_q");
+    if (longest_q == 0) throw_invalid("cu_seqlens_q describes no query tokens");
+    if (d.seq_len_q == 0) d.seq_len_q = longest_q;
+    if (d.seq_len_q != longest_q) {
+      throw_invalid(fmt::format("thd: seq_len_q ({}) must be 0 or the longest sequence ({})",
+                                d.seq_len_q, longest_q));
+    }
+  } else if (d.layout == Layout::kTHD) {
     if (d.cu_seqlens_q.empty()) throw_invalid("layout thd needs cu_seqlens_q (batch + 1 offsets)");
     if (d.cu_seqlens_kv.empty()) d.cu_seqlens_kv = d.cu_seqlens_q;
     const std::int64_t longest_q = check_offsets(d.cu_seqlens_q, d.batch, "cu_seqlens_q");
@@ -294,8 +364,8 @@ Problem::Problem(ProblemDesc desc) : desc_(std::move(desc)) {
     throw_invalid(fmt::format("dtype {} is not a floating-point storage type", to_string(d.dtype)));
   }
   check_strides(d.q_strides, d.layout, "q_strides");
-  check_strides(d.k_strides, d.layout, "k_strides");
-  check_strides(d.v_strides, d.layout, "v_strides");
+  check_strides(d.k_strides, d.layout, "k_strides", d.kv_cache.has_value());
+  check_strides(d.v_strides, d.layout, "v_strides", d.kv_cache.has_value());
   check_strides(d.o_strides, d.layout, "o_strides");
 
   if (!d.scale) d.scale = 1.0 / std::sqrt(static_cast<double>(d.head_dim_qk));
@@ -361,6 +431,10 @@ Problem::Problem(ProblemDesc desc) : desc_(std::move(desc)) {
     s += fmt::format("|cu_q={}|cu_kv={}", describe_shape(d.cu_seqlens_q),
                      describe_shape(d.cu_seqlens_kv));
   }
+  if (d.kv_cache) {
+    s += fmt::format("|cache={}x{}/{}", d.kv_cache->pages, d.kv_cache->page_size,
+                     d.kv_cache->max_pages);
+  }
   for (const auto& [name, decl] : d.tensors) {
     s += fmt::format("|t:{}={}{}", name, to_string(decl.dtype), describe_shape(decl.shape));
   }
@@ -380,7 +454,7 @@ std::int64_t Problem::seq_len_kv_of(std::int64_t b) const {
   if (b < 0 || b >= desc_.batch) {
     throw_invalid(fmt::format("batch index {} outside [0, {})", b, desc_.batch));
   }
-  if (desc_.layout != Layout::kTHD) return desc_.seq_len_kv;
+  if (desc_.layout != Layout::kTHD || desc_.kv_cache) return desc_.seq_len_kv;
   const auto i = static_cast<std::size_t>(b);
   return desc_.cu_seqlens_kv[i + 1] - desc_.cu_seqlens_kv[i];
 }
@@ -392,7 +466,16 @@ LeafRanges Problem::leaf_ranges() const {
   ranges.head = {0.0, last(desc_.heads_q)};
   ranges.query = {0.0, last(desc_.seq_len_q)};
   ranges.key = {0.0, last(desc_.seq_len_kv)};
-  if (desc_.layout == Layout::kTHD) {
+  if (desc_.kv_cache) {
+    // Queries sit at the end of the cache: positions up to the capacity; a cache length is 0
+    // (no key is ever visited) or at least the sequence's query count.
+    const std::int64_t shortest_q =
+        desc_.layout == Layout::kTHD ? shortest_sequence(desc_.cu_seqlens_q) : desc_.seq_len_q;
+    ranges.query = {0.0, last(desc_.seq_len_kv)};
+    ranges.query_length = {static_cast<double>(shortest_q), static_cast<double>(desc_.seq_len_q)};
+    ranges.key_length = {static_cast<double>(std::max<std::int64_t>(1, shortest_q)),
+                         static_cast<double>(desc_.seq_len_kv)};
+  } else if (desc_.layout == Layout::kTHD) {
     ranges.query_length = {static_cast<double>(shortest_sequence(desc_.cu_seqlens_q)),
                            static_cast<double>(desc_.seq_len_q)};
     ranges.key_length = {static_cast<double>(shortest_sequence(desc_.cu_seqlens_kv)),
@@ -411,6 +494,7 @@ std::int64_t Problem::total_tokens_q() const {
 }
 
 std::int64_t Problem::total_tokens_kv() const {
+  if (desc_.kv_cache) return desc_.kv_cache->pages * desc_.kv_cache->page_size;  // the pool's
   return desc_.layout == Layout::kTHD ? desc_.cu_seqlens_kv.back() : desc_.batch * desc_.seq_len_kv;
 }
 
@@ -423,6 +507,16 @@ TensorView Problem::expected(std::string_view which) const {
     view.shape = d.layout == Layout::kTHD
                      ? std::vector<std::int64_t>{d.heads_q, total_tokens_q()}
                      : std::vector<std::int64_t>{d.batch, d.heads_q, d.seq_len_q};
+    view.strides = contiguous_strides(view.shape);
+    return view;
+  }
+  if (which == "page_table" || which == "cache_lens") {
+    if (!d.kv_cache) {
+      throw_invalid(fmt::format("Problem::expected: '{}' of a problem without a KV cache", which));
+    }
+    view.dtype = DType::kI32;
+    view.shape = which == "page_table" ? std::vector<std::int64_t>{d.batch, d.kv_cache->max_pages}
+                                       : std::vector<std::int64_t>{d.batch};
     view.strides = contiguous_strides(view.shape);
     return view;
   }
@@ -444,13 +538,17 @@ TensorView Problem::expected(std::string_view which) const {
     strides = &d.o_strides;
   } else {
     throw_invalid(fmt::format(
-        "Problem::expected: unknown view '{}' (expected q, k, v, o, lse, dq, dk, dv or dout)",
+        "Problem::expected: unknown view '{}' (expected q, k, v, o, lse, dq, dk, dv, dout, "
+        "page_table or cache_lens)",
         which));
   }
   view.dtype = d.dtype;
-  switch (d.layout) {
+  const bool pool = d.kv_cache && (which == "k" || which == "v");
+  switch (pool ? Layout::kBSHD : d.layout) {
     case Layout::kBSHD:
-      view.shape = {d.batch, seq_len, heads, head_dim};
+      view.shape = pool ? std::vector<std::int64_t>{d.kv_cache->pages, d.kv_cache->page_size,
+                                                    heads, head_dim}
+                        : std::vector<std::int64_t>{d.batch, seq_len, heads, head_dim};
       break;
     case Layout::kSBHD:
       view.shape = {seq_len, d.batch, heads, head_dim};

@@ -123,6 +123,7 @@ struct Lowering {
 // One (batch, query head) pair: its sequence lengths and the K/V rows of its kv head.
 struct HeadRows {
   std::int64_t b = 0, h = 0, q_len = 0, kv_len = 0;
+  std::int64_t q_offset = 0;  // a KV cache's: the position of the first query, kv_len - q_len
   std::vector<double> k;  // (kv_len, head_dim_qk)
   std::vector<double> v;  // (kv_len, head_dim_v)
 };
@@ -151,8 +152,10 @@ class CpuRefPlan final : public Plan {
  private:
   Bindings bind(const std::map<std::string, TensorView>& tensors) const;
   EvalPoint point(const HeadRows& rows, std::int64_t q, std::int64_t kv, double score) const;
+  // With `cache` (a KV cache problem's run), the rows come through its page table and the
+  // length from its cache_lens.
   void load_head(const TensorView& k, const TensorView& v, std::int64_t b, std::int64_t h,
-                 HeadRows& rows) const;
+                 HeadRows& rows, const ForwardArgs* cache = nullptr) const;
   void score_row(const HeadRows& rows, std::int64_t q, const std::vector<double>& q_row,
                  const Bindings& bindings, RowScores& scores) const;
   // Backward of one (batch, kv head): dQ of its query heads, dK, dV, tensor-gradient parts.
@@ -180,7 +183,7 @@ EvalPoint CpuRefPlan::point(const HeadRows& rows, std::int64_t q, std::int64_t k
   at.score = score;
   at.batch = rows.b;
   at.head = rows.h;
-  at.query = q;
+  at.query = rows.q_offset + q;
   at.key = kv;
   at.query_length = rows.q_len;
   at.key_length = rows.kv_len;
@@ -188,12 +191,29 @@ EvalPoint CpuRefPlan::point(const HeadRows& rows, std::int64_t q, std::int64_t k
 }
 
 void CpuRefPlan::load_head(const TensorView& k, const TensorView& v, std::int64_t b, std::int64_t h,
-                           HeadRows& rows) const {
+                           HeadRows& rows, const ForwardArgs* cache) const {
   const ProblemDesc& d = problem_.desc();
   const std::int64_t h_kv = h / (d.heads_q / d.heads_kv);
   rows.b = b;
   rows.h = h;
   rows.q_len = problem_.seq_len_q_of(b);
+  if (cache != nullptr) {  // token s of the sequence: page page_table[b, s / page_size]
+    const std::int64_t page_size = d.kv_cache->page_size, max_pages = d.kv_cache->max_pages;
+    rows.kv_len = cache->cache_lens.load_index(b);
+    rows.q_offset = rows.kv_len == 0 ? 0 : rows.kv_len - rows.q_len;
+    const auto gather = [&](const TensorView& pool, std::int64_t dim, std::vector<double>& out) {
+      out.resize(to_size(rows.kv_len * dim));
+      for (std::int64_t s = 0; s < rows.kv_len; ++s) {
+        const std::int64_t page = cache->page_table.load_index(b * max_pages + s / page_size);
+        const std::int64_t base = page * pool.strides[0] + (s % page_size) * pool.strides[1] +
+                                  h_kv * pool.strides[2];
+        for (std::int64_t i = 0; i < dim; ++i) out[to_size(s * dim + i)] = pool.load(base + i);
+      }
+    };
+    gather(k, d.head_dim_qk, rows.k);
+    gather(v, d.head_dim_v, rows.v);
+    return;
+  }
   rows.kv_len = problem_.seq_len_kv_of(b);
   read_rows(k, RowIndexer(k, d.layout, d.cu_seqlens_kv), b, h_kv, rows.kv_len, d.head_dim_qk,
             rows.k);
@@ -244,7 +264,8 @@ void CpuRefPlan::run_forward(const ForwardArgs& args) const {
 
   parallel_for(d.batch * d.heads_q, [&](std::int64_t task) {
     HeadRows rows;
-    load_head(args.k, args.v, task / d.heads_q, task % d.heads_q, rows);
+    load_head(args.k, args.v, task / d.heads_q, task % d.heads_q, rows,
+              d.kv_cache ? &args : nullptr);
     std::vector<double> q_rows, out_rows(to_size(rows.q_len * dim_v), 0.0);
     read_rows(args.q, q_index, rows.b, rows.h, rows.q_len, d.head_dim_qk, q_rows);
     std::vector<double> q_row;
@@ -417,6 +438,7 @@ class CpuRefEngine final : public Engine {
     return score_derivative_ == ScoreDerivative::kExact ? kEngineName : kScoreDerivativeOneName;
   }
   Support available() const override { return Support::yes(); }
+  bool reads_kv_cache() const override { return true; }
 
  protected:
   Lowered lower(const Problem& problem, Stage stage) const override {
