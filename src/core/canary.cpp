@@ -156,7 +156,17 @@ std::vector<Variant> applicable_variants(const Problem& problem) {
   if (!problem.score_mod().is_identity_score()) variants.push_back(Variant::kScoreModDropped);
   // A mask the interval analysis proves keeps every element of this problem (causal with one
   // query row at the bottom right) is the same function as no mask.
-  const TileRect everything{0, problem.seq_len_q(), 0, problem.seq_len_kv()};
+  TileRect everything{0, problem.seq_len_q(), 0, problem.seq_len_kv()};
+  if (problem.kv_cache()) {  // the canary cache's query and key positions
+    everything = {problem.seq_len_kv(), 0, 0, 0};
+    for (std::int64_t b = 0; b < problem.batch(); ++b) {
+      const std::int64_t length = canary_cache_length(problem, b);
+      const std::int64_t first = std::max<std::int64_t>(0, length - problem.seq_len_q_of(b));
+      everything.query_begin = std::min(everything.query_begin, first);
+      everything.query_end = std::max(everything.query_end, length);
+      everything.key_end = std::max(everything.key_end, length);
+    }
+  }
   if (classify_tile(problem.mask_mod(), problem.leaf_ranges(), everything) != TileClass::kAllTrue) {
     variants.push_back(Variant::kMaskDropped);
   }
@@ -239,6 +249,10 @@ PlanRun run_plan(const Engine& engine, const Plan& plan, const CanaryInputs& inp
   forward.lse = staging.stage(lse, lse_view);
   for (const auto& [name, tensor] : inputs.tensors) {
     forward.tensors[name] = staging.stage(tensor, tensor.view());
+  }
+  if (problem.kv_cache()) {
+    forward.page_table = staging.stage(inputs.page_table, inputs.page_table.view());
+    forward.cache_lens = staging.stage(inputs.cache_lens, inputs.cache_lens.view());
   }
 
   const bool backward = problem.wants_backward();

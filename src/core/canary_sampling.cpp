@@ -115,6 +115,17 @@ std::string pair_row(const SampledPair& pair, std::int64_t row) {
 
 }  // namespace
 
+std::int64_t canary_cache_length(const Problem& problem, std::int64_t b) {
+  const std::int64_t q_len = problem.seq_len_q_of(b), capacity = problem.seq_len_kv();
+  return q_len + (capacity - q_len) * (b + 1) / problem.batch();
+}
+
+std::int64_t canary_page(const Problem& problem, std::int64_t b, std::int64_t j) {
+  constexpr std::int64_t kScramble = 7919;  // a prime: consecutive entries land far apart
+  const KvCacheDesc& cache = *problem.kv_cache();
+  return ((b * cache.max_pages + j) * kScramble + 3) % cache.pages;
+}
+
 Sample sample_rows(const Problem& problem) {
   Sample sample;
   const std::int64_t last_batch = problem.batch() - 1, last_head = problem.heads_q() - 1;
@@ -132,7 +143,8 @@ Sample sample_rows(const Problem& problem) {
     pair.h = h;
     pair.h_kv = h / group;
     pair.q_len = problem.seq_len_q_of(b);
-    pair.kv_len = problem.seq_len_kv_of(b);
+    pair.kv_len = problem.kv_cache() ? canary_cache_length(problem, b) : problem.seq_len_kv_of(b);
+    pair.q_offset = problem.kv_cache() && pair.kv_len > 0 ? pair.kv_len - pair.q_len : 0;
     pair.rows = sampled_rows(pair.q_len);
     sample.pairs.push_back(pair);
     const bool kv_seen =
@@ -158,6 +170,11 @@ HostTensor buffer_for(const TensorView& expected, TensorView& view) {
 std::int64_t row_offset(const Problem& problem, const TensorView& view, bool kv_side,
                         std::int64_t b, std::int64_t head, std::int64_t s) {
   const std::vector<std::int64_t>& st = view.strides;
+  if (kv_side && problem.kv_cache()) {
+    const std::int64_t page_size = problem.kv_cache()->page_size;
+    return canary_page(problem, b, s / page_size) * st[0] + (s % page_size) * st[1] +
+           head * st[2];
+  }
   switch (problem.layout()) {
     case Layout::kBSHD:
       return b * st[0] + s * st[1] + head * st[2];
@@ -218,6 +235,17 @@ CanaryInputs make_canary_inputs(const Problem& problem, const Sample& sample, do
       }
     }
   }
+  if (problem.kv_cache()) {
+    inputs.page_table = HostTensor(DType::kI32, problem.expected("page_table").shape);
+    inputs.cache_lens = HostTensor(DType::kI32, problem.expected("cache_lens").shape);
+    const std::int64_t max_pages = problem.kv_cache()->max_pages;
+    for (std::int64_t b = 0; b < problem.batch(); ++b) {
+      inputs.cache_lens.set(b, static_cast<double>(canary_cache_length(problem, b)));
+      for (std::int64_t j = 0; j < max_pages; ++j) {
+        inputs.page_table.set(b * max_pages + j, static_cast<double>(canary_page(problem, b, j)));
+      }
+    }
+  }
   std::uint64_t tensor_seed = kTensorSeed;
   for (const auto& [name, decl] : problem.desc().tensors) {
     HostTensor tensor(decl.dtype, decl.shape);
@@ -249,7 +277,7 @@ std::vector<double> score_sizes(const Problem& problem, const CanaryInputs& inpu
     for (std::size_t r = 0; r < pair.rows.size(); ++r) {
       double size = 0;
       for (std::int64_t kv = 0; kv < pair.kv_len; ++kv) {
-        EvalPoint at{0.0, pair.b, pair.h, pair.rows[r], kv, pair.q_len, pair.kv_len};
+        EvalPoint at{0.0, pair.b, pair.h, pair.q_offset + pair.rows[r], kv, pair.q_len, pair.kv_len};
         if (evaluate(problem.mask_mod(), at, bindings) == 0.0) continue;
         double dot = 0, absolute = 0;
         for (std::int64_t i = 0; i < dim; ++i) {
@@ -317,7 +345,7 @@ GradientTermSizes gradient_term_sizes(const Problem& problem, const CanaryInputs
       // P of the row from its own modified scores (float64), masked keys at P = 0.
       double largest = -std::numeric_limits<double>::infinity();
       for (std::int64_t kv = 0; kv < pair.kv_len; ++kv) {
-        EvalPoint at{0.0, pair.b, pair.h, pair.rows[r], kv, pair.q_len, pair.kv_len};
+        EvalPoint at{0.0, pair.b, pair.h, pair.q_offset + pair.rows[r], kv, pair.q_len, pair.kv_len};
         modified[to_size(kv)] = -std::numeric_limits<double>::infinity();
         if (evaluate(problem.mask_mod(), at, bindings) == 0.0) continue;
         double dot = 0;
@@ -423,7 +451,7 @@ SampledOutputs reference_outputs(const Problem& problem, const CanaryInputs& inp
 
     HostTensor rows(DType::kI32, {count});
     for (std::int64_t r = 0; r < count; ++r) {
-      rows.set(r, static_cast<double>(pair.rows[to_size(r)]));
+      rows.set(r, static_cast<double>(pair.q_offset + pair.rows[to_size(r)]));
     }
     const HostTensor q =
         gather_rows(problem, inputs.q_view, false, pair.b, pair.h, pair.rows, dim_qk);

@@ -14,6 +14,7 @@ namespace flexattn::detail {
 // One sampled (batch, query head) pair and its sampled query rows (ascending).
 struct SampledPair {
   std::int64_t b = 0, h = 0, h_kv = 0, q_len = 0, kv_len = 0;
+  std::int64_t q_offset = 0;  // a KV cache's: the position of query row 0 (kv_len - q_len)
   std::vector<std::int64_t> rows;
 };
 
@@ -27,6 +28,12 @@ struct Sample {
   std::vector<SampledKvHead> kv_heads;  // of the pairs, in order of first appearance
 };
 Sample sample_rows(const Problem& problem);
+
+// A KV cache problem's canary cache: sequence b holds from its query count up to the capacity
+// (the last sequence full), its pages spread over the pool in a scrambled order (sequences may
+// share pages, as prefix caching does).
+std::int64_t canary_cache_length(const Problem& problem, std::int64_t b);
+std::int64_t canary_page(const Problem& problem, std::int64_t b, std::int64_t j);
 
 // The compared values of one output, row by row, in an order shared by the plan's result and
 // every reference.
@@ -43,6 +50,7 @@ struct CanaryInputs {
   HostTensor q, k, v, dout;  // flat buffers covering the strided views below
   TensorView q_view, k_view, v_view, dout_view;
   std::map<std::string, HostTensor> tensors;  // every tensor the problem declares
+  HostTensor page_table, cache_lens;          // a KV cache problem's (int32)
 };
 CanaryInputs make_canary_inputs(const Problem& problem, const Sample& sample, double q_scale,
                                 bool zero_queries);
@@ -51,7 +59,7 @@ CanaryInputs make_canary_inputs(const Problem& problem, const Sample& sample, do
 HostTensor buffer_for(const TensorView& expected, TensorView& view);
 
 // Element offset of row `s` of (b, head) in a Q/K/V/O-like view of the problem; kv-side views
-// (k, v, dk, dv) use the kv offsets in thd.
+// (k, v, dk, dv) use the kv offsets in thd, and a KV cache's pools the canary's pages.
 std::int64_t row_offset(const Problem& problem, const TensorView& view, bool kv_side,
                         std::int64_t b, std::int64_t head, std::int64_t s);
 std::int64_t lse_offset(const Problem& problem, const TensorView& lse, std::int64_t b,

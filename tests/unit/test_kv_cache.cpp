@@ -142,8 +142,8 @@ struct Result {
 
 // Runs the cache problem with `page_size`: each sequence's pages are spread over the pool in a
 // random order, two pages no sequence uses are added, and every unused slot holds NaN.
-Result run_paged(const Geometry& g, const Modifier& modifier, const Data& data,
-                 std::int64_t page_size, std::uint64_t seed) {
+Result run_paged(const Engine& engine, const Geometry& g, const Modifier& modifier,
+                 const Data& data, std::int64_t page_size, std::uint64_t seed) {
   const std::int64_t max_pages = kCapacity / page_size;
   std::int64_t used = 0;
   for (std::int64_t length : g.cache_lens) used += (length + page_size - 1) / page_size;
@@ -192,14 +192,15 @@ Result run_paged(const Geometry& g, const Modifier& modifier, const Data& data,
   args.page_table = page_table.view();
   args.cache_lens = cache_lens.view();
   if (modifier.document_ids) args.tensors["doc"] = data.doc.view();
-  cpu_ref().plan(problem)->forward(args);
+  engine.plan(problem)->forward(args);
   return result;
 }
 
 // The same function as a dense ragged problem: K and V of each sequence packed one after
 // another, the modifiers shifted by hand. Its LSE is (heads_q, tokens); returned as the cache
 // problem's layout has it.
-Result run_dense(const Geometry& g, const Modifier& modifier, const Data& data) {
+Result run_dense(const Engine& engine, const Geometry& g, const Modifier& modifier,
+                 const Data& data) {
   ProblemDesc desc;
   desc.batch = g.batch();
   desc.heads_q = g.heads_q;
@@ -230,7 +231,7 @@ Result run_dense(const Geometry& g, const Modifier& modifier, const Data& data) 
   args.out = dense.out.view();
   args.lse = dense.lse.view();
   if (modifier.document_ids) args.tensors["doc"] = data.doc.view();
-  cpu_ref().plan(problem)->forward(args);
+  engine.plan(problem)->forward(args);
   if (g.layout == Layout::kTHD) return dense;
   // bshd's LSE is (batch, heads_q, seq_len_q).
   const std::int64_t seq = g.q_lens.front(), tokens = g.batch() * seq;
@@ -282,21 +283,28 @@ Geometry decode_batch(Layout layout, std::int64_t heads_q, std::int64_t heads_kv
   return g;
 }
 
+const Engine& cpu() {
+  static const std::shared_ptr<const Engine> engine = test::builtin_engine("cpu");
+  return *engine;
+}
+
+// On each engine that reads a cache, cpu_ref (float64) and cpu (float32 tiles).
 TEST(KvCache, PagedEqualsContiguousAndTheDenseProblemBitForBit) {
+  for (const Engine* engine : {&cpu_ref(), &cpu()})
   for (const Layout layout : {Layout::kBSHD, Layout::kTHD}) {
     for (const auto& [heads_q, heads_kv] : {std::pair{4, 4}, std::pair{4, 2}, std::pair{8, 1}}) {
       const Geometry g = decode_batch(layout, heads_q, heads_kv);
       const Data data = random_data(g, 11 + static_cast<std::uint64_t>(heads_kv));
       for (const Modifier& modifier : modifiers()) {
-        const std::string what = fmt::format("{} {} heads {}/{}", to_string(layout), modifier.name,
-                                             heads_q, heads_kv);
-        const Result contiguous = run_paged(g, modifier, data, kCapacity, 1);
+        const std::string what = fmt::format("{}: {} {} heads {}/{}", engine->name(),
+                                             to_string(layout), modifier.name, heads_q, heads_kv);
+        const Result contiguous = run_paged(*engine, g, modifier, data, kCapacity, 1);
         expect_finite_except_empty(g, contiguous, what);
-        const Result dense = run_dense(g, modifier, data);
+        const Result dense = run_dense(*engine, g, modifier, data);
         EXPECT_TRUE(bit_identical(contiguous.out, dense.out)) << what << ": out, dense";
         EXPECT_TRUE(bit_identical(contiguous.lse, dense.lse)) << what << ": lse, dense";
         for (const std::int64_t page_size : {1, 16, 64}) {
-          const Result paged = run_paged(g, modifier, data, page_size, 7);
+          const Result paged = run_paged(*engine, g, modifier, data, page_size, 7);
           EXPECT_TRUE(bit_identical(paged.out, contiguous.out))
               << what << ": out, page size " << page_size;
           EXPECT_TRUE(bit_identical(paged.lse, contiguous.lse))
@@ -316,14 +324,14 @@ TEST(KvCache, QueriesSitAtTheEndOfTheCache) {
   const Data data = random_data(g, 5);
   Modifier top_left = modifiers().front();
   top_left.dense_mask_mod = "q >= kv";
-  const Result cache = run_paged(g, modifiers().front(), data, 16, 3);
-  const Result aligned_top_left = run_dense(g, top_left, data);
-  const Result aligned = run_dense(g, modifiers().front(), data);
+  const Result cache = run_paged(cpu_ref(), g, modifiers().front(), data, 16, 3);
+  const Result aligned_top_left = run_dense(cpu_ref(), g, top_left, data);
+  const Result aligned = run_dense(cpu_ref(), g, modifiers().front(), data);
   EXPECT_TRUE(bit_identical(cache.out, aligned.out));
   EXPECT_FALSE(bit_identical(cache.out, aligned_top_left.out));
   // KV_LEN is the cache length: a mask that keeps only the last key of the cache.
   Modifier last_key{"last_key", "", "kv == KV_LEN - 1", "", "kv == KV_LEN - 1"};
-  const Result last = run_paged(g, last_key, data, 16, 3);
+  const Result last = run_paged(cpu_ref(), g, last_key, data, 16, 3);
   for (std::int64_t i = 0; i < g.dim; ++i) {  // row 0, head 0: V of token 39, head 0
     EXPECT_EQ(last.out.at(i), static_cast<float>(data.v[0][static_cast<std::size_t>(39 * 2 * 16 + i)]));
   }
@@ -497,16 +505,114 @@ TEST(KvCache, EnginesThatReadNoCacheAreRefusedBeforeLowering) {
   EXPECT_NE(error_of([&] { static_cast<void>(dense_only.plan(problem)); })
                 .find("dense_only: reads no paged KV cache"),
             std::string::npos);
-  // Every built-in engine but cpu_ref says so; selection picks cpu_ref.
+  // Of the built-in engines, cpu_ref and cpu read caches; the others say they do not.
   Context context;
   for (const Verdict& v : context.explain(problem)) {
-    if (v.engine == "cpu_ref") {
-      EXPECT_TRUE(v.support.ok());
+    if (v.engine == "cpu_ref" || v.engine == "cpu") {
+      EXPECT_TRUE(v.support.ok()) << v.engine;
     } else {
-      EXPECT_FALSE(v.support.ok()) << v.engine;
+      EXPECT_FALSE(v.support.ok()) << v.engine;  // (or unavailable: no GPU)
     }
   }
-  EXPECT_EQ(context.select(problem)->info().engine, "cpu_ref");
+}
+
+// ---- the plan canary ---------------------------------------------------------------------------
+
+// cpu's plan run on altered cache arguments: what an engine that reads the cache wrongly computes.
+enum class CacheFault {
+  kNone,
+  kPagesInOrder,   // page j of every sequence taken as pool page j: the page table ignored
+  kWholeCapacity,  // every sequence taken as full: lengths ignored, queries at the capacity's end
+};
+
+class FaultyCachePlan final : public Plan {
+ public:
+  FaultyCachePlan(std::unique_ptr<Plan> inner, CacheFault fault, std::string name)
+      : Plan(renamed(inner->info(), std::move(name))), inner_(std::move(inner)), fault_(fault) {}
+  const Problem& problem() const override { return inner_->problem(); }
+
+ protected:
+  void run_forward(const ForwardArgs& args) const override {
+    const Problem& p = problem();
+    HostTensor table(DType::kI32, p.expected("page_table").shape);
+    HostTensor lengths(DType::kI32, p.expected("cache_lens").shape);
+    std::memcpy(table.data(), args.page_table.data, table.bytes());
+    std::memcpy(lengths.data(), args.cache_lens.data, lengths.bytes());
+    const std::int64_t max_pages = p.kv_cache()->max_pages, pages = p.kv_cache()->pages;
+    for (std::int64_t b = 0; b < p.batch(); ++b) {
+      for (std::int64_t j = 0; fault_ == CacheFault::kPagesInOrder && j < max_pages; ++j) {
+        table.set(b * max_pages + j, static_cast<double>(j % pages));
+      }
+      if (fault_ == CacheFault::kWholeCapacity) lengths.set(b, static_cast<double>(p.seq_len_kv()));
+    }
+    ForwardArgs altered = args;
+    altered.page_table = table.view();
+    altered.cache_lens = lengths.view();
+    inner_->forward(altered);
+  }
+  void run_backward(const BackwardArgs& args) const override { inner_->backward(args); }
+
+ private:
+  static PlanInfo renamed(PlanInfo info, std::string name) {
+    info.engine = std::move(name);
+    return info;
+  }
+  std::unique_ptr<Plan> inner_;
+  CacheFault fault_;
+};
+
+class FaultyCacheEngine final : public Engine {
+ public:
+  FaultyCacheEngine(CacheFault fault, std::string name) : fault_(fault), name_(std::move(name)) {}
+  std::string_view name() const override { return name_; }
+  Support available() const override { return Support::yes(); }
+  bool reads_kv_cache() const override { return true; }
+
+ protected:
+  Lowered lower(const Problem& problem, Stage stage) const override {
+    Lowered lowered;
+    lowered.support = cpu().supports(problem);
+    if (lowered.support && stage == Stage::kBuild) {
+      lowered.plan = std::make_unique<FaultyCachePlan>(cpu().plan(problem), fault_, name_);
+    }
+    return lowered;
+  }
+
+ private:
+  CacheFault fault_;
+  std::string name_;
+};
+
+// The canary runs a cache plan on a cache of its own (scrambled, shared pages; lengths from the
+// query count to the capacity) and compares it with cpu_ref: the faithful plan passes, each
+// faulty one is refused with the canary's reason.
+TEST(KvCache, TheCanaryChecksCachePlans) {
+  for (const Layout layout : {Layout::kBSHD, Layout::kTHD}) {
+    Geometry g = decode_batch(layout, 4, 2);
+    ProblemDesc desc = cache_desc(g, 16, 23);
+    apply(modifiers()[1], false, g.batch(), desc);  // ALiBi, slopes from the head index
+    desc.mask_mod = ir::parse("q >= kv && q - kv < 100");
+    const Problem problem(desc);
+    for (const auto& [fault, name] :
+         {std::pair{CacheFault::kNone, "cpu_faithful"},
+          std::pair{CacheFault::kPagesInOrder, "cpu_pages_in_order"},
+          std::pair{CacheFault::kWholeCapacity, "cpu_whole_capacity"}}) {
+      ContextOptions options;
+      options.policy.force = name;
+      options.log_level = LogLevel::kOff;
+      options.canary = true;
+      options.extra_engines = {std::make_shared<FaultyCacheEngine>(fault, name)};
+      Context context(options);
+      if (fault == CacheFault::kNone) {
+        EXPECT_EQ(context.select(problem)->info().engine, name);
+        EXPECT_EQ(context.canary_runs(), 1u);
+        continue;
+      }
+      const std::string reason = error_of([&] { static_cast<void>(context.select(problem)); });
+      EXPECT_NE(reason.find(fmt::format("canary: engine {} computed", name)), std::string::npos)
+          << to_string(layout) << " " << name << ": " << reason;
+    }
+  }
 }
 
 }  // namespace

@@ -78,6 +78,30 @@ std::vector<TileGrid> classify_tiles(const Problem& problem, const Graph& mask, 
   return grids;
 }
 
+TileGrid classify_cache_tiles(const Problem& problem, const Graph& mask, bool keep_all,
+                              const TileSizes& tiles, std::int64_t b, std::int64_t q_len,
+                              std::int64_t kv_len, std::int64_t q_offset) {
+  TileGrid grid;
+  grid.query_tiles = ceil_div(q_len, tiles.block_q);
+  grid.key_tiles = ceil_div(kv_len, tiles.block_k);
+  grid.classes.assign(to_size(grid.query_tiles * grid.key_tiles), TileClass::kAllTrue);
+  if (keep_all || grid.classes.empty()) return grid;
+  const auto at = [](std::int64_t value) { return static_cast<double>(value); };
+  LeafRanges ranges = problem.leaf_ranges();
+  ranges.batch = {at(b), at(b)};
+  ranges.query_length = {at(q_len), at(q_len)};
+  ranges.key_length = {at(kv_len), at(kv_len)};
+  for (std::int64_t qt = 0; qt < grid.query_tiles; ++qt) {
+    for (std::int64_t kt = 0; kt < grid.key_tiles; ++kt) {
+      const TileRect rect{q_offset + qt * tiles.block_q,
+                          q_offset + std::min(q_len, (qt + 1) * tiles.block_q),
+                          kt * tiles.block_k, std::min(kv_len, (kt + 1) * tiles.block_k)};
+      grid.classes[to_size(qt * grid.key_tiles + kt)] = classify_tile(mask, ranges, rect);
+    }
+  }
+  return grid;
+}
+
 CpuPlan::CpuPlan(PlanInfo info, Problem problem, Lowering lowering, TileSizes tiles,
                  std::vector<TileGrid> grids)
     : Plan(std::move(info)),
@@ -94,6 +118,7 @@ class CpuEngine final : public Engine {
   explicit CpuEngine(LoweringHook hook) : hook_(std::move(hook)) {}
   std::string_view name() const override { return kEngineName; }
   Support available() const override { return Support::yes(); }
+  bool reads_kv_cache() const override { return true; }
 
  protected:
   Lowered lower(const Problem& problem, Stage stage) const override {
@@ -141,17 +166,23 @@ class CpuEngine final : public Engine {
     if (stage == Stage::kCheck) return result;
 
     const TileSizes tiles = choose_tile_sizes(problem);
+    // A KV cache's lengths come with each run: its tiles are classified then.
     std::vector<TileGrid> grids =
-        classify_tiles(problem, lowering.mask_mod, lowering.keep_all, tiles);
+        problem.kv_cache() ? std::vector<TileGrid>{}
+                           : classify_tiles(problem, lowering.mask_mod, lowering.keep_all, tiles);
     PlanInfo info;
     info.engine = std::string(kEngineName);
     info.description = fmt::format(
         "flash attention, {} queries x {} keys per tile, {} kernels, {} threads, score tape of "
-        "{} instructions, mask tape of {}, tiles skipped {} / unmasked {} / mixed {}",
+        "{} instructions, mask tape of {}, {}",
         tiles.block_q, tiles.block_k, kernels().isa, omp_get_max_threads(),
         lowering.score_tape.instructions().size(), lowering.mask_tape.instructions().size(),
-        count_tiles(grids, TileClass::kAllFalse), count_tiles(grids, TileClass::kAllTrue),
-        count_tiles(grids, TileClass::kMixed));
+        problem.kv_cache()
+            ? std::string("paged KV cache read page by page, tiles classified per run")
+            : fmt::format("tiles skipped {} / unmasked {} / mixed {}",
+                          count_tiles(grids, TileClass::kAllFalse),
+                          count_tiles(grids, TileClass::kAllTrue),
+                          count_tiles(grids, TileClass::kMixed)));
     const LoweringProof proof = prove_lowering(lowering, problem);
     info.lowered_hash = proof.forward;
     info.lowered_backward_hash = proof.backward;

@@ -38,6 +38,29 @@ struct ForwardState {
   std::vector<float> cleaned;                  // gemm_skipping_zeros's copy of a non-finite tile
 };
 
+// A KV cache problem's run: each sequence's length and query offset (its queries are the last
+// q_len positions of the cache) and its tile grid, classified for those.
+struct CacheRun {
+  std::vector<std::int64_t> lengths, offsets;
+  std::vector<TileGrid> grids;
+};
+
+// Rows [k0, k0 + nk) of sequence b's cache in head h_kv as float32 rows of `dim` in `buffer`,
+// copied page by page through the page table.
+RowsView cache_rows(const TensorView& pool, const TensorView& page_table, const KvCacheDesc& cache,
+                    std::int64_t b, std::int64_t h_kv, std::int64_t k0, std::int64_t nk,
+                    std::int64_t dim, float* buffer) {
+  const auto* pages = static_cast<const std::int32_t*>(page_table.data) + b * cache.max_pages;
+  for (std::int64_t s = k0; s < k0 + nk;) {
+    const std::int64_t page = pages[s / cache.page_size], slot = s % cache.page_size;
+    const std::int64_t count = std::min(cache.page_size - slot, k0 + nk - s);
+    const SequenceRows rows{page * pool.strides[0] + h_kv * pool.strides[2], pool.strides[1]};
+    read_rows(pool, {rows, slot, count, dim}, buffer + (s - k0) * dim, dim, count, dim);
+    s += count;
+  }
+  return {buffer, dim};
+}
+
 }  // namespace
 
 void CpuPlan::run_forward(const ForwardArgs& args) const { forward_pass(args, nullptr, nullptr); }
@@ -53,16 +76,31 @@ void CpuPlan::forward_pass(const ForwardArgs& args, const TensorView* dout,
   const Kernels& kernel = kernels();
   const TapeInputs inputs{p.desc().params, args.tensors};
 
+  const std::optional<KvCacheDesc>& cache = p.kv_cache();
+  CacheRun cache_run;
+  for (std::int64_t b = 0; cache && b < p.batch(); ++b) {
+    const std::int64_t length = static_cast<const std::int32_t*>(args.cache_lens.data)[b];
+    const std::int64_t offset = length == 0 ? 0 : length - p.seq_len_q_of(b);
+    cache_run.lengths.push_back(length);
+    cache_run.offsets.push_back(offset);
+    cache_run.grids.push_back(classify_cache_tiles(p, low.mask_mod, low.keep_all, tiles_, b,
+                                                   p.seq_len_q_of(b), length, offset));
+  }
+  const auto grid_of = [&](std::int64_t b) -> const TileGrid& {
+    return cache ? cache_run.grids[to_size(b)] : grid(b);
+  };
+
   // Tasks: (batch, query tile) pairs times heads, heads innermost so neighbouring tasks of a
   // GQA group read the same K and V.
   std::vector<std::pair<std::int64_t, std::int64_t>> query_tiles;
   for (std::int64_t b = 0; b < p.batch(); ++b) {
-    for (std::int64_t qt = 0; qt < grid(b).query_tiles; ++qt) query_tiles.emplace_back(b, qt);
+    for (std::int64_t qt = 0; qt < grid_of(b).query_tiles; ++qt) query_tiles.emplace_back(b, qt);
   }
   float* lse = static_cast<float*>(args.lse.data);
   const bool with_output = !args.out.empty();
   // V is the data of the only product that skips zero weights (O^T += V^T P^T).
-  const FiniteTiles finite_v(p, false, block_k);
+  const FiniteTiles finite_v = cache ? FiniteTiles(cache_run.lengths, p.heads_kv(), block_k)
+                                     : FiniteTiles(p, false, block_k);
 
   const auto make_state = [&] {
     ForwardState s;
@@ -84,15 +122,17 @@ void CpuPlan::forward_pass(const ForwardArgs& args, const TensorView* dout,
   const auto task = [&](std::int64_t index, ForwardState& s) {
     const auto [b, qt] = query_tiles[to_size(index / heads)];
     const std::int64_t h = index % heads, h_kv = h / group;
-    const std::int64_t q_len = p.seq_len_q_of(b), kv_len = p.seq_len_kv_of(b);
+    const std::int64_t q_len = p.seq_len_q_of(b);
+    const std::int64_t kv_len = cache ? cache_run.lengths[to_size(b)] : p.seq_len_kv_of(b);
+    const std::int64_t q_offset = cache ? cache_run.offsets[to_size(b)] : 0;
     const std::int64_t q0 = qt * block_q, nq = std::min(block_q, q_len - q0);
     const std::int64_t lanes = round_up(nq, kVectorWidth);
-    const TileGrid& tile_grid = grid(b);
+    const TileGrid& tile_grid = grid_of(b);
 
     const RowBlock q_block{sequence_rows(p, args.q, true, b, h), q0, nq, dim_qk};
     read_rows_transposed(args.q, q_block, scale, s.queries_t.data(), ld, lanes, s.scratch.data());
-    const SequenceRows k_rows = sequence_rows(p, args.k, false, b, h_kv);
-    const SequenceRows v_rows = sequence_rows(p, args.v, false, b, h_kv);
+    const SequenceRows k_rows = cache ? SequenceRows{} : sequence_rows(p, args.k, false, b, h_kv);
+    const SequenceRows v_rows = cache ? SequenceRows{} : sequence_rows(p, args.v, false, b, h_kv);
     std::fill_n(s.row_max.begin(), lanes, kNegativeInfinity);
     std::fill_n(s.row_sum.begin(), lanes, 0.0f);
     std::fill_n(s.row_delta.begin(), lanes, 0.0f);
@@ -105,19 +145,24 @@ void CpuPlan::forward_pass(const ForwardArgs& args, const TensorView* dout,
     }
     if (s.score_runner) {
       s.score_runner->set_head(b, h, q_len, kv_len);
-      s.score_runner->set_queries(q0, nq);
+      s.score_runner->set_queries(q0, nq, q_offset);
     }
     if (s.mask_runner) {
       s.mask_runner->set_head(b, h, q_len, kv_len);
-      s.mask_runner->set_queries(q0, nq);
+      s.mask_runner->set_queries(q0, nq, q_offset);
     }
 
     for (std::int64_t kt = 0; kt < tile_grid.key_tiles; ++kt) {
       const TileClass tile_class = tile_grid.at(qt, kt);
       if (tile_class == TileClass::kAllFalse) continue;  // proven fully masked: skipped
       const std::int64_t k0 = kt * block_k, nk = std::min(block_k, kv_len - k0);
-      const RowsView keys = float_rows(args.k, {k_rows, k0, nk, dim_qk}, s.keys.data());
-      const RowsView values = float_rows(args.v, {v_rows, k0, nk, dim_v}, s.values.data());
+      const RowsView keys =
+          cache ? cache_rows(args.k, args.page_table, *cache, b, h_kv, k0, nk, dim_qk, s.keys.data())
+                : float_rows(args.k, {k_rows, k0, nk, dim_qk}, s.keys.data());
+      const RowsView values =
+          cache ? cache_rows(args.v, args.page_table, *cache, b, h_kv, k0, nk, dim_v,
+                             s.values.data())
+                : float_rows(args.v, {v_rows, k0, nk, dim_v}, s.values.data());
       float* scores = s.scores.data();  // (nk, lanes) of (block_k, ld): S^T
       float* probs = s.probs.data();    // S'^T, then P^T
 

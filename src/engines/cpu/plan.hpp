@@ -108,6 +108,11 @@ class CpuPlan final : public Plan {
 // Classifies every tile of every batch entry (one grid when they all agree by construction).
 std::vector<TileGrid> classify_tiles(const Problem& problem, const Graph& mask, bool keep_all,
                                      const TileSizes& tiles);
+// The grid of one KV cache sequence of a run: q_len queries at positions [q_offset, q_offset +
+// q_len) against kv_len cached keys.
+TileGrid classify_cache_tiles(const Problem& problem, const Graph& mask, bool keep_all,
+                              const TileSizes& tiles, std::int64_t b, std::int64_t q_len,
+                              std::int64_t kv_len, std::int64_t q_offset);
 
 // Runs body(i, state) for i in [0, count) on OpenMP threads with one `State` per thread (from
 // make_state()). Iterations must write disjoint memory. An exception never leaves the parallel

@@ -38,6 +38,18 @@ FiniteTiles::FiniteTiles(const Problem& problem, bool query_side, std::int64_t b
   states_ = std::vector<std::atomic<std::uint8_t>>(to_size(entries));
 }
 
+FiniteTiles::FiniteTiles(const std::vector<std::int64_t>& lengths, std::int64_t heads,
+                         std::int64_t block)
+    : heads_(heads) {
+  std::int64_t entries = 0;
+  for (const std::int64_t length : lengths) {
+    tiles_.push_back(ceil_div(length, block));
+    first_.push_back(entries);
+    entries += heads_ * tiles_.back();
+  }
+  states_ = std::vector<std::atomic<std::uint8_t>>(to_size(entries));
+}
+
 bool FiniteTiles::at(std::int64_t batch, std::int64_t head, std::int64_t tile, const float* rows,
                      std::int64_t ld, std::int64_t count, std::int64_t columns) const {
   const std::size_t b = to_size(batch);

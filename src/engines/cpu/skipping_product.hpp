@@ -46,6 +46,8 @@ class FiniteTiles {
   // query_side: tiles of query positions, with heads_q heads; else of key positions, with
   // heads_kv.
   FiniteTiles(const Problem& problem, bool query_side, std::int64_t block);
+  // Key-side tiles of sequences of these lengths (a KV cache's run), with `heads` heads.
+  FiniteTiles(const std::vector<std::int64_t>& lengths, std::int64_t heads, std::int64_t block);
   // Whether tile `tile` (rows [tile * block, ...)) of the (batch, head) sequence holds no NaN and
   // no infinity. `rows` is its float32 copy, `count` rows of `columns` floats `ld` apart, scanned
   // only if no task has asked before. Safe from any thread.

@@ -102,7 +102,8 @@ class TapeRunner {
   // Lane i is query first + i; lanes at or past the sequence end repeat its last query, so every
   // index a load computes stays inside the ranges the problem's load analysis proved. Evaluates
   // the second group of instructions.
-  void set_queries(std::int64_t first, std::int64_t count);
+  // `position_offset` is added to every query index (a KV cache's queries sit at its end).
+  void set_queries(std::int64_t first, std::int64_t count, std::int64_t position_offset = 0);
   // Evaluates the tape for one key against the queries. `score` has lanes() values (unused when
   // the tape does not read the score). Float output i is written to destinations[i] (lanes()
   // values) when that pointer is not null; an output the row computes is written there directly.

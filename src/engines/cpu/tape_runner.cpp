@@ -122,14 +122,15 @@ void TapeRunner::set_head(std::int64_t batch, std::int64_t head, std::int64_t qu
   execute_range(0, tape_->head_end());
 }
 
-void TapeRunner::set_queries(std::int64_t first, std::int64_t count) {
+void TapeRunner::set_queries(std::int64_t first, std::int64_t count,
+                             std::int64_t position_offset) {
   lanes_ = std::min(width_, (count + kVectorWidth - 1) / kVectorWidth * kVectorWidth);
   const Slot slot = tape_->leaf(Op::kQuery);
   if (slot.index >= 0) {
     std::int32_t* lanes = write_ints_[to_index(slot)];  // (width,)
     const std::int64_t last = std::min(first + count, query_length_) - 1;
     for (std::int64_t i = 0; i < width_; ++i) {
-      lanes[i] = static_cast<std::int32_t>(std::min(first + i, last));
+      lanes[i] = static_cast<std::int32_t>(position_offset + std::min(first + i, last));
     }
   }
   execute_range(tape_->head_end(), tape_->query_end());
