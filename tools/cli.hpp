@@ -34,6 +34,10 @@ struct ProblemFlags {
   std::vector<std::string> params;     // NAME=VALUE
   std::vector<std::string> tensors;    // NAME=FILE.npy
   std::vector<std::int64_t> cu_seqlens_q, cu_seqlens_kv;
+  // A paged KV cache (--page-size): its capacity is --seq-len-kv rounded up to whole pages.
+  std::int64_t page_size = 0, pages = 0;
+  std::vector<std::int64_t> cache_lens;  // default: --seq-len-kv tokens in every sequence
+  std::string page_table_file;           // default: each sequence its own pages, shuffled
   std::string q_file, k_file, v_file;
   std::string engine = "auto";
   bool backward = false;
@@ -55,6 +59,9 @@ struct Setup {
   ProblemDesc desc;
   std::optional<HostTensor> q, k, v;          // from files, in the problem's dtype
   std::map<std::string, HostTensor> tensors;  // every declared tensor, from a file or catalogue
+  std::optional<HostTensor> page_table;       // a KV cache's, from --page-table
+  std::vector<std::int64_t> cache_lens;       // a KV cache's, one per sequence
+  std::int64_t pool_pages = 0;                // a KV cache's pages in the --k/--v files
 };
 
 Problem problem_on(const ProblemDesc& desc, Device device);
@@ -89,6 +96,7 @@ struct Outputs {
 struct Inputs {
   HostTensor q, k, v, dout;
   std::map<std::string, HostTensor> tensors;
+  HostTensor page_table, cache_lens;  // a KV cache problem's (int32)
 };
 
 // The setup's data (moved out of it) plus seeded N(0, 1) values for whatever the files did not

@@ -92,10 +92,12 @@ void check_flag_combinations(const ProblemFlags& problem, const RunFlags& flags)
   for (const std::string& assignment : flags.dtensor_files) {
     outputs.emplace_back("--dtensor", split_assignment(assignment, "--dtensor").second);
   }
-  std::vector<std::pair<std::string, std::string>> inputs = {{"--q", problem.q_file},
-                                                             {"--k", problem.k_file},
-                                                             {"--v", problem.v_file},
-                                                             {"--dout", flags.dout_file}};
+  std::vector<std::pair<std::string, std::string>> inputs = {
+      {"--q", problem.q_file},
+      {"--k", problem.k_file},
+      {"--v", problem.v_file},
+      {"--dout", flags.dout_file},
+      {"--page-table", problem.page_table_file}};
   for (const std::string& assignment : problem.tensors) {
     inputs.emplace_back("--tensor", split_assignment(assignment, "--tensor").second);
   }
@@ -119,6 +121,10 @@ std::vector<conformance::OutputCheck> check_outputs(const Problem& problem, cons
                       plain.out.view(), plain.lse.view(), {},
                       nullptr};
   for (const auto& [name, tensor] : inputs.tensors) forward.tensors[name] = tensor.view();
+  if (problem.kv_cache()) {
+    forward.page_table = inputs.page_table.view();
+    forward.cache_lens = inputs.cache_lens.view();
+  }
   conformance::plain_forward(plain_problem, forward);
   if (problem.wants_backward()) {
     plain.dq = HostTensor(dtype, inputs.q.shape());
@@ -155,6 +161,27 @@ std::vector<conformance::OutputCheck> check_outputs(const Problem& problem, cons
                                                  storage ? dtype : stats_dtype));
   }
   return checks;
+}
+
+// A KV cache run's work: the K and V bytes its sequences hold (what a decoding step must read) and
+// the FLOPs of every cached (query, key) pair (the mask is not estimated).
+struct CacheWork {
+  bool paged = false;
+  double kv_bytes = 0, flops = 0;
+};
+CacheWork cache_work(const Problem& problem, const Inputs& inputs) {
+  CacheWork work;
+  if (!problem.kv_cache()) return work;
+  work.paged = true;
+  const double element = static_cast<double>(size_of(problem.dtype()));
+  const auto dims = static_cast<double>(problem.head_dim_qk() + problem.head_dim_v());
+  for (std::int64_t b = 0; b < problem.batch(); ++b) {
+    const double length = inputs.cache_lens.at(b);
+    work.kv_bytes += length * static_cast<double>(problem.heads_kv()) * dims * element;
+    work.flops += 2.0 * dims * length * static_cast<double>(problem.seq_len_q_of(b)) *
+                  static_cast<double>(problem.heads_q());
+  }
+  return work;
 }
 
 }  // namespace
@@ -224,9 +251,11 @@ int run_command(const ProblemFlags& problem_flags, const RunFlags& flags) {
     return kExitCheckFailed;
   };
 
-  const double kept = kept_fraction(problem);
+  const double kept = problem.kv_cache() ? 1.0 : kept_fraction(problem);
   const double seconds = outputs.forward_seconds + outputs.backward_seconds;
-  const double gflops = attention_flops(problem, kept) * kFlopsToGiga / seconds;
+  const CacheWork cache = cache_work(problem, inputs);
+  const double gflops =
+      (cache.paged ? cache.flops : attention_flops(problem, kept)) * kFlopsToGiga / seconds;
   const PlanInfo& info = selection.plan->info();
   std::vector<std::pair<std::string, double>> errors;
   double worst = 0.0;
@@ -249,7 +278,11 @@ int run_command(const ProblemFlags& problem_flags, const RunFlags& flags) {
       summary["backward_ms"] = outputs.backward_seconds * kSecondsToMilliseconds;
     }
     summary["gflops"] = gflops;
-    summary["kept_fraction"] = kept;
+    if (cache.paged) {
+      summary["kv_cache_gb_per_s"] = cache.kv_bytes * kFlopsToGiga / seconds;
+    } else {
+      summary["kept_fraction"] = kept;
+    }
     if (reference) {
       nlohmann::ordered_json by_output = nlohmann::ordered_json::object();
       for (const auto& [name, error] : errors) by_output[name] = error;
@@ -268,7 +301,13 @@ int run_command(const ProblemFlags& problem_flags, const RunFlags& flags) {
   if (problem.wants_backward()) {
     fmt::print("backward  {:.3f} ms\n", outputs.backward_seconds * kSecondsToMilliseconds);
   }
-  fmt::print("rate      {:.2f} GFLOP/s ({:.0f}% of (q, kv) pairs kept)\n", gflops, 100.0 * kept);
+  if (cache.paged) {
+    fmt::print("rate      {:.2f} GB/s of cached K and V read ({:.2f} GFLOP/s over every cached (q, "
+               "kv) pair)\n",
+               cache.kv_bytes * kFlopsToGiga / seconds, gflops);
+  } else {
+    fmt::print("rate      {:.2f} GFLOP/s ({:.0f}% of (q, kv) pairs kept)\n", gflops, 100.0 * kept);
+  }
   if (reference) {
     std::vector<std::string> parts;
     for (const auto& [name, error] : errors) parts.push_back(fmt::format("{} {:.3g}", name, error));

@@ -6,6 +6,8 @@
 #include <chrono>
 #include <cmath>
 #include <filesystem>
+#include <numeric>
+#include <random>
 #include <set>
 
 #include "cli.hpp"
@@ -172,6 +174,24 @@ Inputs make_inputs(const Problem& problem, Setup& setup, std::uint64_t seed,
     }
   }
   inputs.tensors = std::move(setup.tensors);
+  if (problem.kv_cache()) {
+    const KvCacheDesc& cache = *problem.kv_cache();
+    inputs.cache_lens = HostTensor(DType::kI32, problem.expected("cache_lens").shape);
+    for (std::int64_t b = 0; b < problem.batch(); ++b) {
+      inputs.cache_lens.set(b, static_cast<double>(setup.cache_lens[static_cast<std::size_t>(b)]));
+    }
+    if (setup.page_table) {
+      inputs.page_table = std::move(*setup.page_table);
+    } else {  // every sequence its own pages, in a seeded random order
+      inputs.page_table = HostTensor(DType::kI32, problem.expected("page_table").shape);
+      std::vector<std::int32_t> order(static_cast<std::size_t>(cache.pages));
+      std::iota(order.begin(), order.end(), 0);
+      std::shuffle(order.begin(), order.end(), std::mt19937_64(seed));
+      for (std::int64_t i = 0; i < inputs.page_table.numel(); ++i) {
+        inputs.page_table.set(i, order[static_cast<std::size_t>(i % cache.pages)]);
+      }
+    }
+  }
   return inputs;
 }
 
@@ -190,6 +210,10 @@ Outputs run_plan(const Selection& selection, const Inputs& inputs, int repeat) {
   forward.out = staging.output(outputs.out);
   forward.lse = staging.output(outputs.lse);
   for (const auto& [name, tensor] : inputs.tensors) forward.tensors[name] = staging.input(tensor);
+  if (problem.kv_cache()) {
+    forward.page_table = staging.input(inputs.page_table);
+    forward.cache_lens = staging.input(inputs.cache_lens);
+  }
 
   const auto median_seconds = [&](const auto& body) {
     std::vector<double> times;
@@ -252,6 +276,10 @@ Outputs run_reference(const Problem& problem, const Inputs& inputs) {
   if (problem.wants_backward()) converted.dout = inputs.dout.to(DType::kF64);
   for (const auto& [name, tensor] : inputs.tensors) {
     converted.tensors.emplace(name, tensor.to(tensor.dtype()));
+  }
+  if (problem.kv_cache()) {
+    converted.page_table = inputs.page_table.to(DType::kI32);
+    converted.cache_lens = inputs.cache_lens.to(DType::kI32);
   }
   Selection selection{reference_problem, reference->plan(reference_problem), reference};
   return run_plan(selection, converted, 1);

@@ -156,19 +156,31 @@ double parse_number(const std::string& text, const std::string& flag, const std:
   return value;
 }
 
-// Reads the three input files (all or none) into `setup` and sets the sizes they imply.
+// Reads the three input files (all or none) into `setup` and sets the sizes they imply. With a
+// KV cache (--page-size), --k and --v are pools (pages, page_size, heads_kv, head_dim).
 void read_inputs(const ProblemFlags& flags, ProblemDesc& desc, Setup& setup) {
   const int given = !flags.q_file.empty() + !flags.k_file.empty() + !flags.v_file.empty();
   if (given == 0) return;
   if (given != 3) throw_invalid("--q, --k and --v must be given together");
   HostTensor q = read_npy(flags.q_file), k = read_npy(flags.k_file), v = read_npy(flags.v_file);
+  const bool pool = flags.page_size > 0;
+  const Layout kv_layout = pool ? Layout::kBSHD : desc.layout;  // a pool reads like bshd
   const FileDims dq = dims_of(q, desc.layout, "--q", flags.q_file);
-  const FileDims dk = dims_of(k, desc.layout, "--k", flags.k_file);
-  const FileDims dv = dims_of(v, desc.layout, "--v", flags.v_file);
-  same(dq.batch, dk.batch, "batch", "--q", "--k");
-  same(dk.batch, dv.batch, "batch", "--k", "--v");
+  const FileDims dk = dims_of(k, kv_layout, "--k", flags.k_file);
+  const FileDims dv = dims_of(v, kv_layout, "--v", flags.v_file);
+  if (pool) {
+    same(dk.batch, dv.batch, "pages", "--k", "--v");
+    same(dk.seq_len, dv.seq_len, "page_size", "--k", "--v");
+    same(dk.seq_len, flags.page_size, "page_size", "--k", "--page-size");
+    if (flags.pages != 0) same(dk.batch, flags.pages, "pages", "--k", "--pages");
+    setup.pool_pages = dk.batch;
+  } else {
+    same(dq.batch, dk.batch, "batch", "--q", "--k");
+    same(dk.batch, dv.batch, "batch", "--k", "--v");
+    same(dk.seq_len, dv.seq_len, desc.layout == Layout::kTHD ? "tokens" : "seq_len", "--k",
+         "--v");
+  }
   same(dq.head_dim, dk.head_dim, "head_dim", "--q", "--k");
-  same(dk.seq_len, dv.seq_len, desc.layout == Layout::kTHD ? "tokens" : "seq_len", "--k", "--v");
   same(dk.heads, dv.heads, "heads", "--k", "--v");
   agree(desc.heads_q, dq.heads, "--heads-q", "heads", "--q");
   agree(desc.heads_kv, dk.heads, "--heads-kv", "heads", "--k");
@@ -178,7 +190,7 @@ void read_inputs(const ProblemFlags& flags, ProblemDesc& desc, Setup& setup) {
     // Sequences come from --cu-seqlens-q/kv, or are batch equal-length sequences.
     if (desc.cu_seqlens_q.empty()) {
       const std::int64_t batch = desc.batch == 0 ? kDefaultBatch : desc.batch;
-      if (dq.seq_len % batch != 0 || dk.seq_len % batch != 0) {
+      if (dq.seq_len % batch != 0 || (!pool && dk.seq_len % batch != 0)) {
         throw_invalid(fmt::format(
             "thd: {} query and {} key tokens do not split into {} equal sequences; give "
             "--cu-seqlens-q/--cu-seqlens-kv",
@@ -186,16 +198,18 @@ void read_inputs(const ProblemFlags& flags, ProblemDesc& desc, Setup& setup) {
       }
       desc.batch = batch;
       desc.cu_seqlens_q = uniform_offsets(batch, dq.seq_len / batch);
-      desc.cu_seqlens_kv = uniform_offsets(batch, dk.seq_len / batch);
+      if (!pool) desc.cu_seqlens_kv = uniform_offsets(batch, dk.seq_len / batch);
     }
-    const std::vector<std::int64_t>& cu_kv =
-        desc.cu_seqlens_kv.empty() ? desc.cu_seqlens_q : desc.cu_seqlens_kv;
     same(dq.seq_len, desc.cu_seqlens_q.back(), "tokens", "--q", "--cu-seqlens-q (last offset)");
-    same(dk.seq_len, cu_kv.back(), "tokens", "--k", "--cu-seqlens-kv (last offset)");
+    if (!pool) {
+      const std::vector<std::int64_t>& cu_kv =
+          desc.cu_seqlens_kv.empty() ? desc.cu_seqlens_q : desc.cu_seqlens_kv;
+      same(dk.seq_len, cu_kv.back(), "tokens", "--k", "--cu-seqlens-kv (last offset)");
+    }
   } else {
     agree(desc.batch, dq.batch, "--batch", "batch", "--q");
     agree(desc.seq_len_q, dq.seq_len, "--seq-len-q", "seq_len", "--q");
-    agree(desc.seq_len_kv, dk.seq_len, "--seq-len-kv", "seq_len", "--k");
+    if (!pool) agree(desc.seq_len_kv, dk.seq_len, "--seq-len-kv", "seq_len", "--k");
   }
   if (flags.dtype.empty()) desc.dtype = q.dtype();
   setup.q = q.to(desc.dtype);
@@ -203,7 +217,64 @@ void read_inputs(const ProblemFlags& flags, ProblemDesc& desc, Setup& setup) {
   setup.v = v.to(desc.dtype);
 }
 
-void apply_defaults(ProblemDesc& desc) {
+// A KV cache from --page-size, --pages, --cache-lens and --page-table: the capacity is
+// --seq-len-kv (default: the longest --cache-lens, else the query length) in whole pages; every
+// sequence holds --cache-lens tokens (default --seq-len-kv); the pool has --pages pages (default
+// one set per sequence).
+void apply_kv_cache(const ProblemFlags& flags, ProblemDesc& desc, Setup& setup) {
+  if (flags.page_size == 0) {
+    for (const auto& [flag, used] : {std::pair{"--pages", flags.pages != 0},
+                                     std::pair{"--cache-lens", !flags.cache_lens.empty()},
+                                     std::pair{"--page-table", !flags.page_table_file.empty()}}) {
+      if (used) throw_invalid(fmt::format("{} needs --page-size (a paged KV cache)", flag));
+    }
+    return;
+  }
+  if (!flags.cache_lens.empty() &&
+      static_cast<std::int64_t>(flags.cache_lens.size()) != desc.batch) {
+    throw_invalid(fmt::format("--cache-lens has {} values; the batch has {} sequences",
+                              flags.cache_lens.size(), desc.batch));
+  }
+  std::int64_t longest_q = desc.seq_len_q;
+  if (desc.layout == Layout::kTHD && desc.cu_seqlens_q.size() > 1) {
+    for (std::size_t i = 1; i < desc.cu_seqlens_q.size(); ++i) {
+      longest_q = std::max(longest_q, desc.cu_seqlens_q[i] - desc.cu_seqlens_q[i - 1]);
+    }
+  }
+  std::int64_t length = desc.seq_len_kv;
+  if (length == 0 && !flags.cache_lens.empty()) {
+    length = *std::max_element(flags.cache_lens.begin(), flags.cache_lens.end());
+  }
+  if (length <= 0) length = longest_q;
+  const std::int64_t max_pages = (length + flags.page_size - 1) / flags.page_size;
+  std::int64_t pages = setup.pool_pages != 0 ? setup.pool_pages : flags.pages;
+  if (pages == 0) {
+    if (max_pages > std::numeric_limits<std::int64_t>::max() / desc.batch) {
+      throw_invalid(fmt::format("--seq-len-kv {} in pages of {} for {} sequences is too many pages",
+                                length, flags.page_size, desc.batch));
+    }
+    pages = desc.batch * max_pages;
+  }
+  desc.kv_cache = KvCacheDesc{pages, flags.page_size, max_pages};
+  desc.seq_len_kv = 0;  // the capacity
+  setup.cache_lens = flags.cache_lens.empty()
+                         ? std::vector<std::int64_t>(static_cast<std::size_t>(desc.batch), length)
+                         : flags.cache_lens;
+  if (!flags.page_table_file.empty()) {
+    HostTensor table = read_npy(flags.page_table_file);
+    const std::vector<std::int64_t> expected{desc.batch, max_pages};
+    if (table.dtype() != DType::kI32 || table.shape() != expected) {
+      throw_invalid(fmt::format("--page-table '{}': expected int32 (batch, max_pages) = [{}, {}], "
+                                "got {}",
+                                flags.page_table_file, desc.batch, max_pages,
+                                table.view().describe()));
+    }
+    setup.page_table = std::move(table);
+  }
+}
+
+// `paged`: a KV cache, whose lengths are no offsets.
+void apply_defaults(ProblemDesc& desc, bool paged) {
   if (desc.batch == 0) desc.batch = kDefaultBatch;
   if (desc.heads_q == 0) desc.heads_q = desc.heads_kv != 0 ? desc.heads_kv : kDefaultHeads;
   if (desc.head_dim_qk == 0) desc.head_dim_qk = kDefaultHeadDim;
@@ -213,7 +284,7 @@ void apply_defaults(ProblemDesc& desc) {
       const std::int64_t q_len = desc.seq_len_q == 0 ? kDefaultSeqLen : desc.seq_len_q;
       const std::int64_t kv_len = desc.seq_len_kv == 0 ? q_len : desc.seq_len_kv;
       desc.cu_seqlens_q = uniform_offsets(desc.batch, q_len);
-      desc.cu_seqlens_kv = uniform_offsets(desc.batch, kv_len);
+      if (!paged) desc.cu_seqlens_kv = uniform_offsets(desc.batch, kv_len);
     }
   } else if (desc.seq_len_q == 0) {
     desc.seq_len_q = kDefaultSeqLen;
@@ -294,6 +365,19 @@ void add_problem_flags(CLI::App& app, ProblemFlags& flags) {
   app.add_option("--cu-seqlens-kv", flags.cu_seqlens_kv, "thd: key offsets (default: query's)")
       ->delimiter(',')
       ->transform(kInt64);
+  app.add_option("--page-size", flags.page_size,
+                 "K and V as a paged KV cache of pages of this many tokens; capacity "
+                 "--seq-len-kv; queries are the last tokens of each sequence (bshd or thd)")
+      ->transform(kPositiveSize);
+  app.add_option("--pages", flags.pages, "KV cache: pages in the pool (default: every sequence its own)")
+      ->transform(kPositiveSize);
+  app.add_option("--cache-lens", flags.cache_lens,
+                 "KV cache: tokens in each sequence, batch values (default --seq-len-kv each)")
+      ->delimiter(',')
+      ->transform(kInt64);
+  app.add_option("--page-table", flags.page_table_file,
+                 "KV cache: int32 (batch, max_pages) .npy of page ids (default: shuffled pages)")
+      ->check(kNotEmpty);
   app.add_option("--q", flags.q_file, "queries .npy in the layout (gives the shapes)")
       ->check(kNotEmpty);
   app.add_option("--k", flags.k_file, "keys .npy in the layout")->check(kNotEmpty);
@@ -337,7 +421,8 @@ Setup build_setup(const ProblemFlags& flags) {
     desc.batch = static_cast<std::int64_t>(desc.cu_seqlens_q.size()) - 1;
   }
   read_inputs(flags, desc, setup);
-  apply_defaults(desc);
+  apply_defaults(desc, flags.page_size > 0);
+  apply_kv_cache(flags, desc, setup);
 
   for (const std::string& assignment : flags.params) {
     const auto [name, value] = split_assignment(assignment, "--param");

@@ -79,7 +79,7 @@ class PlainAttention {
     const std::int64_t group = problem_.heads_q() / problem_.heads_kv();
     const std::int64_t h_kv = h / group;
     const std::int64_t q_len = problem_.seq_len_q_of(b);
-    const std::int64_t kv_len = problem_.seq_len_kv_of(b);
+    const std::int64_t kv_len = key_length(in, b);
     row.score.assign(static_cast<std::size_t>(kv_len), kNegativeInfinity);
     row.raw.assign(static_cast<std::size_t>(kv_len), 0.0f);
     row.prob.assign(static_cast<std::size_t>(kv_len), 0.0f);
@@ -87,7 +87,7 @@ class PlainAttention {
     EvalPoint point;
     point.batch = b;
     point.head = h;
-    point.query = position;
+    point.query = query_offset(in, b) + position;
     point.query_length = q_len;
     point.key_length = kv_len;
     float row_max = kNegativeInfinity;
@@ -97,7 +97,7 @@ class PlainAttention {
       float dot = 0.0f;
       for (std::int64_t d = 0; d < problem_.head_dim_qk(); ++d) {
         dot += static_cast<float>(in.q.load(index_.offset(in.q, true, b, h, position, d))) *
-               static_cast<float>(in.k.load(index_.offset(in.k, false, b, h_kv, kv, d)));
+               static_cast<float>(in.k.load(key_offset(in, in.k, b, h_kv, kv, d)));
       }
       const float raw = scale * dot;
       point.score = raw;
@@ -142,8 +142,8 @@ class PlainAttention {
           if (p == 0.0f) continue;
           for (std::int64_t d = 0; d < dv; ++d) {
             acc[static_cast<std::size_t>(d)] +=
-                p * static_cast<float>(args.v.load(index_.offset(
-                        args.v, false, b, h / group, static_cast<std::int64_t>(kv), d)));
+                p * static_cast<float>(args.v.load(
+                        key_offset(args, args.v, b, h / group, static_cast<std::int64_t>(kv), d)));
           }
         }
         for (std::int64_t d = 0; d < dv; ++d) {
@@ -159,6 +159,24 @@ class PlainAttention {
   void backward(const BackwardArgs& args, bool magnitudes) const;
 
  private:
+  // A KV cache's run: sequence b's length from cache_lens, its queries at the cache's end, its
+  // keys through the page table.
+  std::int64_t key_length(const ForwardArgs& in, std::int64_t b) const {
+    return problem_.kv_cache() ? in.cache_lens.load_index(b) : problem_.seq_len_kv_of(b);
+  }
+  std::int64_t query_offset(const ForwardArgs& in, std::int64_t b) const {
+    const std::int64_t length = problem_.kv_cache() ? in.cache_lens.load_index(b) : 0;
+    return length == 0 ? 0 : length - problem_.seq_len_q_of(b);
+  }
+  std::int64_t key_offset(const ForwardArgs& in, const TensorView& view, std::int64_t b,
+                          std::int64_t h_kv, std::int64_t kv, std::int64_t d) const {
+    if (!problem_.kv_cache()) return index_.offset(view, false, b, h_kv, kv, d);
+    const KvCacheDesc& cache = *problem_.kv_cache();
+    const std::int64_t page = in.page_table.load_index(b * cache.max_pages + kv / cache.page_size);
+    const std::vector<std::int64_t>& st = view.strides;
+    return page * st[0] + (kv % cache.page_size) * st[1] + h_kv * st[2] + d * st[3];
+  }
+
   const Problem& problem_;
   LayoutIndex index_;
   Bindings bindings_;

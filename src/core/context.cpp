@@ -188,6 +188,10 @@ std::string problem_summary(const Problem& problem) {
                   to_string(problem.dtype()), to_string(problem.device()), problem.batch(),
                   problem.heads_q(), problem.heads_kv(), problem.seq_len_q(), problem.seq_len_kv(),
                   problem.head_dim_qk(), problem.head_dim_v());
+  if (const auto& cache = problem.kv_cache()) {
+    summary += fmt::format(", paged KV cache of {} pages of {} tokens, {} per sequence",
+                           cache->pages, cache->page_size, cache->max_pages);
+  }
   if (!problem.score_mod().is_identity_score()) {
     summary += fmt::format(", score_mod {}", problem.score_mod().to_string());
   }

@@ -259,6 +259,107 @@ TEST_F(Cli, RunThdWithOffsets) {
   EXPECT_LE(summary.at("check").at("max_error").get<double>(), kFloat32Tolerance);
 }
 
+TEST_F(Cli, RunPagedKvCacheDecodeAndChunkedPrefill) {
+  // Decode: one new token per sequence; lengths 1, 57 and the whole capacity.
+  CliResult result = run({"run", "--seq-len-q", "1", "--seq-len-kv", "100", "--page-size", "16",
+                          "--batch", "3", "--heads-q", "4", "--heads-kv", "2", "--cache-lens",
+                          "1,57,100", "--modifier", "softcap_causal", "--check", "--json", "--out",
+                          "out.npy"});
+  ASSERT_EQ(result.exit_code, 0) << result.err;
+  nlohmann::json summary = nlohmann::json::parse(result.out);
+  EXPECT_EQ(summary.at("engine").get<std::string>(), "cpu");
+  EXPECT_TRUE(summary.at("check").at("passed").get<bool>());
+  EXPECT_GT(summary.at("kv_cache_gb_per_s").get<double>(), 0.0);
+  EXPECT_NE(summary.at("problem").get<std::string>().find("paged KV cache of 21 pages of 16"),
+            std::string::npos);
+  EXPECT_EQ(read_npy(path("out.npy")).shape(), (std::vector<std::int64_t>{3, 1, 4, 64}));
+  // Chunked prefill: 5 new tokens against 40 cached, and an empty slot.
+  result = run({"run", "--layout", "thd", "--cu-seqlens-q", "0,5,6", "--seq-len-kv", "64",
+                "--page-size", "8", "--cache-lens", "40,0", "--mask-mod", "q >= kv", "--check",
+                "--json", "--lse", "lse.npy"});
+  ASSERT_EQ(result.exit_code, 0) << result.err;
+  summary = nlohmann::json::parse(result.out);
+  EXPECT_TRUE(summary.at("check").at("passed").get<bool>());
+  const HostTensor lse = read_npy(path("lse.npy"));
+  EXPECT_TRUE(std::isfinite(lse.at(0)));
+  EXPECT_EQ(lse.at(5), -std::numeric_limits<double>::infinity());  // head 0, the empty slot
+}
+
+TEST_F(Cli, RunPagedKvCacheFromFiles) {
+  // Two sequences in pages of 4: sequence 0 in pool pages 2, 0; sequence 1 in page 1.
+  HostTensor q(DType::kF32, {2, 2, 2, 8}), k(DType::kF32, {3, 4, 1, 8}), v(DType::kF32, {3, 4, 1, 8});
+  q.fill_normal(1);
+  k.fill_normal(2);
+  v.fill_normal(3);
+  HostTensor table(DType::kI32, {2, 2});
+  table.set(0, 2), table.set(1, 0), table.set(2, 1), table.set(3, 1);
+  write_npy(path("q.npy"), q);
+  write_npy(path("k.npy"), k);
+  write_npy(path("v.npy"), v);
+  write_npy(path("table.npy"), table);
+  const std::vector<std::string> common = {"run",          "--q",         "q.npy",   "--k",
+                                           "k.npy",        "--v",         "v.npy",   "--page-size",
+                                           "4",            "--seq-len-kv", "8",       "--page-table",
+                                           "table.npy",    "--cache-lens", "7,3",     "--mask-mod",
+                                           "q >= kv"};
+  std::vector<std::string> args = common;
+  args.insert(args.end(), {"--engine", "cpu_ref", "--out", "ref.npy"});
+  CliResult result = run(args);
+  ASSERT_EQ(result.exit_code, 0) << result.err;
+  args = common;
+  args.insert(args.end(), {"--engine", "cpu", "--out", "out.npy", "--check"});
+  result = run(args);
+  ASSERT_EQ(result.exit_code, 0) << result.err;
+  // Row 1 of sequence 1 (position 2 of 3 cached tokens) attends to page 1's slots 0..2 only;
+  // by hand, in float64.
+  const HostTensor ref = read_npy(path("ref.npy"));
+  for (std::int64_t h = 0; h < 2; ++h) {
+    std::vector<double> scores;
+    double largest = -1e300;
+    for (std::int64_t kv = 0; kv < 3; ++kv) {
+      double dot = 0;
+      for (std::int64_t d = 0; d < 8; ++d) {
+        dot += q.at(((1 * 2 + 1) * 2 + h) * 8 + d) * k.at((1 * 4 + kv) * 8 + d);
+      }
+      scores.push_back(dot / std::sqrt(8.0));
+      largest = std::max(largest, scores.back());
+    }
+    double sum = 0;
+    for (double& score : scores) sum += (score = std::exp(score - largest));
+    for (std::int64_t d = 0; d < 8; ++d) {
+      double expected = 0;
+      for (std::int64_t kv = 0; kv < 3; ++kv) expected += scores[kv] / sum * v.at((4 + kv) * 8 + d);
+      EXPECT_NEAR(ref.at(((1 * 2 + 1) * 2 + h) * 8 + d), expected, 1e-6);
+    }
+  }
+  EXPECT_TRUE(test::within_tolerance(read_npy(path("out.npy")), ref, kFloat32Tolerance));
+}
+
+TEST_F(Cli, RunPagedKvCacheRefusesBadCaches) {
+  expect_failure(run({"run", "--pages", "4"}), 2, "--pages needs --page-size");
+  expect_failure(run({"run", "--cache-lens", "4"}), 2, "--cache-lens needs --page-size");
+  expect_failure(run({"run", "--page-size", "0"}), 2, "--page-size");
+  expect_failure(run({"run", "--page-size", "16", "--batch", "3", "--cache-lens", "1,2"}), 2,
+                 "--cache-lens has 2 values; the batch has 3 sequences");
+  expect_failure(run({"run", "--page-size", "16", "--seq-len-q", "2", "--seq-len-kv", "100",
+                      "--cache-lens", "200"}),
+                 2, "cache_lens[0] (200) must be 0 or in [2, 112]");
+  expect_failure(run({"run", "--page-size", "16", "--layout", "sbhd"}), 2,
+                 "a KV cache takes queries in layout bshd or thd, not sbhd");
+  expect_failure(run({"run", "--page-size", "16", "--backward"}), 2, "forward only");
+  HostTensor table(DType::kI64, {1, 8});
+  write_npy(path("table.npy"), table);
+  expect_failure(run({"run", "--page-size", "16", "--page-table", "table.npy"}), 2,
+                 "--page-table 'table.npy': expected int32 (batch, max_pages) = [1, 8]",
+                 {"table.npy"});
+  HostTensor outside(DType::kI32, {1, 8});
+  outside.set(3, 8);  // the pool has 8 pages
+  write_npy(path("outside.npy"), outside);
+  expect_failure(run({"run", "--page-size", "16", "--page-table", "outside.npy", "--out", "o.npy"}),
+                 2, "page_table[0, 3] (8) is outside the pool's pages [0, 8)",
+                 {"outside.npy", "table.npy"});
+}
+
 TEST_F(Cli, LogInfoNamesTheSelection) {
   const CliResult result = run({"run", "--seq-len-q", "8"}, {"FLEXATTN_LOG=info"});
   ASSERT_EQ(result.exit_code, 0) << result.err;
