@@ -116,6 +116,15 @@ Outputs run_reference(const Problem& problem, const Inputs& inputs);
 double max_abs_error(const HostTensor& a, const HostTensor& b);
 double max_abs_value(const HostTensor& tensor);
 
+// A KV cache run's work (paged is false for other problems): the K and V bytes its sequences hold
+// (what a decoding step must read) and the FLOPs of every cached (query, key) pair (the mask is
+// not estimated).
+struct CacheWork {
+  bool paged = false;
+  double kv_bytes = 0, flops = 0;
+};
+CacheWork cache_work(const Problem& problem, const Inputs& inputs);
+
 // The fraction of (q, kv) pairs the mask keeps, estimated from the interval analysis over tiles
 // (proven all-true tiles count fully, all-false ones not at all, mixed ones half).
 double kept_fraction(const Problem& problem);

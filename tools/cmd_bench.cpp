@@ -76,9 +76,11 @@ int bench_command(const ProblemFlags& problem_flags, const BenchFlags& flags) {
   const Outputs timed = run_plan(selection, inputs, flags.iters);
   const double sgemm = problem.device() == Device::kCpu ? sgemm_gflops(flags.iters) : 0.0;
 
-  const double kept = kept_fraction(problem);
+  const CacheWork cache = cache_work(problem, inputs);
+  const double kept = cache.paged ? 1.0 : kept_fraction(problem);
   const double forward_flops =
-      attention_flops(problem, kept) / (problem.wants_backward() ? 3.5 : 1.0);
+      cache.paged ? cache.flops
+                  : attention_flops(problem, kept) / (problem.wants_backward() ? 3.5 : 1.0);
   const double forward_gflops = forward_flops / timed.forward_seconds / kGiga;
   const double both_seconds = timed.forward_seconds + timed.backward_seconds;
   const double both_gflops = 3.5 * forward_flops / both_seconds / kGiga;
@@ -91,6 +93,7 @@ int bench_command(const ProblemFlags& problem_flags, const BenchFlags& flags) {
                               {"forward_ms", timed.forward_seconds * kMilli},
                               {"forward_gflops", forward_gflops},
                               {"sgemm_gflops", sgemm}};
+    if (cache.paged) summary["kv_cache_gb_per_s"] = cache.kv_bytes / timed.forward_seconds / kGiga;
     if (problem.wants_backward()) {
       summary["forward_backward_ms"] = both_seconds * kMilli;
       summary["forward_backward_gflops"] = both_gflops;
@@ -107,6 +110,10 @@ int bench_command(const ProblemFlags& problem_flags, const BenchFlags& flags) {
   if (problem.wants_backward()) {
     fmt::print("forward+backward  {:9.3f} ms {:9.1f} GFLOP/s{}\n", both_seconds * kMilli,
                both_gflops, ratio(both_gflops));
+  }
+  if (cache.paged) {
+    fmt::print("cached K and V read at {:.2f} GB/s (FLOPs: every cached (q, kv) pair)\n",
+               cache.kv_bytes / timed.forward_seconds / kGiga);
   }
   if (sgemm > 0.0) {
     fmt::print("sgemm (OpenBLAS, same run) {:.1f} GFLOP/s\n", sgemm);

@@ -163,27 +163,6 @@ std::vector<conformance::OutputCheck> check_outputs(const Problem& problem, cons
   return checks;
 }
 
-// A KV cache run's work: the K and V bytes its sequences hold (what a decoding step must read) and
-// the FLOPs of every cached (query, key) pair (the mask is not estimated).
-struct CacheWork {
-  bool paged = false;
-  double kv_bytes = 0, flops = 0;
-};
-CacheWork cache_work(const Problem& problem, const Inputs& inputs) {
-  CacheWork work;
-  if (!problem.kv_cache()) return work;
-  work.paged = true;
-  const double element = static_cast<double>(size_of(problem.dtype()));
-  const auto dims = static_cast<double>(problem.head_dim_qk() + problem.head_dim_v());
-  for (std::int64_t b = 0; b < problem.batch(); ++b) {
-    const double length = inputs.cache_lens.at(b);
-    work.kv_bytes += length * static_cast<double>(problem.heads_kv()) * dims * element;
-    work.flops += 2.0 * dims * length * static_cast<double>(problem.seq_len_q_of(b)) *
-                  static_cast<double>(problem.heads_q());
-  }
-  return work;
-}
-
 }  // namespace
 
 void add_run_command(CLI::App& app, ProblemFlags& problem, RunFlags& flags) {

@@ -312,6 +312,22 @@ double max_abs_value(const HostTensor& tensor) {
   return largest;
 }
 
+CacheWork cache_work(const Problem& problem, const Inputs& inputs) {
+  CacheWork work;
+  if (!problem.kv_cache()) return work;
+  work.paged = true;
+  const double element = static_cast<double>(size_of(problem.dtype()));
+  const auto dims = static_cast<double>(problem.head_dim_qk() + problem.head_dim_v());
+  for (std::int64_t b = 0; b < problem.batch(); ++b) {
+    const double length = inputs.cache_lens.at(b);
+    work.kv_bytes += length * static_cast<double>(problem.heads_kv()) * dims * element;
+    work.flops += 2.0 * dims * length * static_cast<double>(problem.seq_len_q_of(b)) *
+                  static_cast<double>(problem.heads_q());
+  }
+  return work;
+}
+
+
 double kept_fraction(const Problem& problem) {
   const Graph& mask = problem.mask_mod();
   if (mask.is_literal()) return mask.node(mask.root()).literal != 0.0 ? 1.0 : 0.0;

@@ -283,6 +283,11 @@ TEST_F(Cli, RunPagedKvCacheDecodeAndChunkedPrefill) {
   const HostTensor lse = read_npy(path("lse.npy"));
   EXPECT_TRUE(std::isfinite(lse.at(0)));
   EXPECT_EQ(lse.at(5), -std::numeric_limits<double>::infinity());  // head 0, the empty slot
+  // bench reports the bytes of cached K and V read per second.
+  result = run({"bench", "--seq-len-q", "1", "--seq-len-kv", "64", "--page-size", "16",
+                "--cache-lens", "40", "--iters", "1", "--json"});
+  ASSERT_EQ(result.exit_code, 0) << result.err;
+  EXPECT_GT(nlohmann::json::parse(result.out).at("kv_cache_gb_per_s").get<double>(), 0.0);
 }
 
 TEST_F(Cli, RunPagedKvCacheFromFiles) {
