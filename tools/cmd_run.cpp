@@ -281,9 +281,10 @@ int run_command(const ProblemFlags& problem_flags, const RunFlags& flags) {
     fmt::print("backward  {:.3f} ms\n", outputs.backward_seconds * kSecondsToMilliseconds);
   }
   if (cache.paged) {
-    fmt::print("rate      {:.2f} GB/s of cached K and V read ({:.2f} GFLOP/s over every cached (q, "
-               "kv) pair)\n",
-               cache.kv_bytes * kFlopsToGiga / seconds, gflops);
+    fmt::print(
+        "rate      {:.2f} GB/s of cached K and V read ({:.2f} GFLOP/s over every cached (q, "
+        "kv) pair)\n",
+        cache.kv_bytes * kFlopsToGiga / seconds, gflops);
   } else {
     fmt::print("rate      {:.2f} GFLOP/s ({:.0f}% of (q, kv) pairs kept)\n", gflops, 100.0 * kept);
   }

@@ -327,7 +327,6 @@ CacheWork cache_work(const Problem& problem, const Inputs& inputs) {
   return work;
 }
 
-
 double kept_fraction(const Problem& problem) {
   const Graph& mask = problem.mask_mod();
   if (mask.is_literal()) return mask.node(mask.root()).literal != 0.0 ? 1.0 : 0.0;

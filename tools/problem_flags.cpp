@@ -177,8 +177,7 @@ void read_inputs(const ProblemFlags& flags, ProblemDesc& desc, Setup& setup) {
   } else {
     same(dq.batch, dk.batch, "batch", "--q", "--k");
     same(dk.batch, dv.batch, "batch", "--k", "--v");
-    same(dk.seq_len, dv.seq_len, desc.layout == Layout::kTHD ? "tokens" : "seq_len", "--k",
-         "--v");
+    same(dk.seq_len, dv.seq_len, desc.layout == Layout::kTHD ? "tokens" : "seq_len", "--k", "--v");
   }
   same(dq.head_dim, dk.head_dim, "head_dim", "--q", "--k");
   same(dk.heads, dv.heads, "heads", "--k", "--v");
@@ -264,10 +263,10 @@ void apply_kv_cache(const ProblemFlags& flags, ProblemDesc& desc, Setup& setup) 
     HostTensor table = read_npy(flags.page_table_file);
     const std::vector<std::int64_t> expected{desc.batch, max_pages};
     if (table.dtype() != DType::kI32 || table.shape() != expected) {
-      throw_invalid(fmt::format("--page-table '{}': expected int32 (batch, max_pages) = [{}, {}], "
-                                "got {}",
-                                flags.page_table_file, desc.batch, max_pages,
-                                table.view().describe()));
+      throw_invalid(
+          fmt::format("--page-table '{}': expected int32 (batch, max_pages) = [{}, {}], "
+                      "got {}",
+                      flags.page_table_file, desc.batch, max_pages, table.view().describe()));
     }
     setup.page_table = std::move(table);
   }
@@ -369,7 +368,8 @@ void add_problem_flags(CLI::App& app, ProblemFlags& flags) {
                  "K and V as a paged KV cache of pages of this many tokens; capacity "
                  "--seq-len-kv; queries are the last tokens of each sequence (bshd or thd)")
       ->transform(kPositiveSize);
-  app.add_option("--pages", flags.pages, "KV cache: pages in the pool (default: every sequence its own)")
+  app.add_option("--pages", flags.pages,
+                 "KV cache: pages in the pool (default: every sequence its own)")
       ->transform(kPositiveSize);
   app.add_option("--cache-lens", flags.cache_lens,
                  "KV cache: tokens in each sequence, batch values (default --seq-len-kv each)")

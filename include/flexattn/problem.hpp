@@ -25,12 +25,13 @@ FLEXATTN_API Layout parse_layout(std::string_view text);  // throws kInvalidArgu
 
 enum class Direction { kForward, kForwardBackward };
 
-// A paged KV cache (docs/design.md section 2.2). K and V are pools of `pages` pages of `page_size`
-// tokens each, shaped (pages, page_size, heads_kv, head_dim) whatever the queries' layout; the
-// run's ForwardArgs::page_table (int32, (batch, max_pages)) names the pages of each sequence in
-// order and ForwardArgs::cache_lens (int32, (batch,)) how many tokens each holds. The cache holds
-// the new queries' own keys: sequence b's queries are its last q_len tokens, at positions
-// cache_lens[b] - q_len + i (the modifiers' `q`; `KV_LEN` is cache_lens[b]). Forward only.
+// A paged KV cache (docs/design.md section 2, "Paged KV cache"). K and V are pools of `pages`
+// pages of `page_size` tokens each, shaped (pages, page_size, heads_kv, head_dim) whatever the
+// queries' layout; the run's ForwardArgs::page_table (int32, (batch, max_pages)) names the pages
+// of each sequence in order and ForwardArgs::cache_lens (int32, (batch,)) how many tokens each
+// holds. The cache holds the new queries' own keys: sequence b's queries are its last q_len
+// tokens, at positions cache_lens[b] - q_len + i (the modifiers' `q`; `KV_LEN` is
+// cache_lens[b]). Forward only.
 struct KvCacheDesc {
   std::int64_t pages = 0;      // pages in the K and V pools
   std::int64_t page_size = 0;  // tokens per page
@@ -57,7 +58,8 @@ struct FLEXATTN_API ProblemDesc {
   std::optional<ir::Expr> mask_mod;   // absent: keep everything
   std::map<std::string, double> params;
   std::map<std::string, TensorDecl> tensors;
-  std::vector<std::int64_t> cu_seqlens_q, cu_seqlens_kv;  // thd only (no cu_seqlens_kv with a cache)
+  std::vector<std::int64_t> cu_seqlens_q,
+      cu_seqlens_kv;  // thd only (no cu_seqlens_kv with a cache)
   // A paged KV cache; layouts bshd and thd only; seq_len_kv is then the capacity (0 sets it).
   std::optional<KvCacheDesc> kv_cache;
   // Strides (elements) of the views in layout order (K and V of a cache: in pool order, rank 4);

@@ -101,8 +101,8 @@ Tolerances tolerances(const Problem& problem, const SampledOutputs& reference,
         const std::vector<double>& term_sizes = output.output == "dq"   ? terms.dq
                                                 : output.output == "dk" ? terms.dk
                                                                         : terms.dv;
-        magnitude = std::max({largest_abs(output.rows[r]), kRowFloorFraction * output_largest,
-                              term_sizes.at(r)});
+        magnitude = std::max(
+            {largest_abs(output.rows[r]), kRowFloorFraction * output_largest, term_sizes.at(r)});
         const double size = output.output == "dq" ? sizes[r] : largest_size;
         allowed.push_back(kToleranceFactor * rounding(size) * magnitude);
       } else {

@@ -172,8 +172,7 @@ std::int64_t row_offset(const Problem& problem, const TensorView& view, bool kv_
   const std::vector<std::int64_t>& st = view.strides;
   if (kv_side && problem.kv_cache()) {
     const std::int64_t page_size = problem.kv_cache()->page_size;
-    return canary_page(problem, b, s / page_size) * st[0] + (s % page_size) * st[1] +
-           head * st[2];
+    return canary_page(problem, b, s / page_size) * st[0] + (s % page_size) * st[1] + head * st[2];
   }
   switch (problem.layout()) {
     case Layout::kBSHD:
@@ -277,7 +276,8 @@ std::vector<double> score_sizes(const Problem& problem, const CanaryInputs& inpu
     for (std::size_t r = 0; r < pair.rows.size(); ++r) {
       double size = 0;
       for (std::int64_t kv = 0; kv < pair.kv_len; ++kv) {
-        EvalPoint at{0.0, pair.b, pair.h, pair.q_offset + pair.rows[r], kv, pair.q_len, pair.kv_len};
+        EvalPoint at{0.0, pair.b,     pair.h,     pair.q_offset + pair.rows[r],
+                     kv,  pair.q_len, pair.kv_len};
         if (evaluate(problem.mask_mod(), at, bindings) == 0.0) continue;
         double dot = 0, absolute = 0;
         for (std::int64_t i = 0; i < dim; ++i) {
@@ -335,7 +335,8 @@ GradientTermSizes gradient_term_sizes(const Problem& problem, const CanaryInputs
       }
     }
     const std::vector<std::int64_t> keys = all_rows(pair.kv_len);
-    const HostTensor q = gather_rows(problem, inputs.q_view, false, pair.b, pair.h, pair.rows, dim_qk);
+    const HostTensor q =
+        gather_rows(problem, inputs.q_view, false, pair.b, pair.h, pair.rows, dim_qk);
     const HostTensor k = gather_rows(problem, inputs.k_view, true, pair.b, pair.h_kv, keys, dim_qk);
     const HostTensor v = gather_rows(problem, inputs.v_view, true, pair.b, pair.h_kv, keys, dim_v);
     const HostTensor dout =
@@ -345,7 +346,8 @@ GradientTermSizes gradient_term_sizes(const Problem& problem, const CanaryInputs
       // P of the row from its own modified scores (float64), masked keys at P = 0.
       double largest = -std::numeric_limits<double>::infinity();
       for (std::int64_t kv = 0; kv < pair.kv_len; ++kv) {
-        EvalPoint at{0.0, pair.b, pair.h, pair.q_offset + pair.rows[r], kv, pair.q_len, pair.kv_len};
+        EvalPoint at{0.0, pair.b,     pair.h,     pair.q_offset + pair.rows[r],
+                     kv,  pair.q_len, pair.kv_len};
         modified[to_size(kv)] = -std::numeric_limits<double>::infinity();
         if (evaluate(problem.mask_mod(), at, bindings) == 0.0) continue;
         double dot = 0;
@@ -355,7 +357,8 @@ GradientTermSizes gradient_term_sizes(const Problem& problem, const CanaryInputs
         at.score = scale * dot;
         modified[to_size(kv)] = evaluate(problem.score_mod(), at, bindings);
         steepness[to_size(kv)] = std::abs(evaluate(slope, at, bindings));
-        if (std::isfinite(modified[to_size(kv)])) largest = std::max(largest, modified[to_size(kv)]);
+        if (std::isfinite(modified[to_size(kv)]))
+          largest = std::max(largest, modified[to_size(kv)]);
       }
       double total = 0;
       for (double m : modified) total += std::isfinite(m) ? std::exp(m - largest) : 0.0;
@@ -376,8 +379,7 @@ GradientTermSizes gradient_term_sizes(const Problem& problem, const CanaryInputs
           dp += d * v.at(kv * dim_v + i);
           dv_terms[first + to_size(kv)][to_size(i)] += p * std::abs(d);
         }
-        const double ds =
-            scale * p * (std::abs(dp - delta) + output_size) * steepness[to_size(kv)];
+        const double ds = scale * p * (std::abs(dp - delta) + output_size) * steepness[to_size(kv)];
         if (!std::isfinite(ds)) continue;
         for (std::int64_t i = 0; i < dim_qk; ++i) {
           dq_terms[to_size(i)] += ds * std::abs(k.at(kv * dim_qk + i));

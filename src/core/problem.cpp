@@ -60,10 +60,9 @@ void check_strides(const std::optional<std::vector<std::int64_t>>& strides, Layo
   if (!strides) return;
   const int rank = pool ? 4 : view_rank(layout);
   if (static_cast<int>(strides->size()) != rank) {
-    throw_invalid(fmt::format("{} has {} entries; {} needs {}", name, strides->size(),
-                              pool ? std::string("a KV cache pool")
-                                   : fmt::format("layout {}", to_string(layout)),
-                              rank));
+    throw_invalid(fmt::format(
+        "{} has {} entries; {} needs {}", name, strides->size(),
+        pool ? std::string("a KV cache pool") : fmt::format("layout {}", to_string(layout)), rank));
   }
   if (strides->back() != 1) {
     throw_invalid(
@@ -118,7 +117,8 @@ std::int64_t sequence_tensor_bytes(const ProblemDesc& d, const char* which, cons
                                    std::int64_t tokens, const char* dim_name, std::int64_t head_dim,
                                    const std::optional<std::vector<std::int64_t>>& strides) {
   const std::size_t element_bytes = size_of(d.dtype);
-  const bool pool = d.kv_cache && (std::string_view(which) == "k" || std::string_view(which) == "v");
+  const bool pool =
+      d.kv_cache && (std::string_view(which) == "k" || std::string_view(which) == "v");
   const std::vector<NamedExtent> extents =
       pool ? std::vector<NamedExtent>{{"pages", d.kv_cache->pages},
                                       {"page_size", d.kv_cache->page_size},
@@ -137,18 +137,18 @@ std::int64_t sequence_tensor_bytes(const ProblemDesc& d, const char* which, cons
     shape = {d.kv_cache->pages, d.kv_cache->page_size, heads, head_dim};
   } else {
     switch (d.layout) {
-    case Layout::kBSHD:
-      shape = {d.batch, seq_len, heads, head_dim};
-      break;
-    case Layout::kSBHD:
-      shape = {seq_len, d.batch, heads, head_dim};
-      break;
-    case Layout::kBHSD:
-      shape = {d.batch, heads, seq_len, head_dim};
-      break;
-    case Layout::kTHD:
-      shape = {tokens, heads, head_dim};
-      break;
+      case Layout::kBSHD:
+        shape = {d.batch, seq_len, heads, head_dim};
+        break;
+      case Layout::kSBHD:
+        shape = {seq_len, d.batch, heads, head_dim};
+        break;
+      case Layout::kBHSD:
+        shape = {d.batch, heads, seq_len, head_dim};
+        break;
+      case Layout::kTHD:
+        shape = {tokens, heads, head_dim};
+        break;
     }
   }
   std::optional<std::int64_t> span = 1;
@@ -221,14 +221,15 @@ void check_kv_cache(ProblemDesc& d) {
   require_positive(cache.page_size, "kv_cache.page_size");
   require_positive(cache.max_pages, "kv_cache.max_pages");
   if (d.layout != Layout::kBSHD && d.layout != Layout::kTHD) {
-    throw_invalid(fmt::format("a KV cache takes queries in layout bshd or thd, not {}",
-                              to_string(d.layout)));
+    throw_invalid(
+        fmt::format("a KV cache takes queries in layout bshd or thd, not {}", to_string(d.layout)));
   }
   if (d.direction != Direction::kForward) {
     throw_invalid("a KV cache problem is forward only (no gradients through a cache)");
   }
   if (!d.cu_seqlens_kv.empty()) {
-    throw_invalid("a KV cache problem takes no cu_seqlens_kv: the run's cache_lens give the lengths");
+    throw_invalid(
+        "a KV cache problem takes no cu_seqlens_kv: the run's cache_lens give the lengths");
   }
   const std::optional<std::int64_t> capacity = checked_multiply(cache.max_pages, cache.page_size);
   constexpr std::int64_t kMaxIndexExtent = std::numeric_limits<std::int32_t>::max();
@@ -546,8 +547,8 @@ TensorView Problem::expected(std::string_view which) const {
   const bool pool = d.kv_cache && (which == "k" || which == "v");
   switch (pool ? Layout::kBSHD : d.layout) {
     case Layout::kBSHD:
-      view.shape = pool ? std::vector<std::int64_t>{d.kv_cache->pages, d.kv_cache->page_size,
-                                                    heads, head_dim}
+      view.shape = pool ? std::vector<std::int64_t>{d.kv_cache->pages, d.kv_cache->page_size, heads,
+                                                    head_dim}
                         : std::vector<std::int64_t>{d.batch, seq_len, heads, head_dim};
       break;
     case Layout::kSBHD:

@@ -261,9 +261,26 @@ TEST_F(Cli, RunThdWithOffsets) {
 
 TEST_F(Cli, RunPagedKvCacheDecodeAndChunkedPrefill) {
   // Decode: one new token per sequence; lengths 1, 57 and the whole capacity.
-  CliResult result = run({"run", "--seq-len-q", "1", "--seq-len-kv", "100", "--page-size", "16",
-                          "--batch", "3", "--heads-q", "4", "--heads-kv", "2", "--cache-lens",
-                          "1,57,100", "--modifier", "softcap_causal", "--check", "--json", "--out",
+  CliResult result = run({"run",
+                          "--seq-len-q",
+                          "1",
+                          "--seq-len-kv",
+                          "100",
+                          "--page-size",
+                          "16",
+                          "--batch",
+                          "3",
+                          "--heads-q",
+                          "4",
+                          "--heads-kv",
+                          "2",
+                          "--cache-lens",
+                          "1,57,100",
+                          "--modifier",
+                          "softcap_causal",
+                          "--check",
+                          "--json",
+                          "--out",
                           "out.npy"});
   ASSERT_EQ(result.exit_code, 0) << result.err;
   nlohmann::json summary = nlohmann::json::parse(result.out);
@@ -292,7 +309,8 @@ TEST_F(Cli, RunPagedKvCacheDecodeAndChunkedPrefill) {
 
 TEST_F(Cli, RunPagedKvCacheFromFiles) {
   // Two sequences in pages of 4: sequence 0 in pool pages 2, 0; sequence 1 in page 1.
-  HostTensor q(DType::kF32, {2, 2, 2, 8}), k(DType::kF32, {3, 4, 1, 8}), v(DType::kF32, {3, 4, 1, 8});
+  HostTensor q(DType::kF32, {2, 2, 2, 8}), k(DType::kF32, {3, 4, 1, 8}),
+      v(DType::kF32, {3, 4, 1, 8});
   q.fill_normal(1);
   k.fill_normal(2);
   v.fill_normal(3);
@@ -302,11 +320,10 @@ TEST_F(Cli, RunPagedKvCacheFromFiles) {
   write_npy(path("k.npy"), k);
   write_npy(path("v.npy"), v);
   write_npy(path("table.npy"), table);
-  const std::vector<std::string> common = {"run",          "--q",         "q.npy",   "--k",
-                                           "k.npy",        "--v",         "v.npy",   "--page-size",
-                                           "4",            "--seq-len-kv", "8",       "--page-table",
-                                           "table.npy",    "--cache-lens", "7,3",     "--mask-mod",
-                                           "q >= kv"};
+  const std::vector<std::string> common = {
+      "run",       "--q",          "q.npy", "--k",          "k.npy",  "--v",
+      "v.npy",     "--page-size",  "4",     "--seq-len-kv", "8",      "--page-table",
+      "table.npy", "--cache-lens", "7,3",   "--mask-mod",   "q >= kv"};
   std::vector<std::string> args = common;
   args.insert(args.end(), {"--engine", "cpu_ref", "--out", "ref.npy"});
   CliResult result = run(args);

@@ -1,8 +1,9 @@
-// Paged KV cache problems (docs/design.md section 2.2): validation of the geometry and of the
-// page table and lengths, the engine gate, and cpu_ref's results, which must equal bit for bit
-// (1) the same problem with every sequence in one contiguous page and (2) the equivalent dense
-// ragged (thd) problem whose modifiers shift `q` to the bottom right by hand. The pools hold NaN
-// in every slot no sequence uses, so a read outside a sequence's pages poisons its rows.
+// Paged KV cache problems (docs/design.md section 2, "Paged KV cache"): validation of the
+// geometry and of the page table and lengths, the engine gate, the plan canary, and the results
+// of the engines that read caches (cpu_ref, cpu), which must equal bit for bit (1) the same
+// problem with every sequence in one contiguous page and (2) the equivalent dense ragged (thd)
+// problem whose modifiers shift `q` to the bottom right by hand. The pools hold NaN in every slot
+// no sequence uses, so a read outside a sequence's pages poisons its rows.
 #include <fmt/format.h>
 #include <gtest/gtest.h>
 
@@ -73,8 +74,8 @@ const std::vector<Modifier>& modifiers() {
       {"sliding_window", "", "q >= kv && q - kv < 48", "",
        shifted + " >= kv && " + shifted + " - kv < 48"},
       {"document_mask", "", "doc[b, q] == doc[b, kv] && q >= kv", "",
-       "doc[b, clamp(" + shifted + ", 0, " + std::to_string(kCapacity - 1) + ")] == doc[b, kv] && " +
-           shifted + " >= kv",
+       "doc[b, clamp(" + shifted + ", 0, " + std::to_string(kCapacity - 1) +
+           ")] == doc[b, kv] && " + shifted + " >= kv",
        true},
   };
   return list;
@@ -174,8 +175,10 @@ Result run_paged(const Engine& engine, const Geometry& g, const Modifier& modifi
       const auto page = static_cast<std::int64_t>(page_table.at(b * max_pages + s / page_size));
       const std::int64_t base = (page * page_size + s % page_size) * row;
       for (std::int64_t i = 0; i < row; ++i) {
-        k_pool.set(base + i, data.k[static_cast<std::size_t>(b)][static_cast<std::size_t>(s * row + i)]);
-        v_pool.set(base + i, data.v[static_cast<std::size_t>(b)][static_cast<std::size_t>(s * row + i)]);
+        k_pool.set(base + i,
+                   data.k[static_cast<std::size_t>(b)][static_cast<std::size_t>(s * row + i)]);
+        v_pool.set(base + i,
+                   data.v[static_cast<std::size_t>(b)][static_cast<std::size_t>(s * row + i)]);
       }
     }
   }
@@ -291,28 +294,28 @@ const Engine& cpu() {
 // On each engine that reads a cache, cpu_ref (float64) and cpu (float32 tiles).
 TEST(KvCache, PagedEqualsContiguousAndTheDenseProblemBitForBit) {
   for (const Engine* engine : {&cpu_ref(), &cpu()})
-  for (const Layout layout : {Layout::kBSHD, Layout::kTHD}) {
-    for (const auto& [heads_q, heads_kv] : {std::pair{4, 4}, std::pair{4, 2}, std::pair{8, 1}}) {
-      const Geometry g = decode_batch(layout, heads_q, heads_kv);
-      const Data data = random_data(g, 11 + static_cast<std::uint64_t>(heads_kv));
-      for (const Modifier& modifier : modifiers()) {
-        const std::string what = fmt::format("{}: {} {} heads {}/{}", engine->name(),
-                                             to_string(layout), modifier.name, heads_q, heads_kv);
-        const Result contiguous = run_paged(*engine, g, modifier, data, kCapacity, 1);
-        expect_finite_except_empty(g, contiguous, what);
-        const Result dense = run_dense(*engine, g, modifier, data);
-        EXPECT_TRUE(bit_identical(contiguous.out, dense.out)) << what << ": out, dense";
-        EXPECT_TRUE(bit_identical(contiguous.lse, dense.lse)) << what << ": lse, dense";
-        for (const std::int64_t page_size : {1, 16, 64}) {
-          const Result paged = run_paged(*engine, g, modifier, data, page_size, 7);
-          EXPECT_TRUE(bit_identical(paged.out, contiguous.out))
-              << what << ": out, page size " << page_size;
-          EXPECT_TRUE(bit_identical(paged.lse, contiguous.lse))
-              << what << ": lse, page size " << page_size;
+    for (const Layout layout : {Layout::kBSHD, Layout::kTHD}) {
+      for (const auto& [heads_q, heads_kv] : {std::pair{4, 4}, std::pair{4, 2}, std::pair{8, 1}}) {
+        const Geometry g = decode_batch(layout, heads_q, heads_kv);
+        const Data data = random_data(g, 11 + static_cast<std::uint64_t>(heads_kv));
+        for (const Modifier& modifier : modifiers()) {
+          const std::string what = fmt::format("{}: {} {} heads {}/{}", engine->name(),
+                                               to_string(layout), modifier.name, heads_q, heads_kv);
+          const Result contiguous = run_paged(*engine, g, modifier, data, kCapacity, 1);
+          expect_finite_except_empty(g, contiguous, what);
+          const Result dense = run_dense(*engine, g, modifier, data);
+          EXPECT_TRUE(bit_identical(contiguous.out, dense.out)) << what << ": out, dense";
+          EXPECT_TRUE(bit_identical(contiguous.lse, dense.lse)) << what << ": lse, dense";
+          for (const std::int64_t page_size : {1, 16, 64}) {
+            const Result paged = run_paged(*engine, g, modifier, data, page_size, 7);
+            EXPECT_TRUE(bit_identical(paged.out, contiguous.out))
+                << what << ": out, page size " << page_size;
+            EXPECT_TRUE(bit_identical(paged.lse, contiguous.lse))
+                << what << ": lse, page size " << page_size;
+          }
         }
       }
     }
-  }
 }
 
 // The modifiers see positions, not rows: a causal cache problem differs from the same rows with
@@ -333,7 +336,8 @@ TEST(KvCache, QueriesSitAtTheEndOfTheCache) {
   Modifier last_key{"last_key", "", "kv == KV_LEN - 1", "", "kv == KV_LEN - 1"};
   const Result last = run_paged(cpu_ref(), g, last_key, data, 16, 3);
   for (std::int64_t i = 0; i < g.dim; ++i) {  // row 0, head 0: V of token 39, head 0
-    EXPECT_EQ(last.out.at(i), static_cast<float>(data.v[0][static_cast<std::size_t>(39 * 2 * 16 + i)]));
+    EXPECT_EQ(last.out.at(i),
+              static_cast<float>(data.v[0][static_cast<std::size_t>(39 * 2 * 16 + i)]));
   }
 }
 
@@ -352,11 +356,13 @@ TEST(KvCache, ProblemRefusesWhatACacheCannotBe) {
     change(desc);
     return error_of([&] { Problem problem(desc); });
   };
-  EXPECT_NE(refused([](ProblemDesc& d) { d.layout = Layout::kSBHD; })
-                .find("a KV cache takes queries in layout bshd or thd, not sbhd"),
+  EXPECT_NE(refused([](ProblemDesc& d) {
+              d.layout = Layout::kSBHD;
+            }).find("a KV cache takes queries in layout bshd or thd, not sbhd"),
             std::string::npos);
-  EXPECT_NE(refused([](ProblemDesc& d) { d.direction = Direction::kForwardBackward; })
-                .find("forward only"),
+  EXPECT_NE(refused([](ProblemDesc& d) {
+              d.direction = Direction::kForwardBackward;
+            }).find("forward only"),
             std::string::npos);
   EXPECT_NE(refused([](ProblemDesc& d) {
               d.layout = Layout::kTHD;
@@ -364,29 +370,34 @@ TEST(KvCache, ProblemRefusesWhatACacheCannotBe) {
               d.cu_seqlens_q = d.cu_seqlens_kv = {0, 2, 4};
             }).find("takes no cu_seqlens_kv"),
             std::string::npos);
-  EXPECT_NE(refused([](ProblemDesc& d) { d.kv_cache->page_size = 0; })
-                .find("kv_cache.page_size (0) must be positive"),
+  EXPECT_NE(refused([](ProblemDesc& d) {
+              d.kv_cache->page_size = 0;
+            }).find("kv_cache.page_size (0) must be positive"),
             std::string::npos);
-  EXPECT_NE(refused([](ProblemDesc& d) { d.kv_cache->pages = -1; })
-                .find("kv_cache.pages (-1) must be positive"),
+  EXPECT_NE(refused([](ProblemDesc& d) {
+              d.kv_cache->pages = -1;
+            }).find("kv_cache.pages (-1) must be positive"),
             std::string::npos);
   EXPECT_NE(refused([](ProblemDesc& d) {
               d.kv_cache->max_pages = std::int64_t{1} << 40;
               d.kv_cache->page_size = std::int64_t{1} << 40;
             }).find("past the modifiers' i32 indices"),
             std::string::npos);
-  EXPECT_NE(refused([](ProblemDesc& d) { d.seq_len_q = kCapacity + 1; })
-                .find("257 query tokens does not fit the KV cache's capacity"),
+  EXPECT_NE(refused([](ProblemDesc& d) {
+              d.seq_len_q = kCapacity + 1;
+            }).find("257 query tokens does not fit the KV cache's capacity"),
             std::string::npos);
-  EXPECT_NE(refused([](ProblemDesc& d) { d.seq_len_kv = 100; })
-                .find("seq_len_kv (100) must be 0 or the KV cache's capacity"),
+  EXPECT_NE(refused([](ProblemDesc& d) {
+              d.seq_len_kv = 100;
+            }).find("seq_len_kv (100) must be 0 or the KV cache's capacity"),
             std::string::npos);
-  EXPECT_NE(refused([](ProblemDesc& d) { d.k_strides = std::vector<std::int64_t>{32, 16, 1}; })
-                .find("k_strides has 3 entries; a KV cache pool needs 4"),
+  EXPECT_NE(refused([](ProblemDesc& d) {
+              d.k_strides = std::vector<std::int64_t>{32, 16, 1};
+            }).find("k_strides has 3 entries; a KV cache pool needs 4"),
             std::string::npos);
-  EXPECT_NE(refused([](ProblemDesc& d) { d.kv_cache->pages = std::int64_t{1} << 40; })
-                .find("pages"),
-            std::string::npos);
+  EXPECT_NE(
+      refused([](ProblemDesc& d) { d.kv_cache->pages = std::int64_t{1} << 40; }).find("pages"),
+      std::string::npos);
   // The pools' shapes, the capacity and the cache in the signature.
   const Problem problem(valid_desc());
   EXPECT_EQ(problem.seq_len_kv(), kCapacity);
@@ -434,25 +445,31 @@ TEST(KvCache, PageTablesAndLengthsAreChecked) {
     change(a);
     return error_of([&] { plan->forward(a.args()); });
   };
-  EXPECT_NE(refused([](CacheArguments& a) { a.page_table.set(17, 8); })
-                .find("page_table[1, 1] (8) is outside the pool's pages [0, 8)"),
+  EXPECT_NE(refused([](CacheArguments& a) {
+              a.page_table.set(17, 8);
+            }).find("page_table[1, 1] (8) is outside the pool's pages [0, 8)"),
             std::string::npos);
-  EXPECT_NE(refused([](CacheArguments& a) { a.page_table.set(0, -1); })
-                .find("page_table[0, 0] (-1) is outside"),
+  EXPECT_NE(refused([](CacheArguments& a) {
+              a.page_table.set(0, -1);
+            }).find("page_table[0, 0] (-1) is outside"),
             std::string::npos);
-  EXPECT_NE(refused([](CacheArguments& a) { a.cache_lens.set(1, kCapacity + 1); })
-                .find("cache_lens[1] (257) must be 0 or in [2, 256]"),
+  EXPECT_NE(refused([](CacheArguments& a) {
+              a.cache_lens.set(1, kCapacity + 1);
+            }).find("cache_lens[1] (257) must be 0 or in [2, 256]"),
             std::string::npos);
-  EXPECT_NE(refused([](CacheArguments& a) { a.cache_lens.set(0, 1); })
-                .find("cache_lens[0] (1) must be 0 or in [2, 256]"),
+  EXPECT_NE(refused([](CacheArguments& a) {
+              a.cache_lens.set(0, 1);
+            }).find("cache_lens[0] (1) must be 0 or in [2, 256]"),
             std::string::npos);
   EXPECT_NE(refused([](CacheArguments& a) { a.cache_lens.set(0, -3); }).find("cache_lens[0] (-3)"),
             std::string::npos);
-  EXPECT_NE(refused([](CacheArguments& a) { a.cache_lens = HostTensor(DType::kI64, {2}); })
-                .find("argument cache_lens: expected"),
+  EXPECT_NE(refused([](CacheArguments& a) {
+              a.cache_lens = HostTensor(DType::kI64, {2});
+            }).find("argument cache_lens: expected"),
             std::string::npos);
-  EXPECT_NE(refused([](CacheArguments& a) { a.page_table = HostTensor(); })
-                .find("argument page_table: missing"),
+  EXPECT_NE(refused([](CacheArguments& a) {
+              a.page_table = HostTensor();
+            }).find("argument page_table: missing"),
             std::string::npos);
   // A cache length of 0 is an empty slot: its rows are 0, whatever its page table holds.
   CacheArguments empty = valid_arguments(problem);
@@ -471,9 +488,11 @@ TEST(KvCache, PageTablesAndLengthsAreChecked) {
                    HostTensor(DType::kF32, plain_problem.expected("k").shape),
                    HostTensor(DType::kF32, plain_problem.expected("v").shape),
                    HostTensor(DType::kF32, plain_problem.expected("o").shape),
-                   HostTensor(DType::kI32, {2, 16}), HostTensor(DType::kI32, {2})};
-  EXPECT_NE(error_of([&] { cpu_ref().plan(plain_problem)->forward(a.args()); })
-                .find("the problem has no KV cache"),
+                   HostTensor(DType::kI32, {2, 16}),
+                   HostTensor(DType::kI32, {2})};
+  EXPECT_NE(error_of([&] {
+              cpu_ref().plan(plain_problem)->forward(a.args());
+            }).find("the problem has no KV cache"),
             std::string::npos);
 }
 
@@ -501,9 +520,11 @@ TEST(KvCache, EnginesThatReadNoCacheAreRefusedBeforeLowering) {
   const DenseOnlyEngine dense_only;
   const Support verdict = dense_only.supports(problem);
   EXPECT_FALSE(verdict.ok());
-  EXPECT_EQ(verdict.reason(), "reads no paged KV cache (K and V as page pools through a page table)");
-  EXPECT_NE(error_of([&] { static_cast<void>(dense_only.plan(problem)); })
-                .find("dense_only: reads no paged KV cache"),
+  EXPECT_EQ(verdict.reason(),
+            "reads no paged KV cache (K and V as page pools through a page table)");
+  EXPECT_NE(error_of([&] {
+              static_cast<void>(dense_only.plan(problem));
+            }).find("dense_only: reads no paged KV cache"),
             std::string::npos);
   // Of the built-in engines, cpu_ref and cpu read caches; the others say they do not.
   Context context;

@@ -94,8 +94,8 @@ TileGrid classify_cache_tiles(const Problem& problem, const Graph& mask, bool ke
   for (std::int64_t qt = 0; qt < grid.query_tiles; ++qt) {
     for (std::int64_t kt = 0; kt < grid.key_tiles; ++kt) {
       const TileRect rect{q_offset + qt * tiles.block_q,
-                          q_offset + std::min(q_len, (qt + 1) * tiles.block_q),
-                          kt * tiles.block_k, std::min(kv_len, (kt + 1) * tiles.block_k)};
+                          q_offset + std::min(q_len, (qt + 1) * tiles.block_q), kt * tiles.block_k,
+                          std::min(kv_len, (kt + 1) * tiles.block_k)};
       grid.classes[to_size(qt * grid.key_tiles + kt)] = classify_tile(mask, ranges, rect);
     }
   }

@@ -156,13 +156,12 @@ void CpuPlan::forward_pass(const ForwardArgs& args, const TensorView* dout,
       const TileClass tile_class = tile_grid.at(qt, kt);
       if (tile_class == TileClass::kAllFalse) continue;  // proven fully masked: skipped
       const std::int64_t k0 = kt * block_k, nk = std::min(block_k, kv_len - k0);
-      const RowsView keys =
-          cache ? cache_rows(args.k, args.page_table, *cache, b, h_kv, k0, nk, dim_qk, s.keys.data())
-                : float_rows(args.k, {k_rows, k0, nk, dim_qk}, s.keys.data());
-      const RowsView values =
-          cache ? cache_rows(args.v, args.page_table, *cache, b, h_kv, k0, nk, dim_v,
-                             s.values.data())
-                : float_rows(args.v, {v_rows, k0, nk, dim_v}, s.values.data());
+      const RowsView keys = cache ? cache_rows(args.k, args.page_table, *cache, b, h_kv, k0, nk,
+                                               dim_qk, s.keys.data())
+                                  : float_rows(args.k, {k_rows, k0, nk, dim_qk}, s.keys.data());
+      const RowsView values = cache ? cache_rows(args.v, args.page_table, *cache, b, h_kv, k0, nk,
+                                                 dim_v, s.values.data())
+                                    : float_rows(args.v, {v_rows, k0, nk, dim_v}, s.values.data());
       float* scores = s.scores.data();  // (nk, lanes) of (block_k, ld): S^T
       float* probs = s.probs.data();    // S'^T, then P^T
 

@@ -122,8 +122,7 @@ void TapeRunner::set_head(std::int64_t batch, std::int64_t head, std::int64_t qu
   execute_range(0, tape_->head_end());
 }
 
-void TapeRunner::set_queries(std::int64_t first, std::int64_t count,
-                             std::int64_t position_offset) {
+void TapeRunner::set_queries(std::int64_t first, std::int64_t count, std::int64_t position_offset) {
   lanes_ = std::min(width_, (count + kVectorWidth - 1) / kVectorWidth * kVectorWidth);
   const Slot slot = tape_->leaf(Op::kQuery);
   if (slot.index >= 0) {

@@ -124,8 +124,8 @@ struct Lowering {
 struct HeadRows {
   std::int64_t b = 0, h = 0, q_len = 0, kv_len = 0;
   std::int64_t q_offset = 0;  // a KV cache's: the position of the first query, kv_len - q_len
-  std::vector<double> k;  // (kv_len, head_dim_qk)
-  std::vector<double> v;  // (kv_len, head_dim_v)
+  std::vector<double> k;      // (kv_len, head_dim_qk)
+  std::vector<double> v;      // (kv_len, head_dim_v)
 };
 
 // The scores of one query row: raw (scaled) and modified, -inf where a key is not kept.
@@ -205,8 +205,8 @@ void CpuRefPlan::load_head(const TensorView& k, const TensorView& v, std::int64_
       out.resize(to_size(rows.kv_len * dim));
       for (std::int64_t s = 0; s < rows.kv_len; ++s) {
         const std::int64_t page = cache->page_table.load_index(b * max_pages + s / page_size);
-        const std::int64_t base = page * pool.strides[0] + (s % page_size) * pool.strides[1] +
-                                  h_kv * pool.strides[2];
+        const std::int64_t base =
+            page * pool.strides[0] + (s % page_size) * pool.strides[1] + h_kv * pool.strides[2];
         for (std::int64_t i = 0; i < dim; ++i) out[to_size(s * dim + i)] = pool.load(base + i);
       }
     };
