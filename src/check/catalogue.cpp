@@ -4,6 +4,8 @@
 
 #include <algorithm>
 #include <cmath>
+#include <numeric>
+#include <random>
 #include <string>
 #include <vector>
 
@@ -80,12 +82,13 @@ std::int64_t document_of(std::int64_t position, std::int64_t length) {
 }
 
 std::string shape_name(const Case& c) {
-  return fmt::format("{}_{}_b{}_hq{}_hkv{}_sq{}_skv{}_d{}{}", to_string(c.dtype),
+  return fmt::format("{}_{}_b{}_hq{}_hkv{}_sq{}_skv{}_d{}{}{}", to_string(c.dtype),
                      to_string(c.layout), c.shape.batch, c.shape.heads_q, c.shape.heads_kv,
                      c.shape.seq_len_q, c.shape.seq_len_kv, c.shape.head_dim_qk,
                      c.shape.head_dim_v == c.shape.head_dim_qk
                          ? std::string()
-                         : fmt::format("_dv{}", c.shape.head_dim_v));
+                         : fmt::format("_dv{}", c.shape.head_dim_v),
+                     c.page_size > 0 ? fmt::format("_paged{}", c.page_size) : std::string());
 }
 
 Case make_case(const Shape& shape, Layout layout, DType dtype, std::string modifier,
@@ -108,14 +111,14 @@ constexpr DType kDtypes[] = {DType::kF32, DType::kF16, DType::kBF16};
 // head_dim_v != head_dim_qk, GQA ratios 1 and 4, and MQA.
 std::vector<Shape> shape_sweep(Tier tier) {
   std::vector<Shape> shapes = {
-      {1, 2, 2, 1, 1, 64, 64},        {2, 4, 4, 17, 17, 64, 64},    {1, 4, 1, 17, 100, 64, 64},
-      {1, 4, 4, 100, 17, 80, 80},     {1, 8, 2, 100, 100, 128, 128}, {1, 2, 2, 64, 64, 256, 256},
-      {1, 4, 2, 33, 47, 64, 80},      {1, 1, 1, 577, 577, 64, 64},   {1, 4, 1, 1, 577, 128, 128},
+      {1, 2, 2, 1, 1, 64, 64},    {2, 4, 4, 17, 17, 64, 64},     {1, 4, 1, 17, 100, 64, 64},
+      {1, 4, 4, 100, 17, 80, 80}, {1, 8, 2, 100, 100, 128, 128}, {1, 2, 2, 64, 64, 256, 256},
+      {1, 4, 2, 33, 47, 64, 80},  {1, 1, 1, 577, 577, 64, 64},   {1, 4, 1, 1, 577, 128, 128},
   };
   if (tier == Tier::kFull) {
     const std::vector<Shape> more = {
-        {2, 8, 2, 577, 577, 80, 80},   {2, 4, 4, 100, 577, 256, 256}, {1, 16, 4, 577, 100, 64, 64},
-        {3, 6, 3, 17, 17, 128, 64},    {2, 8, 1, 100, 100, 256, 128},
+        {2, 8, 2, 577, 577, 80, 80}, {2, 4, 4, 100, 577, 256, 256}, {1, 16, 4, 577, 100, 64, 64},
+        {3, 6, 3, 17, 17, 128, 64},  {2, 8, 1, 100, 100, 256, 128},
     };
     shapes.insert(shapes.end(), more.begin(), more.end());
   }
@@ -123,6 +126,15 @@ std::vector<Shape> shape_sweep(Tier tier) {
 }
 
 }  // namespace
+
+// A forward case against a paged KV cache (Case::page_size).
+Case paged_case(const Shape& shape, Layout layout, DType dtype, std::string modifier,
+                std::string mask, std::int64_t page_size) {
+  Case c = make_case(shape, layout, dtype, std::move(modifier), std::move(mask), false);
+  c.page_size = page_size;
+  c.name = fmt::format("{}/{}_{}", shape_name(c), c.modifier, c.mask);
+  return c;
+}
 
 Case custom_case(const Shape& shape, Layout layout, DType dtype, std::string score_mod,
                  std::string mask, bool backward) {
@@ -177,9 +189,11 @@ std::vector<Case> non_finite_cases() {
   std::vector<Case> result;
   for (DType dtype : kDtypes) {
     std::vector<Case> bases;
-    for (const auto& [modifier, mask] : std::vector<std::pair<const char*, const char*>>{
-             {"none", "causal"}, {"softcap30", "causal"}, {"alibi", "window"},
-             {"bias", "document"}}) {
+    for (const auto& [modifier, mask] :
+         std::vector<std::pair<const char*, const char*>>{{"none", "causal"},
+                                                          {"softcap30", "causal"},
+                                                          {"alibi", "window"},
+                                                          {"bias", "document"}}) {
       bases.push_back(make_case(shape, Layout::kBSHD, dtype, modifier, mask, false));
     }
     Case minus_infinity =
@@ -233,12 +247,9 @@ std::vector<Case> cases(Tier tier) {
       tier == Tier::kQuick
           ? std::vector<std::pair<std::string, std::string>>{{"softcap30", "causal"},
                                                              {"bias", "document"}}
-          : std::vector<std::pair<std::string, std::string>>{{"softcap30", "causal"},
-                                                             {"bias", "document"},
-                                                             {"alibi", "window"},
-                                                             {"relbias", "prefix"},
-                                                             {"gate", "emptyrows"},
-                                                             {"neginf", "causalbr"}};
+          : std::vector<std::pair<std::string, std::string>>{
+                {"softcap30", "causal"}, {"bias", "document"},  {"alibi", "window"},
+                {"relbias", "prefix"},   {"gate", "emptyrows"}, {"neginf", "causalbr"}};
   for (Layout layout : kLayouts) {
     for (DType dtype : kDtypes) {
       for (const auto& [modifier, mask] : layout_mods) {
@@ -252,9 +263,10 @@ std::vector<Case> cases(Tier tier) {
   const std::vector<std::pair<std::string, std::string>> shape_mods =
       tier == Tier::kQuick
           ? std::vector<std::pair<std::string, std::string>>{{"alibi", "causalbr"}}
-          : std::vector<std::pair<std::string, std::string>>{
-                {"alibi", "causalbr"}, {"softcap30", "none"}, {"none", "causal"},
-                {"relbias", "window"}};
+          : std::vector<std::pair<std::string, std::string>>{{"alibi", "causalbr"},
+                                                             {"softcap30", "none"},
+                                                             {"none", "causal"},
+                                                             {"relbias", "window"}};
   for (const Shape& shape : shape_sweep(tier)) {
     for (DType dtype : {DType::kBF16, DType::kF16}) {
       if (tier == Tier::kQuick && dtype == DType::kF16) continue;
@@ -282,6 +294,29 @@ std::vector<Case> cases(Tier tier) {
         result.push_back(make_case(shape, Layout::kBSHD, dtype, modifier, "none", backward));
       }
     }
+  }
+  // 5. A paged KV cache: decoding (one or two new tokens per sequence, GQA up to 8:1) and chunked
+  //    prefill (ragged thd chunks), page sizes 1, 16 and 64, lengths from the query count to the
+  //    capacity and an empty slot, in every storage dtype.
+  const Shape decode{4, 8, 1, 1, 300, 64, 64}, decode2{4, 4, 2, 2, 129, 128, 128};
+  const Shape prefill{3, 4, 4, 37, 200, 64, 64};
+  const std::vector<std::pair<std::string, std::string>> paged_mods =
+      tier == Tier::kQuick
+          ? std::vector<std::pair<std::string, std::string>>{{"softcap30", "causal"},
+                                                             {"alibi", "window"},
+                                                             {"bias", "document"}}
+          : std::vector<std::pair<std::string, std::string>>{
+                {"softcap30", "causal"}, {"alibi", "window"},   {"bias", "document"},
+                {"alibihead", "none"},   {"relbias", "prefix"}, {"neginf", "emptyrows"}};
+  for (const auto& [modifier, mask] : paged_mods) {
+    for (DType dtype : kDtypes) {
+      if (tier == Tier::kQuick && dtype == DType::kF16) continue;
+      // One new token sits after every key: a causal mask keeps them all (nothing to check).
+      result.push_back(paged_case(decode, Layout::kBSHD, dtype, modifier,
+                                  mask == "causal" ? "window" : mask, 16));
+      result.push_back(paged_case(prefill, Layout::kTHD, dtype, modifier, mask, 64));
+    }
+    result.push_back(paged_case(decode2, Layout::kBSHD, DType::kBF16, modifier, mask, 1));
   }
   return result;
 }
@@ -332,6 +367,58 @@ std::vector<std::int64_t> ragged_offsets(std::int64_t batch, std::int64_t length
 
 }  // namespace
 
+namespace {
+
+// Makes instance.desc a paged KV cache problem (Case::page_size) and fills its page table and
+// lengths; `tensor_dims` gets the capacity as both lengths.
+void paged_cache(const Case& c, std::uint64_t seed, Instance& instance, Shape& tensor_dims) {
+  ProblemDesc& desc = instance.desc;
+  const std::int64_t page_size = c.page_size;
+  const std::int64_t max_pages = (c.shape.seq_len_kv + page_size - 1) / page_size;
+  const std::int64_t capacity = max_pages * page_size;
+  constexpr std::int64_t kSparePages = 3;
+  const std::int64_t pages = c.shape.batch * max_pages + kSparePages;
+  desc.kv_cache = KvCacheDesc{pages, page_size, max_pages};
+  desc.seq_len_kv = 0;
+  tensor_dims.seq_len_q = tensor_dims.seq_len_kv = capacity;
+
+  std::vector<std::int32_t> order(static_cast<std::size_t>(pages));
+  std::iota(order.begin(), order.end(), 0);
+  std::shuffle(order.begin(), order.end(), std::mt19937_64(seed * 7919u + 5u));
+  instance.page_table = HostTensor(DType::kI32, {c.shape.batch, max_pages});
+  instance.cache_lens = HostTensor(DType::kI32, {c.shape.batch});
+  std::size_t next = 0;
+  for (std::int64_t b = 0; b < c.shape.batch; ++b) {
+    const std::int64_t q_len = c.layout == Layout::kTHD
+                                   ? desc.cu_seqlens_q[static_cast<std::size_t>(b + 1)] -
+                                         desc.cu_seqlens_q[static_cast<std::size_t>(b)]
+                                   : c.shape.seq_len_q;
+    constexpr std::int64_t kPatterns = 4;
+    std::int64_t length = 0;
+    switch (b % kPatterns) {
+      case 0:
+        length = capacity;
+        break;
+      case 1:
+        length = q_len;
+        break;
+      case 2:
+        length = (q_len + capacity) / 2;
+        break;
+      default:
+        length = 0;  // an empty slot
+        break;
+    }
+    instance.cache_lens.set(b, static_cast<double>(length));
+    const std::int64_t used = (length + page_size - 1) / page_size;
+    for (std::int64_t j = 0; j < max_pages; ++j) {
+      instance.page_table.set(b * max_pages + j, j < used ? order[next++] : -1);
+    }
+  }
+}
+
+}  // namespace
+
 Instance instantiate(const Case& c, Device device, std::uint64_t seed) {
   Instance instance;
   ProblemDesc& desc = instance.desc;
@@ -348,12 +435,15 @@ Instance instantiate(const Case& c, Device device, std::uint64_t seed) {
   desc.device = device;
   if (c.layout == Layout::kTHD) {
     desc.cu_seqlens_q = ragged_offsets(c.shape.batch, c.shape.seq_len_q);
-    desc.cu_seqlens_kv = ragged_offsets(c.shape.batch, c.shape.seq_len_kv);
+    if (c.page_size == 0) desc.cu_seqlens_kv = ragged_offsets(c.shape.batch, c.shape.seq_len_kv);
   }
+  // A paged case's tensors are indexed by positions: the queries' too reach the capacity.
+  Shape tensor_dims = c.shape;
+  if (c.page_size > 0) paged_cache(c, seed, instance, tensor_dims);
 
   std::uint64_t tensor_seed = seed * 1000003u + 17u;
   for (const TensorSpec& spec : tensors_of(c.modifier, c.mask)) {
-    const std::vector<std::int64_t> shape = tensor_shape(spec.name, c.shape);
+    const std::vector<std::int64_t> shape = tensor_shape(spec.name, tensor_dims);
     const bool is_index = spec.contents == TensorSpec::Contents::kDocumentsOfQuery ||
                           spec.contents == TensorSpec::Contents::kDocumentsOfKey;
     HostTensor tensor(is_index ? DType::kI32 : DType::kF32, shape);
@@ -363,8 +453,8 @@ Instance instantiate(const Case& c, Device device, std::uint64_t seed) {
         break;
       case TensorSpec::Contents::kSlopes:
         for (std::int64_t h = 0; h < shape[0]; ++h) {
-          tensor.set(h, std::exp2(-8.0 * static_cast<double>(h + 1) /
-                                  static_cast<double>(shape[0])));
+          tensor.set(h,
+                     std::exp2(-8.0 * static_cast<double>(h + 1) / static_cast<double>(shape[0])));
         }
         break;
       case TensorSpec::Contents::kDocumentsOfQuery:

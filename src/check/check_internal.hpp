@@ -81,6 +81,7 @@ struct ReferenceOutputs {
 struct ReferenceInputs {
   HostTensor q, k, v, dout;                   // float64
   std::map<std::string, HostTensor> tensors;  // float tensors in float64, integer ones as they are
+  HostTensor page_table{}, cache_lens{};      // a paged case's
 };
 
 // What the float64 reference computes: the request, or a wrong function a conformance case must

@@ -80,6 +80,10 @@ ReferenceOutputs run_reference(const ProblemDesc& desc, const ReferenceInputs& i
       inputs.q.view(), inputs.k.view(), inputs.v.view(), result.out.view(), result.lse.view(), {},
       nullptr};
   for (const auto& [name, tensor] : inputs.tensors) args.tensors[name] = tensor.view();
+  if (problem.kv_cache()) {
+    args.page_table = inputs.page_table.view();
+    args.cache_lens = inputs.cache_lens.view();
+  }
   plan->forward(args);
   if (!problem.wants_backward()) return result;
   result.dq = HostTensor(DType::kF64, inputs.q.shape());

@@ -9,6 +9,7 @@
 #include <cstring>
 #include <limits>
 #include <memory>
+#include <optional>
 #include <vector>
 
 #include "check/check_internal.hpp"
@@ -226,6 +227,10 @@ Outcome run_case(const Engine& engine, const Case& test_case, std::uint64_t seed
   reference_desc.device = Device::kCpu;
   detail::ReferenceInputs reference_inputs{
       q.to(DType::kF64), k.to(DType::kF64), v.to(DType::kF64), dout.to(DType::kF64), {}};
+  if (problem.kv_cache()) {
+    reference_inputs.page_table = instance.page_table.to(DType::kI32);
+    reference_inputs.cache_lens = instance.cache_lens.to(DType::kI32);
+  }
   for (auto& [name, tensor] : instance.tensors) {
     const bool is_float = is_floating(tensor.dtype());
     reference_inputs.tensors.emplace(name,
@@ -255,6 +260,10 @@ Outcome run_case(const Engine& engine, const Case& test_case, std::uint64_t seed
   {
     ForwardArgs args{q.view(), k.view(), v.view(), plain_out.view(), plain_lse.view(), {}, nullptr};
     for (auto& [name, tensor] : instance.tensors) args.tensors[name] = tensor.view();
+    if (problem.kv_cache()) {
+      args.page_table = instance.page_table.view();
+      args.cache_lens = instance.cache_lens.view();
+    }
     detail::plain_forward(problem, args);
     if (test_case.backward) {
       plain_dq = HostTensor(dtype, q.shape());
@@ -346,6 +355,11 @@ Outcome run_case(const Engine& engine, const Case& test_case, std::uint64_t seed
     ForwardArgs args{q_in.view(),       k_in.view(), v_in.view(), out.engine_view(),
                      lse.engine_view(), {},          nullptr};
     for (auto& [name, input] : tensor_inputs) args.tensors[name] = input->view();
+    std::optional<DeviceInput> page_table_in, cache_lens_in;
+    if (problem.kv_cache()) {
+      args.page_table = page_table_in.emplace(instance.page_table, memory).view();
+      args.cache_lens = cache_lens_in.emplace(instance.cache_lens, memory).view();
+    }
     plan->forward(args);
     const bool out_guard = out.fetch();
     const bool lse_guard = lse.fetch();

@@ -48,6 +48,9 @@ struct Case {
   // the identity, and the fuzz test checks the engine, not the case.
   bool prove_discriminating = true;
   Planted planted = Planted::kNone;
+  // > 0: K and V in a paged KV cache of pages of this many tokens (forward only, bshd or thd
+  // queries); shape.seq_len_kv is then the cache's capacity.
+  std::int64_t page_size = 0;
 };
 
 // A case with a custom score modifier (see Case::custom_score_mod), not proven discriminating.
@@ -69,6 +72,10 @@ struct Instance {
   double query_key_stddev = 1.0;
   // Mean of the q and k entries (scores bounded away from 0 for a modifier singular there).
   double query_key_mean = 0.0;
+  // A paged case's (Case::page_size): the sequences' pages, shuffled over a pool with spare pages
+  // (entries past a sequence's pages are -1: never read), and their lengths: the capacity, the
+  // query count alone, halfway between, and an empty slot, in turn.
+  HostTensor page_table, cache_lens;
 };
 Instance instantiate(const Case& test_case, Device device, std::uint64_t seed);
 
