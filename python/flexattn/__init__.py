@@ -35,7 +35,7 @@ def trace(score_mod=None, mask_mod=None, tensors=None) -> dict:
 
 def attention(query, key, value, score_mod=None, mask_mod=None, *, scale=None,
               enable_gqa=False, return_lse=False, engine="auto", layout="bhsd", tensors=None,
-              cu_seqlens_q=None, cu_seqlens_kv=None):
+              cu_seqlens_q=None, cu_seqlens_kv=None, page_table=None, cache_lens=None):
     """Scaled-dot-product attention with a score modifier and a mask (torch tensors).
 
     Shaped like torch.nn.attention.flex_attention.flex_attention: query (B, Hq, Sq, D), key
@@ -45,13 +45,19 @@ def attention(query, key, value, score_mod=None, mask_mod=None, *, scale=None,
     functions (traced into the IR) or IR text; `tensors` names the tensors IR text reads.
     Returns the output (like query, with Dv) and, with return_lse, the log-sum-exp (B, Hq, Sq;
     thd: Hq, T).
+
+    With page_table (int, (B, max_pages)) and cache_lens (int, (B,)), key and value are a paged
+    KV cache, pools (pages, page_size, Hkv, D), and the queries (layout "bshd" or "thd") are the
+    last tokens of each sequence, at positions cache_lens[b] - new tokens + i (q_idx); forward
+    only (docs/python.md, "Paged KV cache").
     """
     from . import _api
 
     return _api.attention(query, key, value, score_mod, mask_mod, scale=scale,
                           enable_gqa=enable_gqa, return_lse=return_lse, engine=engine,
                           layout=layout, tensors=tensors, cu_seqlens_q=cu_seqlens_q,
-                          cu_seqlens_kv=cu_seqlens_kv)
+                          cu_seqlens_kv=cu_seqlens_kv, page_table=page_table,
+                          cache_lens=cache_lens)
 
 
 def explain(query, key, value, score_mod=None, mask_mod=None, *, scale=None, enable_gqa=False,

@@ -157,9 +157,61 @@ def _layout_argument(layout, cu_seqlens_q, cu_seqlens_kv) -> str:
     return layout
 
 
+def _check_cache_inputs(query, key, value, page_table, cache_lens, layout, enable_gqa, engine,
+                        scale, cu_seqlens_kv):
+    if page_table is None or cache_lens is None:
+        raise ValueError("a paged KV cache needs both page_table and cache_lens")
+    if layout not in ("bshd", "thd"):
+        raise ValueError(f"a KV cache takes queries in layout bshd or thd, not {layout}")
+    if cu_seqlens_kv is not None:
+        raise ValueError("a KV cache takes no cu_seqlens_kv: cache_lens give the lengths")
+    for name, t, rank in (("query", query, 3 if layout == "thd" else 4), ("key", key, 4),
+                          ("value", value, 4), ("page_table", page_table, 2),
+                          ("cache_lens", cache_lens, 1)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, not {type(t).__name__}")
+        if t.dim() != rank:
+            raise ValueError(f"{name} has {t.dim()} dimensions {tuple(t.shape)}; a KV cache "
+                             f"needs {rank}" + (" (pages, page_size, heads_kv, head_dim)"
+                                                if name in ("key", "value") else ""))
+    for name, t in (("page_table", page_table), ("cache_lens", cache_lens)):
+        if t.dtype not in (torch.int32, torch.int64) or t.device != query.device:
+            raise ValueError(f"{name} must be an int32 or int64 tensor on {query.device}; got "
+                             f"{t.dtype} on {t.device}")
+    if not isinstance(engine, str):
+        raise TypeError(f"engine must be a string ('auto' or an engine name), not "
+                        f"{type(engine).__name__}")
+    if scale is not None and not isinstance(scale, (int, float)):
+        raise TypeError(f"scale must be a number or None, not {type(scale).__name__}")
+    ops.dtype_name(query, "query")
+    if key.dtype != query.dtype or value.dtype != query.dtype:
+        raise ValueError(f"query, key and value must have one dtype; got {query.dtype}, "
+                         f"{key.dtype}, {value.dtype}")
+    if key.device != query.device or value.device != query.device:
+        raise ValueError(f"query, key and value must be on one device; got {query.device}, "
+                         f"{key.device}, {value.device}")
+    if query.shape[-2] != key.shape[2] and not enable_gqa:
+        raise ValueError(f"query has {query.shape[-2]} heads and key/value {key.shape[2]}; pass "
+                         "enable_gqa=True for grouped-query attention")
+    if value.shape[:3] != key.shape[:3]:
+        raise ValueError(f"key {tuple(key.shape)} and value {tuple(value.shape)} differ outside "
+                         "the head dimension")
+
+
 def attention(query, key, value, score_mod=None, mask_mod=None, *, scale=None, enable_gqa=False,
               return_lse=False, engine="auto", layout="bhsd", tensors=None, cu_seqlens_q=None,
-              cu_seqlens_kv=None):
+              cu_seqlens_kv=None, page_table=None, cache_lens=None):
+    if page_table is not None or cache_lens is not None:
+        _check_cache_inputs(query, key, value, page_table, cache_lens, layout, enable_gqa, engine,
+                            scale, cu_seqlens_kv)
+        layout = ops.thd_layout(cu_seqlens_q, None) if layout == "thd" else _layout_argument(
+            layout, cu_seqlens_q, None)
+        score_text, mask_text, names, values = _captured(query, score_mod, mask_mod, tensors)
+        out, lse = ops.attention_kv_cache(query, key, value, page_table, cache_lens, values,
+                                          ",".join(names), score_text, mask_text,
+                                          None if scale is None else float(scale), layout,
+                                          engine)
+        return (out, lse) if return_lse else out
     _check_inputs(query, key, value, layout, enable_gqa, engine, scale)
     layout = _layout_argument(layout, cu_seqlens_q, cu_seqlens_kv)
     score_text, mask_text, names, values = _captured(query, score_mod, mask_mod, tensors)

@@ -255,6 +255,63 @@ def _wanted(tensor_names, tensors, tensor_needs) -> str:
                     if need and t.is_floating_point())
 
 
+# ---- a paged KV cache (forward only) --------------------------------------------------------
+
+_cache_plans: dict = {}
+
+
+def cache_shapes(layout: str, q: torch.Tensor, v: torch.Tensor) -> tuple[list, list]:
+    """Output and LSE shapes of a KV cache problem: queries bshd (B, S, Hq, D) or thd (T, Hq, D),
+    V a pool (pages, page_size, Hkv, Dv)."""
+    if layout.startswith("thd:"):
+        return [q.shape[0], q.shape[1], v.shape[3]], [q.shape[1], q.shape[0]]
+    return [q.shape[0], q.shape[1], q.shape[2], v.shape[3]], [q.shape[0], q.shape[2], q.shape[1]]
+
+
+def forward_kv_cache(query, key, value, page_table, cache_lens, tensors, tensor_names, score_mod,
+                     mask_mod, scale, layout, engine):
+    """Output and LSE of the selected plan for queries against the pools `key` and `value`
+    (docs/python.md, "Paged KV cache"). The plan is cached by every shape, stride and dtype; the
+    page table and lengths are checked at every call (Plan::forward)."""
+    q, k, v = usable(query), usable(key), usable(value)
+    page_table = page_table.to(device=q.device, dtype=torch.int32).contiguous()
+    cache_lens = cache_lens.to(device=q.device, dtype=torch.int32).contiguous()
+    tensors = [t.contiguous() for t in tensors] if tensors else []
+    names = _names(tensor_names)
+    key_ = (score_mod, mask_mod, scale, layout, engine, q.dtype, q.device, q.shape, q.stride(),
+            k.shape, k.stride(), v.shape, v.stride(), tuple(page_table.shape), tensor_names,
+            tuple((t.dtype, t.shape) for t in tensors))
+    shape, lse_shape = cache_shapes(layout, q, v)
+    plan = _cache_plans.get(key_)
+    if plan is None:
+        name, cu_q, _ = parse_layout(layout)
+        thd = name == "thd"
+        problem = {
+            "batch": len(cu_q) - 1 if thd else q.shape[0], "heads_q": q.shape[-2],
+            "heads_kv": k.shape[2], "seq_len_q": 0 if thd else q.shape[1], "seq_len_kv": 0,
+            "head_dim_qk": q.shape[-1], "head_dim_v": v.shape[3], "layout": name,
+            "cu_seqlens_q": cu_q, "cu_seqlens_kv": [],
+            "kv_cache": (k.shape[0], k.shape[1], page_table.shape[-1]),
+            "dtype": _DTYPES[q.dtype], "scale": scale, "device": q.device.type,
+            "backward": False, "score_mod": score_mod, "mask_mod": mask_mod,
+            "q_strides": view(q)[3], "k_strides": view(k)[3], "v_strides": view(v)[3],
+            "tensors": {n: (_DTYPES[t.dtype], list(t.shape)) for n, t in zip(names, tensors)},
+        }
+        plan = _ext.select(problem, engine)
+        if len(_cache_plans) >= 1024:
+            _cache_plans.clear()
+        _cache_plans[key_] = plan
+    out = torch.empty(shape, dtype=q.dtype, device=q.device)
+    lse = torch.empty(lse_shape, dtype=lse_dtype(q), device=q.device)
+    scratch = _workspace(plan.forward_workspace_bytes, q)
+    plan.forward_pointers(q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(),
+                          lse.data_ptr(), {n: t.data_ptr() for n, t in zip(names, tensors)},
+                          _stream(q), _pointer(scratch), _size(scratch), page_table.data_ptr(),
+                          cache_lens.data_ptr())
+    del scratch  # after the call has enqueued its work
+    return out, lse
+
+
 # ---- the custom ops -------------------------------------------------------------------------
 
 
@@ -372,3 +429,37 @@ def attention(query, key, value, tensors, tensor_names, score_mod, mask_mod, sca
                                 layout, engine, *tensors)
     return attention_op(query, key, value, tensors, tensor_names, score_mod, mask_mod, scale,
                         layout, engine)
+
+
+@torch.library.custom_op("flexattn::attention_kv_cache", mutates_args=())
+def attention_kv_cache_op(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                          page_table: torch.Tensor, cache_lens: torch.Tensor,
+                          tensors: list[torch.Tensor], tensor_names: str, score_mod: str,
+                          mask_mod: str, scale: Optional[float], layout: str,
+                          engine: str) -> tuple[torch.Tensor, torch.Tensor]:
+    return forward_kv_cache(query, key, value, page_table, cache_lens, tensors, tensor_names,
+                            score_mod, mask_mod, scale, layout, engine)
+
+
+@attention_kv_cache_op.register_fake
+def _(query, key, value, page_table, cache_lens, tensors, tensor_names, score_mod, mask_mod,
+      scale, layout, engine):
+    shape, lse_shape = cache_shapes(layout, query, value)
+    return query.new_empty(shape), query.new_empty(lse_shape, dtype=lse_dtype(query))
+
+
+def attention_kv_cache(query, key, value, page_table, cache_lens, tensors, tensor_names,
+                       score_mod, mask_mod, scale, layout, engine):
+    """(out, lse) against a paged KV cache: forward only; eagerly, or through the custom op."""
+    inputs = (query, key, value, *tensors)
+    if torch.is_grad_enabled() and any(t.requires_grad for t in inputs):
+        raise ValueError("a KV cache problem is forward only: call it under torch.no_grad() or "
+                         "with tensors that do not require grad")
+    if (not torch.compiler.is_compiling() and _plain((*inputs, page_table, cache_lens))
+            and torch._C._get_dispatch_mode(torch._C._TorchDispatchModeKey.FAKE) is None
+            and not torch._C._len_torch_dispatch_stack()
+            and not torch._C._len_torch_function_stack()):
+        return forward_kv_cache(query, key, value, page_table, cache_lens, tensors, tensor_names,
+                                score_mod, mask_mod, scale, layout, engine)
+    return attention_kv_cache_op(query, key, value, page_table, cache_lens, tensors,
+                                 tensor_names, score_mod, mask_mod, scale, layout, engine)

@@ -161,6 +161,10 @@ ProblemDesc problem_desc(const nb::dict& dict) {
   using Offsets = std::vector<std::int64_t>;
   desc.cu_seqlens_q = get<Offsets>(dict, "cu_seqlens_q", {});
   desc.cu_seqlens_kv = get<Offsets>(dict, "cu_seqlens_kv", {});
+  using Cache = std::optional<std::tuple<std::int64_t, std::int64_t, std::int64_t>>;
+  if (const Cache cache = get<Cache>(dict, "kv_cache", std::nullopt)) {
+    desc.kv_cache = KvCacheDesc{std::get<0>(*cache), std::get<1>(*cache), std::get<2>(*cache)};
+  }
   using Decls = std::map<std::string, std::pair<std::string, std::vector<std::int64_t>>>;
   for (const auto& [name, decl] : get<Decls>(dict, "tensors", {})) {
     desc.tensors[name] = TensorDecl{parse_dtype(decl.first), decl.second};
@@ -264,10 +268,13 @@ class PyPlan {
   // the problem the plan was built for. The Python layer calls these only with tensors whose
   // layout is the plan's (its plan cache is keyed by every shape, stride and dtype); the plan
   // still checks every view before running.
+  // A KV cache problem's page table and lengths come as pointers too (int32, contiguous);
+  // Plan::forward checks the lengths and the pages they use before running.
   void forward_pointers(std::uintptr_t q, std::uintptr_t k, std::uintptr_t v, std::uintptr_t out,
                         std::uintptr_t lse, const std::map<std::string, std::uintptr_t>& tensors,
                         std::uintptr_t stream, std::uintptr_t workspace,
-                        std::size_t workspace_bytes) const {
+                        std::size_t workspace_bytes, std::uintptr_t page_table,
+                        std::uintptr_t cache_lens) const {
     const Problem& problem = plan_->problem();
     ForwardArgs args;
     args.workspace = {reinterpret_cast<void*>(workspace), workspace_bytes};
@@ -277,6 +284,10 @@ class PyPlan {
     args.out = expected(problem, "o", out);
     args.lse = expected(problem, "lse", lse);
     args.tensors = tensor_views(problem, tensors);
+    if (problem.kv_cache()) {
+      args.page_table = expected(problem, "page_table", page_table);
+      args.cache_lens = expected(problem, "cache_lens", cache_lens);
+    }
     args.stream = reinterpret_cast<void*>(stream);
     const nb::gil_scoped_release release;
     plan_->forward(args);
@@ -442,7 +453,8 @@ NB_MODULE(_flexattn, m) {
                    [](const PyPlan& plan) { return plan.workspace_bytes(Pass::kBackward); })
       .def("forward_pointers", &PyPlan::forward_pointers, nb::arg("q"), nb::arg("k"), nb::arg("v"),
            nb::arg("out"), nb::arg("lse"), nb::arg("tensors"), nb::arg("stream"),
-           nb::arg("workspace") = 0, nb::arg("workspace_bytes") = 0)
+           nb::arg("workspace") = 0, nb::arg("workspace_bytes") = 0, nb::arg("page_table") = 0,
+           nb::arg("cache_lens") = 0)
       .def("backward", &PyPlan::backward, nb::arg("q"), nb::arg("k"), nb::arg("v"), nb::arg("out"),
            nb::arg("lse"), nb::arg("dout"), nb::arg("dq"), nb::arg("dk"), nb::arg("dv"),
            nb::arg("tensors"), nb::arg("tensor_grads"), nb::arg("stream"), nb::arg("workspace") = 0,
