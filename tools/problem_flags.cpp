@@ -245,7 +245,7 @@ void apply_kv_cache(const ProblemFlags& flags, ProblemDesc& desc, Setup& setup) 
     length = *std::max_element(flags.cache_lens.begin(), flags.cache_lens.end());
   }
   if (length <= 0) length = longest_q;
-  const std::int64_t max_pages = (length + flags.page_size - 1) / flags.page_size;
+  const std::int64_t max_pages = length / flags.page_size + (length % flags.page_size != 0 ? 1 : 0);
   std::int64_t pages = setup.pool_pages != 0 ? setup.pool_pages : flags.pages;
   if (pages == 0) {
     if (max_pages > std::numeric_limits<std::int64_t>::max() / desc.batch) {

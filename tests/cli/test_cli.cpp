@@ -369,6 +369,9 @@ TEST_F(Cli, RunPagedKvCacheRefusesBadCaches) {
   expect_failure(run({"run", "--page-size", "16", "--layout", "sbhd"}), 2,
                  "a KV cache takes queries in layout bshd or thd, not sbhd");
   expect_failure(run({"run", "--page-size", "16", "--backward"}), 2, "forward only");
+  expect_failure(run({"run", "--page-size", "16", "--seq-len-kv", "9223372036854775807"}), 2,
+                 "capacity max_pages x page_size (576460752303423488 x 16) is past the "
+                 "modifiers' i32 indices");
   HostTensor table(DType::kI64, {1, 8});
   write_npy(path("table.npy"), table);
   expect_failure(run({"run", "--page-size", "16", "--page-table", "table.npy"}), 2,
