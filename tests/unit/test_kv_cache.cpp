@@ -318,6 +318,39 @@ TEST(KvCache, PagedEqualsContiguousAndTheDenseProblemBitForBit) {
     }
 }
 
+// A decoding step on cpu packs a GQA group's query heads into the lanes of one task; every lane
+// must compute exactly what it computes head by head: the same cache with its K and V heads
+// repeated for every query head (no groups, so nothing packed) gives the same bits.
+TEST(KvCache, GqaGroupsPackedIntoLanesEqualHeadByHeadBitForBit) {
+  for (const Layout layout : {Layout::kBSHD, Layout::kTHD}) {
+    const Geometry grouped = decode_batch(layout, 8, 2);
+    Geometry per_head = grouped;
+    per_head.heads_kv = 8;
+    const Data data = random_data(grouped, 21);
+    Data repeated = random_data(per_head, 21);
+    for (std::size_t b = 0; b < grouped.cache_lens.size(); ++b) {
+      for (std::int64_t s = 0; s < grouped.cache_lens[b]; ++s) {
+        for (std::int64_t h = 0; h < 8; ++h) {
+          for (std::int64_t d = 0; d < grouped.dim; ++d) {
+            const auto from = static_cast<std::size_t>((s * 2 + h / 4) * grouped.dim + d);
+            const auto to = static_cast<std::size_t>((s * 8 + h) * grouped.dim + d);
+            repeated.k[b][to] = data.k[b][from];
+            repeated.v[b][to] = data.v[b][from];
+          }
+        }
+      }
+    }
+    for (const Modifier& modifier : modifiers()) {
+      const Result packed = run_paged(cpu(), grouped, modifier, data, 16, 2);
+      const Result head_by_head = run_paged(cpu(), per_head, modifier, repeated, 16, 2);
+      EXPECT_TRUE(bit_identical(packed.out, head_by_head.out))
+          << to_string(layout) << " " << modifier.name;
+      EXPECT_TRUE(bit_identical(packed.lse, head_by_head.lse))
+          << to_string(layout) << " " << modifier.name;
+    }
+  }
+}
+
 // The modifiers see positions, not rows: a causal cache problem differs from the same rows with
 // the mask aligned to the top left (the mutation an engine that forgot the offset would compute).
 TEST(KvCache, QueriesSitAtTheEndOfTheCache) {

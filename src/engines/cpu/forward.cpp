@@ -36,6 +36,7 @@ struct ForwardState {
   std::vector<float> row_delta;                // (block_q,): statistics pass, unnormalised D
   std::vector<float> scratch;                  // (block_q, max(head_dim_qk, head_dim_v))
   std::vector<float> cleaned;                  // gemm_skipping_zeros's copy of a non-finite tile
+  std::vector<std::int32_t> lane_heads, lane_queries;  // a packed task's (block_q,) each
 };
 
 // A KV cache problem's run: each sequence's length and query offset (its queries are the last
@@ -90,8 +91,17 @@ void CpuPlan::forward_pass(const ForwardArgs& args, const TensorView* dout,
     return cache ? cache_run.grids[to_size(b)] : grid(b);
   };
 
-  // Tasks: (batch, query tile) pairs times heads, heads innermost so neighbouring tasks of a
-  // GQA group read the same K and V.
+  // A decoding step (the forward alone, every sequence's queries of a GQA group within one tile)
+  // packs the group's query heads into the lanes: lane g * nq + r is head h_kv * group + g at
+  // row r, so a K and V tile is read, converted and multiplied once for the group instead of
+  // once per head. Each lane computes exactly what it computes unpacked.
+  const bool packed =
+      dout == nullptr && statistics == nullptr && group > 1 && p.seq_len_q() * group <= block_q;
+  const std::int64_t heads_per_task = packed ? group : 1;
+  const std::int64_t tasks_per_tile = heads / heads_per_task;
+
+  // Tasks: (batch, query tile) pairs times heads (or GQA groups when packed), heads innermost so
+  // neighbouring tasks of a GQA group read the same K and V.
   std::vector<std::pair<std::int64_t, std::int64_t>> query_tiles;
   for (std::int64_t b = 0; b < p.batch(); ++b) {
     for (std::int64_t qt = 0; qt < grid_of(b).query_tiles; ++qt) query_tiles.emplace_back(b, qt);
@@ -116,21 +126,28 @@ void CpuPlan::forward_pass(const ForwardArgs& args, const TensorView* dout,
       vector->resize(to_size(block_q));
     }
     s.scratch.resize(to_size(block_q * std::max(dim_qk, dim_v)));
+    s.lane_heads.resize(to_size(block_q));
+    s.lane_queries.resize(to_size(block_q));
     return s;
   };
 
   const auto task = [&](std::int64_t index, ForwardState& s) {
-    const auto [b, qt] = query_tiles[to_size(index / heads)];
-    const std::int64_t h = index % heads, h_kv = h / group;
+    const auto [b, qt] = query_tiles[to_size(index / tasks_per_tile)];
+    // Heads h .. h + heads_per_task - 1, all of kv head h_kv.
+    const std::int64_t h = index % tasks_per_tile * heads_per_task, h_kv = h / group;
     const std::int64_t q_len = p.seq_len_q_of(b);
     const std::int64_t kv_len = cache ? cache_run.lengths[to_size(b)] : p.seq_len_kv_of(b);
     const std::int64_t q_offset = cache ? cache_run.offsets[to_size(b)] : 0;
     const std::int64_t q0 = qt * block_q, nq = std::min(block_q, q_len - q0);
-    const std::int64_t lanes = round_up(nq, kVectorWidth);
+    const std::int64_t used = heads_per_task * nq;  // lanes holding a query row
+    const std::int64_t lanes = round_up(used, kVectorWidth);
     const TileGrid& tile_grid = grid_of(b);
 
-    const RowBlock q_block{sequence_rows(p, args.q, true, b, h), q0, nq, dim_qk};
-    read_rows_transposed(args.q, q_block, scale, s.queries_t.data(), ld, lanes, s.scratch.data());
+    for (std::int64_t g = 0; g < heads_per_task; ++g) {  // the last head also zeroes the padding
+      const RowBlock q_block{sequence_rows(p, args.q, true, b, h + g), q0, nq, dim_qk};
+      read_rows_transposed(args.q, q_block, scale, s.queries_t.data() + g * nq, ld,
+                           g + 1 < heads_per_task ? nq : lanes - g * nq, s.scratch.data());
+    }
     const SequenceRows k_rows = cache ? SequenceRows{} : sequence_rows(p, args.k, false, b, h_kv);
     const SequenceRows v_rows = cache ? SequenceRows{} : sequence_rows(p, args.v, false, b, h_kv);
     std::fill_n(s.row_max.begin(), lanes, kNegativeInfinity);
@@ -143,13 +160,18 @@ void CpuPlan::forward_pass(const ForwardArgs& args, const TensorView* dout,
     for (std::int64_t j = 0; with_output && j < dim_v; ++j) {
       std::fill_n(&s.out_t[to_size(j * ld)], lanes, 0.0f);
     }
-    if (s.score_runner) {
-      s.score_runner->set_head(b, h, q_len, kv_len);
-      s.score_runner->set_queries(q0, nq, q_offset);
+    for (std::int64_t i = 0; packed && i < used; ++i) {
+      s.lane_heads[to_size(i)] = static_cast<std::int32_t>(h + i / nq);
+      s.lane_queries[to_size(i)] = static_cast<std::int32_t>(q_offset + q0 + i % nq);
     }
-    if (s.mask_runner) {
-      s.mask_runner->set_head(b, h, q_len, kv_len);
-      s.mask_runner->set_queries(q0, nq, q_offset);
+    for (auto* runner : {&s.score_runner, &s.mask_runner}) {
+      if (!*runner) continue;
+      if (packed) {
+        (*runner)->set_lanes(b, s.lane_heads.data(), s.lane_queries.data(), used, q_len, kv_len);
+      } else {
+        (*runner)->set_head(b, h, q_len, kv_len);
+        (*runner)->set_queries(q0, nq, q_offset);
+      }
     }
 
     for (std::int64_t kt = 0; kt < tile_grid.key_tiles; ++kt) {
@@ -182,10 +204,10 @@ void CpuPlan::forward_pass(const ForwardArgs& args, const TensorView* dout,
           }
         }
       }
-      // Padding lanes (past nq) hold score_mod at a dummy score: masked, so nothing of them is
-      // kept (the statistics pass's D and max are per lane, but nothing may depend on them).
-      for (std::int64_t c = 0; nq < lanes && c < nk; ++c) {
-        std::fill(probs + c * ld + nq, probs + c * ld + lanes, kNegativeInfinity);
+      // Padding lanes (past used) hold score_mod at a dummy score: masked, so nothing of them
+      // is kept (the statistics pass's D and max are per lane, but nothing may depend on them).
+      for (std::int64_t c = 0; used < lanes && c < nk; ++c) {
+        std::fill(probs + c * ld + used, probs + c * ld + lanes, kNegativeInfinity);
       }
 
       // Online softmax: P^T in place, the running max and sum, and O^T rescaled when the max
@@ -210,10 +232,10 @@ void CpuPlan::forward_pass(const ForwardArgs& args, const TensorView* dout,
     }
 
     // Normalise; a row with no kept key has O = 0 and LSE = -inf.
-    for (std::int64_t r = 0; r < nq; ++r) {
+    for (std::int64_t r = 0; r < used; ++r) {
       const bool empty = s.row_sum[r] == 0.0f;
       s.alpha[r] = empty ? 0.0f : 1.0f / s.row_sum[r];
-      const std::int64_t at = statistic_offset(p, b, h, q0 + r);
+      const std::int64_t at = statistic_offset(p, b, h + r / nq, q0 + r % nq);
       if (lse != nullptr) {
         lse[at] = empty ? kNegativeInfinity : s.row_max[r] + std::log(s.row_sum[r]);
       }
@@ -226,13 +248,15 @@ void CpuPlan::forward_pass(const ForwardArgs& args, const TensorView* dout,
     if (!with_output) return;
     for (std::int64_t j = 0; j < dim_v; ++j) {
       float* out_row = &s.out_t[to_size(j * ld)];
-      for (std::int64_t r = 0; r < nq; ++r) out_row[r] *= s.alpha[r];
+      for (std::int64_t r = 0; r < used; ++r) out_row[r] *= s.alpha[r];
     }
-    const RowBlock o_block{sequence_rows(p, args.out, true, b, h), q0, nq, dim_v};
-    write_rows_transposed(args.out, o_block, s.out_t.data(), ld, 1.0f, s.scratch.data());
+    for (std::int64_t g = 0; g < heads_per_task; ++g) {
+      const RowBlock o_block{sequence_rows(p, args.out, true, b, h + g), q0, nq, dim_v};
+      write_rows_transposed(args.out, o_block, s.out_t.data() + g * nq, ld, 1.0f, s.scratch.data());
+    }
   };
 
-  parallel_for(static_cast<std::int64_t>(query_tiles.size()) * heads, make_state, task);
+  parallel_for(static_cast<std::int64_t>(query_tiles.size()) * tasks_per_tile, make_state, task);
 }
 
 }  // namespace flexattn::cpu

@@ -104,6 +104,11 @@ class TapeRunner {
   // the second group of instructions.
   // `position_offset` is added to every query index (a KV cache's queries sit at its end).
   void set_queries(std::int64_t first, std::int64_t count, std::int64_t position_offset = 0);
+  // set_head and set_queries at once for lanes that differ in head: lane i is head heads[i] at
+  // query position queries[i] (i < count; lanes past it repeat the last). A decoding step packs
+  // the query heads of a GQA group into the lanes, so one K and V tile serves them all.
+  void set_lanes(std::int64_t batch, const std::int32_t* heads, const std::int32_t* queries,
+                 std::int64_t count, std::int64_t query_length, std::int64_t key_length);
   // Evaluates the tape for one key against the queries. `score` has lanes() values (unused when
   // the tape does not read the score). Float output i is written to destinations[i] (lanes()
   // values) when that pointer is not null; an output the row computes is written there directly.

@@ -135,6 +135,24 @@ void TapeRunner::set_queries(std::int64_t first, std::int64_t count, std::int64_
   execute_range(tape_->head_end(), tape_->query_end());
 }
 
+void TapeRunner::set_lanes(std::int64_t batch, const std::int32_t* heads,
+                           const std::int32_t* queries, std::int64_t count,
+                           std::int64_t query_length, std::int64_t key_length) {
+  query_length_ = query_length;
+  key_length_ = key_length;
+  fill_int(Op::kBatch, batch);
+  fill_int(Op::kQueryLen, query_length);
+  fill_int(Op::kKeyLen, key_length);
+  for (const auto& [leaf, values] : {std::pair{Op::kHead, heads}, std::pair{Op::kQuery, queries}}) {
+    const Slot slot = tape_->leaf(leaf);
+    if (slot.index < 0) continue;
+    std::int32_t* lanes = write_ints_[to_index(slot)];  // (width,)
+    for (std::int64_t i = 0; i < width_; ++i) lanes[i] = values[std::min(i, count - 1)];
+  }
+  lanes_ = std::min(width_, (count + kVectorWidth - 1) / kVectorWidth * kVectorWidth);
+  execute_range(0, tape_->query_end());
+}
+
 void TapeRunner::run(std::int64_t key, const float* score, std::span<float* const> destinations) {
   if (key_slot_.index >= 0) {
     std::fill_n(write_ints_[to_index(key_slot_)], lanes_,
