@@ -274,6 +274,11 @@ def forward_kv_cache(query, key, value, page_table, cache_lens, tensors, tensor_
     (docs/python.md, "Paged KV cache"). The plan is cached by every shape, stride and dtype; the
     page table and lengths are checked at every call (Plan::forward)."""
     q, k, v = usable(query), usable(key), usable(value)
+    for name, t in (("page_table", page_table), ("cache_lens", cache_lens)):
+        if t.dtype == torch.int64 and t.numel() and (
+                int(t.max()) > 2**31 - 1 or int(t.min()) < -2**31):
+            raise ValueError(f"{name} holds values outside int32 (page ids and lengths are "
+                             "int32)")
     page_table = page_table.to(device=q.device, dtype=torch.int32).contiguous()
     cache_lens = cache_lens.to(device=q.device, dtype=torch.int32).contiguous()
     tensors = [t.contiguous() for t in tensors] if tensors else []

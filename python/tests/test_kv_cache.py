@@ -145,6 +145,11 @@ def test_bad_caches_are_refused():
     with pytest.raises(ValueError, match="forward only"):
         flexattn.attention(q.requires_grad_(), k_pool, v_pool, layout="bshd", page_table=table,
                            cache_lens=lens)
+    with pytest.raises(ValueError, match="page_table holds values outside int32"):
+        wrapped = table.long()
+        wrapped[0, 0] += 2**32  # would wrap to a valid page id
+        flexattn.attention(q.detach(), k_pool, v_pool, layout="bshd", page_table=wrapped,
+                           cache_lens=lens)
     with pytest.raises(ValueError, match="int32 or int64"):
         flexattn.attention(q.detach(), k_pool, v_pool, layout="bshd", page_table=table.float(),
                            cache_lens=lens)
