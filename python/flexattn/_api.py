@@ -34,16 +34,8 @@ def _check_inputs(query, key, value, layout, enable_gqa, engine, scale):
         _accepted.add(memo)
 
 
-def _check_inputs_now(query, key, value, layout, enable_gqa, engine, scale):
-    if layout not in _LAYOUTS:
-        raise ValueError(f"unknown layout '{layout}': one of {', '.join(_LAYOUTS)}")
-    rank = 3 if layout == "thd" else 4
-    for name, t in (("query", query), ("key", key), ("value", value)):
-        if not isinstance(t, torch.Tensor):
-            raise TypeError(f"{name} must be a torch.Tensor, not {type(t).__name__}")
-        if t.dim() != rank:
-            raise ValueError(f"{name} has {t.dim()} dimensions {tuple(t.shape)}; layout {layout} "
-                             f"needs {rank}")
+def _check_arguments(query, key, value, engine, scale):
+    """What every call checks of its tensors (already tensors) and options."""
     if not isinstance(engine, str):
         raise TypeError(f"engine must be a string ('auto' or an engine name), not "
                         f"{type(engine).__name__}")
@@ -58,6 +50,19 @@ def _check_inputs_now(query, key, value, layout, enable_gqa, engine, scale):
                          f"{key.device}, {value.device}")
     if query.device.type not in ("cpu", "cuda"):
         raise ValueError(f"tensors on {query.device}: flexattn runs on cpu and cuda")
+
+
+def _check_inputs_now(query, key, value, layout, enable_gqa, engine, scale):
+    if layout not in _LAYOUTS:
+        raise ValueError(f"unknown layout '{layout}': one of {', '.join(_LAYOUTS)}")
+    rank = 3 if layout == "thd" else 4
+    for name, t in (("query", query), ("key", key), ("value", value)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, not {type(t).__name__}")
+        if t.dim() != rank:
+            raise ValueError(f"{name} has {t.dim()} dimensions {tuple(t.shape)}; layout {layout} "
+                             f"needs {rank}")
+    _check_arguments(query, key, value, engine, scale)
     d = ops.dims(layout, query, key, value)
     if d["heads_q"] != d["heads_kv"] and not enable_gqa:
         raise ValueError(f"query has {d['heads_q']} heads and key/value {d['heads_kv']}; pass "
@@ -178,18 +183,7 @@ def _check_cache_inputs(query, key, value, page_table, cache_lens, layout, enabl
         if t.dtype not in (torch.int32, torch.int64) or t.device != query.device:
             raise ValueError(f"{name} must be an int32 or int64 tensor on {query.device}; got "
                              f"{t.dtype} on {t.device}")
-    if not isinstance(engine, str):
-        raise TypeError(f"engine must be a string ('auto' or an engine name), not "
-                        f"{type(engine).__name__}")
-    if scale is not None and not isinstance(scale, (int, float)):
-        raise TypeError(f"scale must be a number or None, not {type(scale).__name__}")
-    ops.dtype_name(query, "query")
-    if key.dtype != query.dtype or value.dtype != query.dtype:
-        raise ValueError(f"query, key and value must have one dtype; got {query.dtype}, "
-                         f"{key.dtype}, {value.dtype}")
-    if key.device != query.device or value.device != query.device:
-        raise ValueError(f"query, key and value must be on one device; got {query.device}, "
-                         f"{key.device}, {value.device}")
+    _check_arguments(query, key, value, engine, scale)
     if query.shape[-2] != key.shape[2] and not enable_gqa:
         raise ValueError(f"query has {query.shape[-2]} heads and key/value {key.shape[2]}; pass "
                          "enable_gqa=True for grouped-query attention")
