@@ -166,7 +166,7 @@ TEST_P(DeviceWorkspace, LentAndAllocatedMemoryGiveTheEnginesOwnResults) {
     base.layout = Layout::kBSHD, base.dtype = DType::kBF16;
     base.batch = 2, base.heads_q = 4, base.heads_kv = 2, base.seq_len_q = 300;
     base.seq_len_kv = 300, base.head_dim_qk = 64, base.head_dim_v = 64;
-    base.direction = Direction::kForwardBackward;
+    base.direction = Direction::kForwardBackward, base.device = Device::kCuda;
     const Problem problem(catalogue_desc(modifiers, base));
     if (!engine->supports(problem)) continue;
     SCOPED_TRACE(problem.score_mod().to_string() + " / " + problem.mask_mod().to_string());
@@ -203,9 +203,11 @@ TEST_P(DeviceWorkspace, AWorkspaceOneByteTooSmallIsRefused) {
   ProblemDesc desc;
   desc.layout = Layout::kBSHD, desc.dtype = DType::kBF16, desc.batch = 1, desc.heads_q = 2;
   desc.seq_len_q = 128, desc.head_dim_qk = 64, desc.direction = Direction::kForwardBackward;
+  desc.device = Device::kCuda;
   desc.mask_mod = ir::query() >= ir::key();
   const Problem problem(desc);
-  ASSERT_TRUE(engine->supports(problem));
+  const Support support = engine->supports(problem);
+  ASSERT_TRUE(support) << support.reason();
   const auto plan = engine->plan(problem);
   const std::size_t bytes = plan->workspace_bytes(Pass::kBackward);
   if (bytes == 0) GTEST_SKIP() << "this plan's backward needs no scratch";
