@@ -171,17 +171,19 @@ __device__ __forceinline__ bool small_tanh_tile(const float* dots,
 }
 
 // Finishes a row: (normaliser, log-sum-exp) from the running max and sum. A row that kept no key
-// has sum 0: its output is 0 and its LSE -inf.
+// has sum 0: its output is 0 and its LSE -inf. A row whose kept logits include NaN, or a +inf
+// (exp(inf - inf)), has a NaN sum and gets NaN output and LSE (docs/design.md, non-finite values),
+// so the test is `!= 0`, which NaN passes, not `> 0`.
 struct RowResult {
   float inverse_sum;
   float lse;
 };
 __device__ __forceinline__ RowResult finish_row_log2(float row_max, float row_sum) {
-  if (row_sum > 0.0f) return RowResult{1.0f / row_sum, (row_max + log2f(row_sum)) * kLn2};
+  if (row_sum != 0.0f) return RowResult{1.0f / row_sum, (row_max + log2f(row_sum)) * kLn2};
   return RowResult{0.0f, negative_infinity()};
 }
 __device__ __forceinline__ RowResult finish_row_natural(float row_max, float row_sum) {
-  if (row_sum > 0.0f) return RowResult{1.0f / row_sum, row_max + logf(row_sum)};
+  if (row_sum != 0.0f) return RowResult{1.0f / row_sum, row_max + logf(row_sum)};
   return RowResult{0.0f, negative_infinity()};
 }
 
