@@ -297,7 +297,7 @@ std::vector<Case> cases(Tier tier) {
   }
   // 5. A paged KV cache: decoding (one or two new tokens per sequence, GQA up to 8:1) and chunked
   //    prefill (ragged thd chunks), page sizes 1, 16 and 64, lengths from the query count to the
-  //    capacity and an empty slot, in every storage dtype.
+  //    capacity and an empty slot, in every storage dtype; long caches whose keys are split.
   const Shape decode{4, 8, 1, 1, 300, 64, 64}, decode2{4, 4, 2, 2, 129, 128, 128};
   const Shape prefill{3, 4, 4, 37, 200, 64, 64};
   const std::vector<std::pair<std::string, std::string>> paged_mods =
@@ -317,6 +317,15 @@ std::vector<Case> cases(Tier tier) {
       result.push_back(paged_case(prefill, Layout::kTHD, dtype, modifier, mask, 64));
     }
     result.push_back(paged_case(decode2, Layout::kBSHD, DType::kBF16, modifier, mask, 1));
+  }
+  // Caches long enough that the cpu engine splits their keys (2048 per split): a full one, a
+  // half-full one, a one-token one and an empty slot; a window leaves the first splits empty.
+  const Shape long_decode{4, 8, 2, 1, 4500, 64, 64};
+  for (const auto& [modifier, mask] : std::vector<std::pair<std::string, std::string>>{
+           {"softcap30", "window"}, {"alibi", "none"}}) {
+    for (DType dtype : {DType::kF32, DType::kBF16}) {
+      result.push_back(paged_case(long_decode, Layout::kBSHD, dtype, modifier, mask, 16));
+    }
   }
   return result;
 }

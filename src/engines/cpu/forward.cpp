@@ -8,6 +8,11 @@
 // reads the packed V rows transposed through the kernel's strides; no tile is transposed.
 // With `dout`, the same loop is the backward's statistics pass: dP^T = V dO^T replaces the
 // output product and D = sum P dP is accumulated, rescaled like the sum.
+// A forward alone whose sequences' queries fit one tile (decoding, short chunks) splits each long
+// sequence's keys into runs of kSplitKeyTiles tiles, so a batch of a few sequences still fills
+// every thread: each split keeps its own max, sum and unnormalised output, combined by their
+// log-sum-exp afterwards. The split depends only on the problem and the sequence lengths (not on
+// the thread count or the page size), so a run's bits do not depend on the machine.
 #include <algorithm>
 #include <cmath>
 #include <limits>
@@ -22,6 +27,8 @@ namespace flexattn::cpu {
 namespace {
 
 constexpr float kNegativeInfinity = -std::numeric_limits<float>::infinity();
+// Key tiles per split of a forward whose queries fit one tile (64 x 32 = 2048 keys).
+constexpr std::int64_t kSplitKeyTiles = 32;
 
 // One thread's buffers, sized for a tile.
 struct ForwardState {
@@ -95,17 +102,42 @@ void CpuPlan::forward_pass(const ForwardArgs& args, const TensorView* dout,
   // packs the group's query heads into the lanes: lane g * nq + r is head h_kv * group + g at
   // row r, so a K and V tile is read, converted and multiplied once for the group instead of
   // once per head. Each lane computes exactly what it computes unpacked.
-  const bool packed =
-      dout == nullptr && statistics == nullptr && group > 1 && p.seq_len_q() * group <= block_q;
+  const bool forward_alone = dout == nullptr && statistics == nullptr;
+  const bool packed = forward_alone && group > 1 && p.seq_len_q() * group <= block_q;
   const std::int64_t heads_per_task = packed ? group : 1;
   const std::int64_t tasks_per_tile = heads / heads_per_task;
 
-  // Tasks: (batch, query tile) pairs times heads (or GQA groups when packed), heads innermost so
-  // neighbouring tasks of a GQA group read the same K and V.
-  std::vector<std::pair<std::int64_t, std::int64_t>> query_tiles;
+  // Work items: (batch, query tile, key split), each times heads (or GQA groups when packed),
+  // heads innermost so neighbouring tasks of a GQA group read the same K and V. A split's task
+  // leaves its part (max, sum and unnormalised O^T of its `used` lanes) in `partials`.
+  struct Item {
+    std::int64_t b, qt, first_tile, end_tile;
+    std::int64_t partial;  // offset of the part of its first task; -1: not split
+  };
+  std::vector<Item> items;
+  std::vector<std::pair<std::int64_t, std::int64_t>> split_tiles;  // (first item, splits)
+  std::int64_t partial_floats = 0;
   for (std::int64_t b = 0; b < p.batch(); ++b) {
-    for (std::int64_t qt = 0; qt < grid_of(b).query_tiles; ++qt) query_tiles.emplace_back(b, qt);
+    const TileGrid& tile_grid = grid_of(b);
+    const std::int64_t splits = forward_alone && tile_grid.query_tiles == 1
+                                    ? (tile_grid.key_tiles + kSplitKeyTiles - 1) / kSplitKeyTiles
+                                    : 1;
+    for (std::int64_t qt = 0; qt < tile_grid.query_tiles; ++qt) {
+      if (splits <= 1) {
+        items.push_back({b, qt, 0, tile_grid.key_tiles, -1});
+        continue;
+      }
+      split_tiles.emplace_back(static_cast<std::int64_t>(items.size()), splits);
+      const std::int64_t used = heads_per_task * std::min(block_q, p.seq_len_q_of(b));
+      for (std::int64_t split = 0; split < splits; ++split) {
+        items.push_back({b, qt, split * kSplitKeyTiles,
+                         std::min(tile_grid.key_tiles, (split + 1) * kSplitKeyTiles),
+                         partial_floats});
+        partial_floats += tasks_per_tile * used * (2 + dim_v);
+      }
+    }
   }
+  std::vector<float> partials(to_size(partial_floats));
   float* lse = static_cast<float*>(args.lse.data);
   const bool with_output = !args.out.empty();
   // V is the data of the only product that skips zero weights (O^T += V^T P^T).
@@ -131,8 +163,38 @@ void CpuPlan::forward_pass(const ForwardArgs& args, const TensorView* dout,
     return s;
   };
 
+  // Normalises the rows of heads h .. of query tile qt from the state's max, sum and O^T, and
+  // writes O, the LSE and the statistics; a row with no kept key has O = 0 and LSE = -inf.
+  const auto finish = [&](ForwardState& s, std::int64_t b, std::int64_t qt, std::int64_t h) {
+    const std::int64_t q0 = qt * block_q, nq = std::min(block_q, p.seq_len_q_of(b) - q0);
+    const std::int64_t used = heads_per_task * nq;
+    for (std::int64_t r = 0; r < used; ++r) {
+      const bool empty = s.row_sum[r] == 0.0f;
+      s.alpha[r] = empty ? 0.0f : 1.0f / s.row_sum[r];
+      const std::int64_t at = statistic_offset(p, b, h + r / nq, q0 + r % nq);
+      if (lse != nullptr) {
+        lse[at] = empty ? kNegativeInfinity : s.row_max[r] + std::log(s.row_sum[r]);
+      }
+      if (statistics != nullptr) {
+        statistics->max[to_size(at)] = s.row_max[r];
+        statistics->inverse_sum[to_size(at)] = s.alpha[r];
+        statistics->delta[to_size(at)] = s.row_delta[r] * s.alpha[r];
+      }
+    }
+    if (!with_output) return;
+    for (std::int64_t j = 0; j < dim_v; ++j) {
+      float* out_row = &s.out_t[to_size(j * ld)];
+      for (std::int64_t r = 0; r < used; ++r) out_row[r] *= s.alpha[r];
+    }
+    for (std::int64_t g = 0; g < heads_per_task; ++g) {
+      const RowBlock o_block{sequence_rows(p, args.out, true, b, h + g), q0, nq, dim_v};
+      write_rows_transposed(args.out, o_block, s.out_t.data() + g * nq, ld, 1.0f, s.scratch.data());
+    }
+  };
+
   const auto task = [&](std::int64_t index, ForwardState& s) {
-    const auto [b, qt] = query_tiles[to_size(index / tasks_per_tile)];
+    const Item& item = items[to_size(index / tasks_per_tile)];
+    const std::int64_t b = item.b, qt = item.qt;
     // Heads h .. h + heads_per_task - 1, all of kv head h_kv.
     const std::int64_t h = index % tasks_per_tile * heads_per_task, h_kv = h / group;
     const std::int64_t q_len = p.seq_len_q_of(b);
@@ -174,7 +236,7 @@ void CpuPlan::forward_pass(const ForwardArgs& args, const TensorView* dout,
       }
     }
 
-    for (std::int64_t kt = 0; kt < tile_grid.key_tiles; ++kt) {
+    for (std::int64_t kt = item.first_tile; kt < item.end_tile; ++kt) {
       const TileClass tile_class = tile_grid.at(qt, kt);
       if (tile_class == TileClass::kAllFalse) continue;  // proven fully masked: skipped
       const std::int64_t k0 = kt * block_k, nk = std::min(block_k, kv_len - k0);
@@ -231,32 +293,52 @@ void CpuPlan::forward_pass(const ForwardArgs& args, const TensorView* dout,
       }
     }
 
-    // Normalise; a row with no kept key has O = 0 and LSE = -inf.
-    for (std::int64_t r = 0; r < used; ++r) {
-      const bool empty = s.row_sum[r] == 0.0f;
-      s.alpha[r] = empty ? 0.0f : 1.0f / s.row_sum[r];
-      const std::int64_t at = statistic_offset(p, b, h + r / nq, q0 + r % nq);
-      if (lse != nullptr) {
-        lse[at] = empty ? kNegativeInfinity : s.row_max[r] + std::log(s.row_sum[r]);
-      }
-      if (statistics != nullptr) {
-        statistics->max[to_size(at)] = s.row_max[r];
-        statistics->inverse_sum[to_size(at)] = s.alpha[r];
-        statistics->delta[to_size(at)] = s.row_delta[r] * s.alpha[r];
-      }
-    }
-    if (!with_output) return;
-    for (std::int64_t j = 0; j < dim_v; ++j) {
-      float* out_row = &s.out_t[to_size(j * ld)];
-      for (std::int64_t r = 0; r < used; ++r) out_row[r] *= s.alpha[r];
-    }
-    for (std::int64_t g = 0; g < heads_per_task; ++g) {
-      const RowBlock o_block{sequence_rows(p, args.out, true, b, h + g), q0, nq, dim_v};
-      write_rows_transposed(args.out, o_block, s.out_t.data() + g * nq, ld, 1.0f, s.scratch.data());
+    if (item.partial < 0) return finish(s, b, qt, h);
+    float* part = partials.data() + item.partial + index % tasks_per_tile * used * (2 + dim_v);
+    std::copy_n(s.row_max.begin(), used, part);
+    std::copy_n(s.row_sum.begin(), used, part + used);
+    for (std::int64_t j = 0; with_output && j < dim_v; ++j) {
+      std::copy_n(&s.out_t[to_size(j * ld)], used, part + (2 + j) * used);
     }
   };
+  parallel_for(static_cast<std::int64_t>(items.size()) * tasks_per_tile, make_state, task);
+  if (split_tiles.empty()) return;
 
-  parallel_for(static_cast<std::int64_t>(query_tiles.size()) * tasks_per_tile, make_state, task);
+  // A split tile's rows: the parts scaled to their common max and summed in split order. A part
+  // that kept no key (sum 0, O^T 0) is left out; a NaN sum makes the row NaN, as unsplit.
+  const auto combine = [&](std::int64_t index, ForwardState& s) {
+    const auto [first, splits] = split_tiles[to_size(index / tasks_per_tile)];
+    const std::int64_t b = items[to_size(first)].b, qt = items[to_size(first)].qt;
+    const std::int64_t task_in_tile = index % tasks_per_tile, h = task_in_tile * heads_per_task;
+    const std::int64_t used = heads_per_task * std::min(block_q, p.seq_len_q_of(b));
+    const auto part_of = [&](std::int64_t split) -> const float* {
+      return partials.data() + items[to_size(first + split)].partial +
+             task_in_tile * used * (2 + dim_v);
+    };
+    for (std::int64_t r = 0; r < used; ++r) {
+      float row_max = kNegativeInfinity;
+      for (std::int64_t split = 0; split < splits; ++split) {
+        const float* part = part_of(split);
+        if (part[used + r] != 0.0f) row_max = std::max(row_max, part[r]);
+      }
+      s.row_max[to_size(r)] = row_max;
+      s.row_sum[to_size(r)] = 0.0f;
+      for (std::int64_t j = 0; with_output && j < dim_v; ++j) s.out_t[to_size(j * ld + r)] = 0.0f;
+    }
+    for (std::int64_t split = 0; split < splits; ++split) {
+      const float* part = part_of(split);
+      for (std::int64_t r = 0; r < used; ++r) {
+        if (part[used + r] == 0.0f) continue;
+        const float weight = std::exp(part[r] - s.row_max[to_size(r)]);
+        s.row_sum[to_size(r)] += part[used + r] * weight;
+        for (std::int64_t j = 0; with_output && j < dim_v; ++j) {
+          s.out_t[to_size(j * ld + r)] += part[(2 + j) * used + r] * weight;
+        }
+      }
+    }
+    finish(s, b, qt, h);
+  };
+  parallel_for(static_cast<std::int64_t>(split_tiles.size()) * tasks_per_tile, make_state, combine);
 }
 
 }  // namespace flexattn::cpu
