@@ -307,7 +307,8 @@ void CpuPlan::forward_pass(const ForwardArgs& args, const TensorView* dout,
   // A split tile's rows: the parts scaled to their common max and summed in split order. A part
   // that kept no key (sum 0, O^T 0) is left out; a NaN sum makes the row NaN, as unsplit.
   const auto combine = [&](std::int64_t index, ForwardState& s) {
-    const auto [first, splits] = split_tiles[to_size(index / tasks_per_tile)];
+    const std::int64_t first = split_tiles[to_size(index / tasks_per_tile)].first;
+    const std::int64_t splits = split_tiles[to_size(index / tasks_per_tile)].second;
     const std::int64_t b = items[to_size(first)].b, qt = items[to_size(first)].qt;
     const std::int64_t task_in_tile = index % tasks_per_tile, h = task_in_tile * heads_per_task;
     const std::int64_t used = heads_per_task * std::min(block_q, p.seq_len_q_of(b));
