@@ -183,4 +183,171 @@ __device__ __forceinline__ void backward_finalize(const FinalizeParams& p) {
   }
 }
 
+// ---- rows recomputed exactly (see repair_forward_rows in forward_common.cuh) -------------------
+//
+// A dQ, dK or dV row that a removed position's 0 times a NaN or inf operand made NaN is computed
+// again by one warp in fp32, skipping every removed position (the mask, a -inf modified score,
+// P = 0), from the stored LSE and delta. Tensor gradients are not recomputed: the scatter skips
+// removed positions itself (dq_gradient_elements).
+
+// The contribution of element (q, kv) to the backward: P, and dS without the softmax scale. Both
+// 0 where the position is removed (`kept` false); the same in every lane.
+struct ExactElement {
+  float probability;
+  float dscore;
+  bool kept;
+};
+template <class Modifier, int kDimQk, int kDimV>
+__device__ __forceinline__ ExactElement exact_element(
+    const BackwardParams& bp, const typename Modifier::Invariants& invariants,
+    const Coordinates& at, const SequenceSpan& span, int batch, int head, int q, int kv,
+    const WarpRow<kDimQk>& query, const WarpRow<kDimQk>& key, const WarpRow<kDimV>& value,
+    const WarpRow<kDimV>& output_gradient) {
+  const ForwardParams& p = bp.fwd;
+  ExactElement result{0.0f, 0.0f, false};
+  const float dot = query.dot(key);
+  const float logit2 = element_logit<Modifier, true, true>(dot, p, invariants, at, q, kv);
+  if (logit2 == negative_infinity()) return result;
+  // lse2 is +inf in a row that kept no key: P 0. A NaN row's NaN P is kept.
+  const float probability = exp2f(logit2 - *lse2_address(bp, batch, head, span.q_offset + q));
+  if (probability == 0.0f) return result;
+  const float dp = output_gradient.dot(value);
+  const float dlogit = probability * (dp - *delta_address(bp, batch, head, span.q_offset + q));
+  const float dscore = score_gradient_from_dot<Modifier>(dlogit, invariants, p, at, dot, q, kv);
+  result.probability = probability;
+  result.dscore = Modifier::kBoundedDerivative || dlogit != 0.0f ? dscore : 0.0f;
+  result.kept = true;
+  return result;
+}
+
+// dQ of query `row` of head `head` over every key of the sequence (mask evaluated at each).
+template <class Tag, class Modifier, int kDimQk, int kDimV>
+__device__ __forceinline__ void exact_dq_row(const BackwardParams& bp,
+                                          const typename Modifier::Invariants& invariants,
+                                          const Coordinates& at, const SequenceSpan& span,
+                                          int batch, int head, int row, int lane) {
+  const ForwardParams& p = bp.fwd;
+  const int head_kv = head / p.heads_per_kv;
+  WarpRow<kDimQk> query;
+  query.load(Tag{}, p.q.data, row_index(p.q, batch, span.q_offset + row, head), lane);
+  WarpRow<kDimV> output_gradient;
+  output_gradient.load(Tag{}, bp.dout.data, row_index(bp.dout, batch, span.q_offset + row, head),
+                       lane);
+  WarpRow<kDimQk> dq;
+  dq.zero();
+  for (int kv = 0; kv < span.kv_len; ++kv) {
+    WarpRow<kDimQk> key;
+    key.load(Tag{}, p.k.data, row_index(p.k, batch, span.kv_offset + kv, head_kv), lane);
+    WarpRow<kDimV> value;
+    value.load(Tag{}, p.v.data, row_index(p.v, batch, span.kv_offset + kv, head_kv), lane);
+    const ExactElement element = exact_element<Modifier>(bp, invariants, at, span, batch, head,
+                                                         row, kv, query, key, value,
+                                                         output_gradient);
+    if (element.kept) dq.add(element.dscore, key);
+  }
+  dq.store(Tag{}, bp.dq.data, row_index(bp.dq, batch, span.q_offset + row, head), lane, p.scale);
+}
+
+// dK and/or dV of key `kv` of kv head `head_kv`, over every query of every head of its GQA group.
+template <class Tag, class Modifier, int kDimQk, int kDimV, bool kWantDk, bool kWantDv>
+__device__ __forceinline__ void exact_dkdv_row(const BackwardParams& bp, const SequenceSpan& span,
+                                            int batch, int head_kv, int kv, int lane) {
+  const ForwardParams& p = bp.fwd;
+  WarpRow<kDimQk> key;
+  key.load(Tag{}, p.k.data, row_index(p.k, batch, span.kv_offset + kv, head_kv), lane);
+  WarpRow<kDimV> value;
+  value.load(Tag{}, p.v.data, row_index(p.v, batch, span.kv_offset + kv, head_kv), lane);
+  WarpRow<kDimQk> dk;
+  WarpRow<kDimV> dv;
+  dk.zero();
+  dv.zero();
+  for (int member = 0; member < p.heads_per_kv; ++member) {
+    const int head = head_kv * p.heads_per_kv + member;
+    const Coordinates at{batch, head, span.q_len, span.kv_len};
+    const typename Modifier::Invariants invariants = Modifier::prepare(p, at);
+    for (int q = 0; q < span.q_len; ++q) {
+      WarpRow<kDimQk> query;
+      query.load(Tag{}, p.q.data, row_index(p.q, batch, span.q_offset + q, head), lane);
+      WarpRow<kDimV> output_gradient;
+      output_gradient.load(Tag{}, bp.dout.data, row_index(bp.dout, batch, span.q_offset + q, head),
+                           lane);
+      const ExactElement element = exact_element<Modifier>(bp, invariants, at, span, batch, head,
+                                                           q, kv, query, key, value,
+                                                           output_gradient);
+      if (!element.kept) continue;
+      if constexpr (kWantDv) dv.add(element.probability, output_gradient);
+      if constexpr (kWantDk) dk.add(element.dscore, query);
+    }
+  }
+  if constexpr (kWantDk) {
+    dk.store(Tag{}, bp.dk.data, row_index(bp.dk, batch, span.kv_offset + kv, head_kv), lane,
+             p.scale);
+  }
+  if constexpr (kWantDv) {
+    dv.store(Tag{}, bp.dv.data, row_index(bp.dv, batch, span.kv_offset + kv, head_kv), lane, 1.0f);
+  }
+}
+
+// After a dQ block stored rows [q_start, q_start + rows) and `flagged` (barrier_any of its
+// non-finite results) is set: its warps recompute the rows whose stored dQ holds NaN or inf.
+template <class Tag, class Modifier, int kDimQk, int kDimV>
+__device__ __forceinline__ void repair_dq_rows(const BackwardParams& bp, const SequenceSpan& span,
+                                               int batch, int head, int q_start, int rows,
+                                               int warp, int warps) {
+  const int lane = static_cast<int>(threadIdx.x % kWarpSize);
+  const Coordinates at{batch, head, span.q_len, span.kv_len};
+  const typename Modifier::Invariants invariants = Modifier::prepare(bp.fwd, at);
+  for (int r = warp; r < rows && q_start + r < span.q_len; r += warps) {
+    const int row = q_start + r;
+    if (stored_row_non_finite<Tag, kDimQk>(
+            bp.dq.data, row_index(bp.dq, batch, span.q_offset + row, head), lane)) {
+      exact_dq_row<Tag, Modifier, kDimQk, kDimV>(bp, invariants, at, span, batch, head, row, lane);
+    }
+  }
+}
+
+// The same for a dK/dV block's keys [kv_start, kv_start + rows): the rows where a stored output
+// it wrote (kWantDk, kWantDv) holds NaN or inf.
+template <class Tag, class Modifier, int kDimQk, int kDimV, bool kWantDk, bool kWantDv>
+__device__ __forceinline__ void repair_dkdv_rows(const BackwardParams& bp,
+                                                 const SequenceSpan& span, int batch, int head_kv,
+                                                 int kv_start, int rows, int warp, int warps) {
+  const int lane = static_cast<int>(threadIdx.x % kWarpSize);
+  for (int r = warp; r < rows && kv_start + r < span.kv_len; r += warps) {
+    const int kv = kv_start + r;
+    bool bad = false;
+    if constexpr (kWantDk) {
+      bad = stored_row_non_finite<Tag, kDimQk>(
+          bp.dk.data, row_index(bp.dk, batch, span.kv_offset + kv, head_kv), lane);
+    }
+    if constexpr (kWantDv) {
+      bad = bad || stored_row_non_finite<Tag, kDimV>(
+                       bp.dv.data, row_index(bp.dv, batch, span.kv_offset + kv, head_kv), lane);
+    }
+    if (bad) {
+      exact_dkdv_row<Tag, Modifier, kDimQk, kDimV, kWantDk, kWantDv>(bp, span, batch, head_kv, kv,
+                                                                     lane);
+    }
+  }
+}
+
+// Whether a thread's accumulators hold NaN or inf.
+template <int kRows, int kColumns>
+__device__ __forceinline__ bool any_non_finite(const float (&values)[kRows][kColumns]) {
+  bool bad = false;
+#pragma unroll
+  for (int j = 0; j < kRows; ++j) {
+#pragma unroll
+    for (int e = 0; e < kColumns; ++e) bad |= non_finite(values[j][e]);
+  }
+  return bad;
+}
+template <int kCount>
+__device__ __forceinline__ bool any_non_finite(const float (&values)[kCount]) {
+  bool bad = false;
+#pragma unroll
+  for (int i = 0; i < kCount; ++i) bad |= non_finite(values[i]);
+  return bad;
+}
+
 }  // namespace flexattn_kernels

@@ -407,6 +407,14 @@ __device__ __forceinline__ void backward_dkdv_mma_part(const BackwardParams& bp,
         dv_stage, view_row<unsigned short>(bp.dv, batch, span.kv_offset + kv_start, head_kv),
         bp.dv.token_stride, rows_valid, thread);
   }
+  // A removed position's 0 times a NaN or inf operand (see repair_dkdv_rows).
+  bool non_finite_result = false;
+  if constexpr (kWantDk) non_finite_result |= any_non_finite(dk);
+  if constexpr (kWantDv) non_finite_result |= any_non_finite(dv);
+  if (barrier_any<-1>(non_finite_result, kThreads)) {
+    repair_dkdv_rows<Tag, Modifier, Config::kHeadDimQk, Config::kHeadDimV, kWantDk, kWantDv>(
+        bp, span, batch, head_kv, kv_start, Config::kBlockKv, warp, Config::kWarps);
+  }
 }
 
 // The dK/dV kernel: blockIdx.x is the kv tile, or with two parts per tile, twice the tile plus
@@ -493,7 +501,8 @@ __device__ __forceinline__ void dq_delta_elements_with(
                                                       ir_min(kv, span.kv_len - 1), lse2[e / 2],
                                                       check),
                            lse2[e / 2]);
-      row_pdp[e / 2] += probability * dp[j][e];
+      // P 0: a removed position, whose dP may be NaN (a NaN or inf V or dO it does not keep).
+      row_pdp[e / 2] += probability != 0.0f ? probability * dp[j][e] : 0.0f;
       row_p[e / 2] += probability;
     }
   }
@@ -533,14 +542,16 @@ __device__ __forceinline__ void dq_gradient_elements_with(
       const int half = e / 2;
       const int kv = kv_start + j * 8 + 2 * quad_lane + e % 2;
       const int kv_inside = ir_min(kv, span.kv_len - 1);
-      const float probability = probability_log2(
-          dq_logit<Modifier, kSmall>(s, j, e, p, invariants, at, query, kv, kv_inside, lse2[half],
-                                     check),
-          lse2[half]);
+      const float logit2 = dq_logit<Modifier, kSmall>(s, j, e, p, invariants, at, query, kv,
+                                                      kv_inside, lse2[half], check);
+      const float probability = probability_log2(logit2, lse2[half]);
       const float dlogit = probability * (dp[j][e] - delta[half]);
       const float dscore = score_gradient_from_dot<Modifier, kSmall>(
           dlogit, invariants, p, at, s[j][e], query[half], kv_inside);
-      if (Modifier::kHasTensorGrads && kScatter && dlogit != 0.0f) {
+      // A removed position adds nothing, whatever its dP (a NaN or inf V or dO it does not keep)
+      // or its row's LSE (NaN) hold; dS and dQ get that from repair_dq_rows.
+      if (Modifier::kHasTensorGrads && kScatter && dlogit != 0.0f && probability != 0.0f &&
+          logit2 != negative_infinity()) {
         Modifier::tensor_grads(invariants, bp, at, s[j][e] * p.scale, query[half], kv_inside,
                                dlogit, local);
       }
@@ -719,6 +730,10 @@ __device__ __forceinline__ void backward_dq_mma(const BackwardParams& bp) {
   store_staged<Config::kChunksQk, Config::kRealChunksQk, kThreads>(
       dq_stage, view_row<unsigned short>(bp.dq, batch, span.q_offset + q_start, head),
       bp.dq.token_stride, q_rows_valid, thread);
+  if (barrier_any<-1>(any_non_finite(dq), kThreads)) {  // see repair_dq_rows
+    repair_dq_rows<Tag, Modifier, Config::kHeadDimQk, Config::kHeadDimV>(
+        bp, span, batch, head, q_start, Config::kBlockQ, warp, Config::kWarps);
+  }
 }
 
 }  // namespace flexattn_kernels

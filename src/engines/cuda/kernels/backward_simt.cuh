@@ -354,6 +354,11 @@ __device__ __forceinline__ void backward_dkdv_simt(const BackwardParams& p) {
                           p.fwd.scale, lane);
   store_rows<Tag, kDimV>(p.dv, batch, span.kv_offset, head_kv, first_kv, span.kv_len, dv, 1.0f,
                          lane);
+  // A removed position's 0 times a NaN or inf operand (see repair_dkdv_rows).
+  if (barrier_any<-1>(any_non_finite(dk) || any_non_finite(dv), kThreads)) {
+    repair_dkdv_rows<Tag, Modifier, kDimQk, kDimV, true, true>(p, span, batch, head_kv, kv_start,
+                                                               kBlockKv, warp, Config::kWarps);
+  }
 }
 
 // dQ of q block blockIdx.x (from the end, as the forward: heavy causal blocks start first) of
@@ -543,6 +548,10 @@ __device__ __forceinline__ void backward_dq_simt(const BackwardParams& p) {
                           lane);
   if constexpr (Modifier::kHasTensorGrads) {
     if (tensor_grads) Modifier::flush_tensor_grads(invariants, p, at, local);
+  }
+  if (barrier_any<-1>(any_non_finite(dq), kThreads)) {  // see repair_dq_rows
+    repair_dq_rows<Tag, Modifier, kDimQk, kDimV>(p, span, batch, head, q_start, kBlockQ, warp,
+                                                 Config::kWarps);
   }
 }
 

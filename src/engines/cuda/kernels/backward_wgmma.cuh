@@ -367,6 +367,10 @@ __device__ __forceinline__ void backward_dkdv_wgmma(const BackwardParams& bp) {
   store_staged<Config::kChunksV, Config::kChunksV, kThreads, Config::kBlockKv>(
       dv_stage, view_row<unsigned short>(bp.dv, batch, span.kv_offset + kv_start, head_kv),
       bp.dv.token_stride, rows_valid, thread);
+  if (barrier_any<-1>(any_non_finite(dk) || any_non_finite(dv), kThreads)) {
+    repair_dkdv_rows<Tag, Modifier, Config::kHeadDimQk, Config::kHeadDimV, true, true>(
+        bp, span, batch, head_kv, kv_start, Config::kBlockKv, warp, Config::kWarps);
+  }
 }
 
 template <class Config, class Modifier>
@@ -576,6 +580,10 @@ __device__ __forceinline__ void backward_dq_wgmma(const BackwardParams& bp) {
   store_staged<Config::kChunksQk, Config::kChunksQk, kThreads, kBlockQ>(
       dq_stage, view_row<unsigned short>(bp.dq, batch, span.q_offset + q_start, head),
       bp.dq.token_stride, q_rows_valid, thread);
+  if (barrier_any<-1>(any_non_finite(dq), kThreads)) {  // see repair_dq_rows
+    repair_dq_rows<Tag, Modifier, Config::kHeadDimQk, Config::kHeadDimV>(
+        bp, span, batch, head, q_start, kBlockQ, warp, Config::kWarps);
+  }
 }
 
 }  // namespace flexattn_kernels

@@ -25,6 +25,7 @@
 
 #include "device_math.cuh"
 #include "params.cuh"
+#include "tile_ops.cuh"
 
 namespace flexattn_kernels {
 
@@ -196,6 +197,164 @@ __device__ __forceinline__ float safe_max(float row_max) {
 __device__ __forceinline__ float* lse_address(const ForwardParams& p, int batch, int head,
                                               int token) {
   return p.lse + batch * p.lse_batch_stride + head * p.lse_head_stride + token;
+}
+
+// ---- rows recomputed exactly (docs/design.md, non-finite values) ------------------------------
+//
+// The tensor-core products multiply a removed position's weight 0 by its operand, so a NaN or
+// inf in a Q, K, V or dO row that the mask removes for some rows makes those rows' results NaN,
+// where the reference's are finite. Such a product never turns a finite result into another
+// finite one: a result row that comes out finite is right, and one that does not is computed
+// again, after the block's stores, by one warp in fp32 that skips every removed position (the
+// reference's semantics; a row the mathematics makes NaN or inf comes out so again). The check
+// is a few compares per thread and one block barrier; the rows are recomputed only where an input
+// holds NaN or inf.
+
+// Whether x is NaN or +-inf.
+__device__ __forceinline__ bool non_finite(float x) { return !(fabsf(x) <= 3.402823466e38f); }
+
+// The OR of `value` over the threads of the barrier, which is also a barrier: global and shared
+// memory writes before it are visible to those threads after it. kBarrier: a named barrier of
+// `threads` threads (a block with a producer warpgroup), or -1 for the whole block.
+template <int kBarrier>
+__device__ __forceinline__ bool barrier_any(bool value, int threads) {
+  if constexpr (kBarrier < 0) {
+    return __syncthreads_or(value ? 1 : 0) != 0;
+  } else {
+    unsigned result;
+    asm volatile(
+        "{\n .reg .pred in, out;\n setp.ne.u32 in, %1, 0;\n"
+        " barrier.red.or.pred out, %2, %3, in;\n selp.u32 %0, 1, 0, out;\n}"
+        : "=r"(result)
+        : "r"(value ? 1u : 0u), "n"(kBarrier), "r"(threads)
+        : "memory");
+    return result != 0;
+  }
+}
+
+// Index of element (batch, token, head, 0) of a view (`token` counts from the start of the batch
+// entry, thd offsets included).
+__device__ __forceinline__ long long row_index(const SequenceView& view, int batch, int token,
+                                               int head) {
+  return batch * view.batch_stride + token * view.token_stride + head * view.head_stride;
+}
+
+// A row of kDim values spread over a warp: lane l holds columns l, l + 32, ... (0 past kDim).
+template <int kDim>
+struct WarpRow {
+  static constexpr int kColumns = (kDim + kWarpSize - 1) / kWarpSize;
+  float value[kColumns];
+
+  template <class Tag>
+  __device__ __forceinline__ void load(Tag, const void* data, long long first, int lane) {
+#pragma unroll
+    for (int c = 0; c < kColumns; ++c) {
+      const int column = c * kWarpSize + lane;
+      value[c] = kDim % kWarpSize == 0 || column < kDim ? load_as_float(Tag{}, data, first + column)
+                                                        : 0.0f;
+    }
+  }
+  template <class Tag>
+  __device__ __forceinline__ void store(Tag, void* data, long long first, int lane,
+                                        float factor) const {
+#pragma unroll
+    for (int c = 0; c < kColumns; ++c) {
+      const int column = c * kWarpSize + lane;
+      if (kDim % kWarpSize == 0 || column < kDim) {
+        store_from_float(Tag{}, data, first + column, value[c] * factor);
+      }
+    }
+  }
+  __device__ __forceinline__ void zero() {
+#pragma unroll
+    for (int c = 0; c < kColumns; ++c) value[c] = 0.0f;
+  }
+  // The dot product with another row, the same in every lane.
+  __device__ __forceinline__ float dot(const WarpRow& other) const {
+    float sum = 0.0f;
+#pragma unroll
+    for (int c = 0; c < kColumns; ++c) sum = fmaf(value[c], other.value[c], sum);
+    return warp_sum(sum);
+  }
+  // this += weight * other
+  __device__ __forceinline__ void add(float weight, const WarpRow& other) {
+#pragma unroll
+    for (int c = 0; c < kColumns; ++c) value[c] = fmaf(weight, other.value[c], value[c]);
+  }
+};
+
+// Whether the stored row (kDim values of a view, as Tag) holds NaN or inf; the same in every lane.
+template <class Tag, int kDim>
+__device__ __forceinline__ bool stored_row_non_finite(const void* data, long long first, int lane) {
+  WarpRow<kDim> row;
+  row.load(Tag{}, data, first, lane);
+  bool bad = false;
+#pragma unroll
+  for (int c = 0; c < WarpRow<kDim>::kColumns; ++c) bad |= non_finite(row.value[c]);
+  return __any_sync(0xffffffffu, bad) != 0;
+}
+
+// Output row `row` (a position in the sequence) of head `head`, and its LSE, computed by one warp
+// in fp32 over every key of the sequence, the mask evaluated at every one, with online softmax
+// in the log2 domain; a removed position (mask, or a -inf modified score) is skipped.
+template <class Tag, class Modifier, int kDimQk, int kDimV>
+__device__ __forceinline__ void exact_forward_row(const ForwardParams& p,
+                                               const typename Modifier::Invariants& invariants,
+                                               const Coordinates& at, const SequenceSpan& span,
+                                               int batch, int head, int row, int lane) {
+  const int head_kv = head / p.heads_per_kv;
+  WarpRow<kDimQk> query;
+  query.load(Tag{}, p.q.data, row_index(p.q, batch, span.q_offset + row, head), lane);
+  WarpRow<kDimV> output;
+  output.zero();
+  float row_max = negative_infinity();
+  float row_sum = 0.0f;
+  for (int kv = 0; kv < span.kv_len; ++kv) {
+    WarpRow<kDimQk> key;
+    key.load(Tag{}, p.k.data, row_index(p.k, batch, span.kv_offset + kv, head_kv), lane);
+    const float logit = element_logit<Modifier, true, true>(query.dot(key), p, invariants, at,
+                                                            row, kv);
+    if (logit == negative_infinity()) continue;
+    // fmaxf ignores a NaN logit; its weight exp2(NaN) makes the sum NaN.
+    const float new_max = fmaxf(row_max, logit);
+    const float correction = exp2f(row_max - new_max);
+    const float weight = exp2f(logit - new_max);
+    row_max = new_max;
+    row_sum = row_sum * correction + weight;
+#pragma unroll
+    for (int c = 0; c < WarpRow<kDimV>::kColumns; ++c) output.value[c] *= correction;
+    if (weight != 0.0f) {
+      WarpRow<kDimV> value;
+      value.load(Tag{}, p.v.data, row_index(p.v, batch, span.kv_offset + kv, head_kv), lane);
+      output.add(weight, value);
+    }
+  }
+  const RowResult result = finish_row_log2(row_max, row_sum);
+  output.store(Tag{}, p.o.data, row_index(p.o, batch, span.q_offset + row, head), lane,
+               result.inverse_sum);
+  if (p.lse != nullptr && lane == 0) {
+    *lse_address(p, batch, head, span.q_offset + row) = result.lse;
+  }
+}
+
+// After a forward block stored rows [q_start, q_start + rows) and `flagged` (barrier_any of the
+// threads' non-finite results) is set: the warps recompute the rows whose stored output holds NaN
+// or inf. `warp` and `warps`: this warp among the threads that stored.
+template <class Tag, class Modifier, int kDimQk, int kDimV>
+__device__ __forceinline__ void repair_forward_rows(const ForwardParams& p,
+                                                    const SequenceSpan& span, int batch, int head,
+                                                    int q_start, int rows, int warp, int warps) {
+  const int lane = static_cast<int>(threadIdx.x % kWarpSize);
+  const Coordinates at{batch, head, span.q_len, span.kv_len};
+  const typename Modifier::Invariants invariants = Modifier::prepare(p, at);
+  for (int r = warp; r < rows && q_start + r < span.q_len; r += warps) {
+    const int row = q_start + r;
+    if (stored_row_non_finite<Tag, kDimV>(
+            p.o.data, row_index(p.o, batch, span.q_offset + row, head), lane)) {
+      exact_forward_row<Tag, Modifier, kDimQk, kDimV>(p, invariants, at, span, batch, head, row,
+                                                      lane);
+    }
+  }
 }
 
 }  // namespace flexattn_kernels

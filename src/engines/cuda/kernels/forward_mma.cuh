@@ -21,6 +21,8 @@ template <class ElementTag, int kHeadDimQk, int kHeadDimV, int kPaddedQk, int kP
           int kTilesPerWarp_, int kWarps_, int kBlockN_, int kStages_, int kMinBlocks_>
 struct MmaConfig {
   using Tag = ElementTag;
+  static constexpr int kDimQk = kHeadDimQk;  // the real head dims (the padded ones: kPadded*)
+  static constexpr int kDimV = kHeadDimV;
   static constexpr int kTilesPerWarp = kTilesPerWarp_;
   static constexpr int kWarps = kWarps_;
   static constexpr int kBlockN = kBlockN_;
@@ -307,9 +309,10 @@ __device__ __forceinline__ void online_softmax(float (&score)[kTiles][kScoreTile
 // LSE, stages O (as the storage type) in shared memory and stores the rows inside the sequence
 // with coalesced 16-byte stores. Config names the warps' rows (kRowsPerWarp, kTilesPerWarp).
 // kBarrier: the named barrier of the Config::kThreads threads that run it (a block with a producer
-// warpgroup), or -1 for __syncthreads.
+// warpgroup), or -1 for __syncthreads. Returns whether some output value is NaN or inf, the same
+// in every thread, after a barrier that makes the stores visible (then repair_forward_rows).
 template <class Config, int kBarrier = -1>
-__device__ __forceinline__ void store_output(
+__device__ __forceinline__ bool store_output(
     const ForwardParams& p, unsigned char* shared,
     const float (&output)[Config::kTilesPerWarp][Config::kOutputTiles][4],
     const float (&row_max)[Config::kTilesPerWarp][2],
@@ -325,6 +328,7 @@ __device__ __forceinline__ void store_output(
   const int group = lane / 4;
   const int quad_lane = lane % 4;
   // Normalise, write the LSE, stage O (as storage type) in shared memory.
+  bool non_finite_output = false;
 #pragma unroll
   for (int i = 0; i < kTiles; ++i) {
 #pragma unroll
@@ -336,8 +340,10 @@ __device__ __forceinline__ void store_output(
       }
 #pragma unroll
       for (int j = 0; j < kOutputTiles; ++j) {
-        const unsigned packed = pack_pair(Tag{}, output[i][j][2 * half] * result.inverse_sum,
-                                          output[i][j][2 * half + 1] * result.inverse_sum);
+        const float low = output[i][j][2 * half] * result.inverse_sum;
+        const float high = output[i][j][2 * half + 1] * result.inverse_sum;
+        non_finite_output |= non_finite(low) | non_finite(high);
+        const unsigned packed = pack_pair(Tag{}, low, high);
         *reinterpret_cast<unsigned*>(shared + swizzled_offset<Config::kChunksV>(row, j) +
                                      quad_lane * sizeof(unsigned)) = packed;
       }
@@ -363,6 +369,7 @@ __device__ __forceinline__ void store_output(
                                                 swizzled_offset<Config::kChunksV>(row, chunk));
     }
   }
+  return barrier_any<kBarrier>(non_finite_output, kThreads);
 }
 
 template <class Config, class Modifier>
@@ -532,7 +539,12 @@ __device__ __forceinline__ void forward_mma(const ForwardParams& p) {
   __syncthreads();  // every warp is done with Q, K and V: the Q buffer now stages O
 
   to_log2_units(row_max, Modifier::kForwardToLog2);
-  store_output<Config>(p, shared, output, row_max, row_sum, span, batch, head, q_start, thread);
+  if (store_output<Config>(p, shared, output, row_max, row_sum, span, batch, head, q_start,
+                           thread)) {
+    repair_forward_rows<Tag, Modifier, Config::kDimQk, Config::kDimV>(
+        p, span, batch, head, q_start, Config::kBlockM, thread / kWarpSize,
+        Config::kThreads / kWarpSize);
+  }
 }
 
 }  // namespace flexattn_kernels

@@ -156,6 +156,7 @@ __device__ __forceinline__ void forward_simt(const ForwardParams& p) {
     }
   }
 
+  bool non_finite_output = false;
 #pragma unroll
   for (int r = 0; r < kRows; ++r) {
     const int position = q_start + warp * kRows + r;
@@ -166,12 +167,21 @@ __device__ __forceinline__ void forward_simt(const ForwardParams& p) {
 #pragma unroll
     for (int c = 0; c < kColumns; ++c) {
       const int column = c * kWarpSize + lane;
-      if (column < kDimV) store_from_float(Tag{}, p.o.data, o_row + column,
-                                           output[r][c] * result.inverse_sum);
+      if (column < kDimV) {
+        const float value = output[r][c] * result.inverse_sum;
+        non_finite_output |= non_finite(value);
+        store_from_float(Tag{}, p.o.data, o_row + column, value);
+      }
     }
     if (p.lse != nullptr && lane == 0) {
       *lse_address(p, batch, head, span.q_offset + position) = result.lse;
     }
+  }
+  // A weight 0 times a NaN or inf value (docs/design.md, non-finite values): see
+  // repair_forward_rows.
+  if (barrier_any<-1>(non_finite_output, kThreads)) {
+    repair_forward_rows<Tag, Modifier, kDimQk, kDimV>(p, span, batch, head, q_start, kBlockM, warp,
+                                                      Config::kWarps);
   }
 }
 

@@ -32,6 +32,8 @@ template <class ElementTag, int kHeadDimQk, int kHeadDimV, int kBlockN_, int kSt
           int kMinBlocks_ = 1, bool kStageTensor_ = false, bool kProducer_ = false>
 struct WgmmaConfig {
   using Tag = ElementTag;
+  static constexpr int kDimQk = kHeadDimQk;
+  static constexpr int kDimV = kHeadDimV;
   // Warpgroups per block (1 or 2; the engine chooses 2), and blocks per multiprocessor the
   // registers must allow (tile_plan.cpp).
   static constexpr int kWarpgroups = kWarpgroups_;
@@ -516,12 +518,19 @@ __device__ __forceinline__ void forward_wgmma(const ForwardParams& p) {
   if constexpr (Config::kProducer) {
     // Every computing warp is done with Q: its buffer now stages O.
     named_barrier_sync<kConsumerBarrier>(kThreads);
-    store_output<Config, kConsumerBarrier>(p, shared, output, row_max, row_sum, span, batch, head,
-                                           q_start, thread);
+    if (store_output<Config, kConsumerBarrier>(p, shared, output, row_max, row_sum, span, batch,
+                                               head, q_start, thread)) {
+      repair_forward_rows<Tag, Modifier, Config::kDimQk, Config::kDimV>(
+          p, span, batch, head, q_start, kBlockM, warp, Config::kWarps);
+    }
   } else {
     wait_copies<0>();
     __syncthreads();  // every warp is done with Q, K and V: the Q buffer now stages O
-    store_output<Config>(p, shared, output, row_max, row_sum, span, batch, head, q_start, thread);
+    if (store_output<Config>(p, shared, output, row_max, row_sum, span, batch, head, q_start,
+                             thread)) {
+      repair_forward_rows<Tag, Modifier, Config::kDimQk, Config::kDimV>(
+          p, span, batch, head, q_start, kBlockM, warp, Config::kWarps);
+    }
   }
 }
 
