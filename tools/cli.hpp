@@ -136,6 +136,14 @@ double kept_fraction(const Problem& problem);
 // no two outputs, and no output and input, are the same file once links are resolved.
 void check_output_paths(const std::vector<std::pair<std::string, std::string>>& outputs,
                         const std::vector<std::pair<std::string, std::string>>& inputs);
+// A --tensor value's file and the storage it asks for: FILE.npy, or FILE.npy:DTYPE (fp32, fp16 or
+// bf16: a float tensor converted to that storage, e.g. a bf16 bias, which .npy cannot hold).
+struct TensorFile {
+  std::string path;
+  std::optional<DType> storage;
+};
+TensorFile parse_tensor_file(const std::string& text);
+
 // `NAME=VALUE` split at the first '='; Error(kInvalidArgument) naming the flag otherwise.
 std::pair<std::string, std::string> split_assignment(const std::string& text,
                                                      const std::string& flag);

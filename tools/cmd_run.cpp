@@ -99,7 +99,8 @@ void check_flag_combinations(const ProblemFlags& problem, const RunFlags& flags)
       {"--dout", flags.dout_file},
       {"--page-table", problem.page_table_file}};
   for (const std::string& assignment : problem.tensors) {
-    inputs.emplace_back("--tensor", split_assignment(assignment, "--tensor").second);
+    inputs.emplace_back("--tensor",
+                        parse_tensor_file(split_assignment(assignment, "--tensor").second).path);
   }
   check_output_paths(outputs, inputs);
 }

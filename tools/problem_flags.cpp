@@ -357,7 +357,8 @@ void add_problem_flags(CLI::App& app, ProblemFlags& flags) {
       ->check(kNotEmpty);
   app.add_option("--param", flags.params, "scalar parameter NAME=VALUE (repeatable)");
   app.add_option("--tensor", flags.tensors,
-                 "tensor the modifiers read, NAME=FILE.npy (float32/64, int32/64; repeatable)");
+                 "tensor the modifiers read, NAME=FILE.npy (float32/64, int32/64), or "
+                 "NAME=FILE.npy:fp32|fp16|bf16 to store a float tensor so (repeatable)");
   app.add_option("--cu-seqlens-q", flags.cu_seqlens_q, "thd: query offsets, batch + 1 values")
       ->delimiter(',')
       ->transform(kInt64);
@@ -436,7 +437,17 @@ Setup build_setup(const ProblemFlags& flags) {
     if (!from_files.insert(name).second) {
       throw_invalid(fmt::format("--tensor '{}' is given twice", name));
     }
-    HostTensor tensor = read_npy(path);
+    const TensorFile file = parse_tensor_file(path);
+    HostTensor tensor = read_npy(file.path);
+    if (file.storage) {
+      if (!is_floating(tensor.dtype())) {
+        throw_invalid(fmt::format(
+            "--tensor '{}': {} holds {} values; a storage suffix (:{}) "
+            "applies to float tensors",
+            assignment, file.path, to_string(tensor.dtype()), to_string(*file.storage)));
+      }
+      tensor = tensor.to(*file.storage);
+    }
     desc.tensors[name] = TensorDecl{tensor.dtype(), tensor.shape()};
     setup.tensors[name] = std::move(tensor);
   }
@@ -456,6 +467,17 @@ Setup build_setup(const ProblemFlags& flags) {
     }
   }
   return setup;
+}
+
+TensorFile parse_tensor_file(const std::string& text) {
+  const std::size_t colon = text.rfind(':');
+  if (colon != std::string::npos) {
+    const std::string suffix = text.substr(colon + 1);
+    for (const DType storage : {DType::kF32, DType::kF16, DType::kBF16}) {
+      if (suffix == to_string(storage)) return TensorFile{text.substr(0, colon), storage};
+    }
+  }
+  return TensorFile{text, std::nullopt};
 }
 
 std::pair<std::string, std::string> split_assignment(const std::string& text,

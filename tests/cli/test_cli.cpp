@@ -498,6 +498,45 @@ TEST_F(Cli, CorruptNpy) {
                  kExitInvalidInput, "q.npy", {"q.npy", "k.npy", "v.npy"});
 }
 
+// --tensor NAME=FILE.npy:bf16 stores a float tensor as bf16: the run equals one whose file holds
+// the bf16-rounded values, and differs from the unrounded file's.
+TEST_F(Cli, TensorStorageSuffixConvertsTheTensor) {
+  constexpr std::int64_t kHeads = 4, kSeqLen = 16;
+  HostTensor bias(DType::kF32, {kHeads, kSeqLen, kSeqLen});
+  bias.fill_normal(3, 4.0);
+  write_npy(path("bias.npy"), bias);
+  write_npy(path("rounded.npy"), bias.to(DType::kBF16).to(DType::kF32));
+  const auto output = [&](const std::string& tensor, const std::string& out) {
+    const CliResult result =
+        run({"run", "--engine", "cpu_ref", "--heads-q", "4", "--seq-len-q", "16", "--tensor",
+             tensor, "--score-mod", "score + bias[h, q, kv]", "--out", out});
+    EXPECT_EQ(result.exit_code, 0) << result.err;
+    return read_npy(path(out));
+  };
+  const HostTensor converted = output("bias=bias.npy:bf16", "converted.npy");
+  const HostTensor rounded = output("bias=rounded.npy", "rounded_out.npy");
+  const HostTensor exact = output("bias=bias.npy:fp32", "exact.npy");
+  bool differs = false;
+  for (std::int64_t i = 0; i < converted.numel(); ++i) {
+    ASSERT_EQ(converted.at(i), rounded.at(i)) << i;
+    differs = differs || converted.at(i) != exact.at(i);
+  }
+  EXPECT_TRUE(differs);
+  // Only float tensors take a storage; an unknown suffix is part of the file name.
+  HostTensor ids(DType::kI32, {kSeqLen});
+  write_npy(path("ids.npy"), ids);
+  expect_failure(
+      run({"run", "--seq-len-q", "16", "--tensor", "ids=ids.npy:bf16", "--mask-mod",
+           "ids[q] == ids[kv]", "--out", "out.npy"}),
+      kExitInvalidInput, "applies to float tensors",
+      {"bias.npy", "converted.npy", "exact.npy", "ids.npy", "rounded.npy", "rounded_out.npy"});
+  expect_failure(
+      run({"run", "--heads-q", "4", "--seq-len-q", "16", "--tensor", "bias=bias.npy:bf17",
+           "--score-mod", "score + bias[h, q, kv]", "--out", "out.npy"}),
+      kExitInvalidInput, "bias.npy:bf17",
+      {"bias.npy", "converted.npy", "exact.npy", "ids.npy", "rounded.npy", "rounded_out.npy"});
+}
+
 TEST_F(Cli, OutOfRangeTensorIndex) {
   constexpr std::int64_t kHeads = 4, kSeqLen = 16;
   HostTensor bias(DType::kF32, {kHeads, kSeqLen, kSeqLen});

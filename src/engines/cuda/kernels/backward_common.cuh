@@ -198,11 +198,11 @@ struct ExactElement {
   bool kept;
 };
 template <class Modifier, int kDimQk, int kDimV>
-__device__ __forceinline__ ExactElement exact_element(
-    const BackwardParams& bp, const typename Modifier::Invariants& invariants,
-    const Coordinates& at, const SequenceSpan& span, int batch, int head, int q, int kv,
-    const WarpRow<kDimQk>& query, const WarpRow<kDimQk>& key, const WarpRow<kDimV>& value,
-    const WarpRow<kDimV>& output_gradient) {
+__device__ __forceinline__ ExactElement
+exact_element(const BackwardParams& bp, const typename Modifier::Invariants& invariants,
+              const Coordinates& at, const SequenceSpan& span, int batch, int head, int q, int kv,
+              const WarpRow<kDimQk>& query, const WarpRow<kDimQk>& key, const WarpRow<kDimV>& value,
+              const WarpRow<kDimV>& output_gradient) {
   const ForwardParams& p = bp.fwd;
   ExactElement result{0.0f, 0.0f, false};
   const float dot = query.dot(key);
@@ -223,9 +223,9 @@ __device__ __forceinline__ ExactElement exact_element(
 // dQ of query `row` of head `head` over every key of the sequence (mask evaluated at each).
 template <class Tag, class Modifier, int kDimQk, int kDimV>
 __device__ __forceinline__ void exact_dq_row(const BackwardParams& bp,
-                                          const typename Modifier::Invariants& invariants,
-                                          const Coordinates& at, const SequenceSpan& span,
-                                          int batch, int head, int row, int lane) {
+                                             const typename Modifier::Invariants& invariants,
+                                             const Coordinates& at, const SequenceSpan& span,
+                                             int batch, int head, int row, int lane) {
   const ForwardParams& p = bp.fwd;
   const int head_kv = head / p.heads_per_kv;
   WarpRow<kDimQk> query;
@@ -240,9 +240,8 @@ __device__ __forceinline__ void exact_dq_row(const BackwardParams& bp,
     key.load(Tag{}, p.k.data, row_index(p.k, batch, span.kv_offset + kv, head_kv), lane);
     WarpRow<kDimV> value;
     value.load(Tag{}, p.v.data, row_index(p.v, batch, span.kv_offset + kv, head_kv), lane);
-    const ExactElement element = exact_element<Modifier>(bp, invariants, at, span, batch, head,
-                                                         row, kv, query, key, value,
-                                                         output_gradient);
+    const ExactElement element = exact_element<Modifier>(bp, invariants, at, span, batch, head, row,
+                                                         kv, query, key, value, output_gradient);
     if (element.kept) dq.add(element.dscore, key);
   }
   dq.store(Tag{}, bp.dq.data, row_index(bp.dq, batch, span.q_offset + row, head), lane, p.scale);
@@ -251,7 +250,7 @@ __device__ __forceinline__ void exact_dq_row(const BackwardParams& bp,
 // dK and/or dV of key `kv` of kv head `head_kv`, over every query of every head of its GQA group.
 template <class Tag, class Modifier, int kDimQk, int kDimV, bool kWantDk, bool kWantDv>
 __device__ __forceinline__ void exact_dkdv_row(const BackwardParams& bp, const SequenceSpan& span,
-                                            int batch, int head_kv, int kv, int lane) {
+                                               int batch, int head_kv, int kv, int lane) {
   const ForwardParams& p = bp.fwd;
   WarpRow<kDimQk> key;
   key.load(Tag{}, p.k.data, row_index(p.k, batch, span.kv_offset + kv, head_kv), lane);
@@ -271,9 +270,8 @@ __device__ __forceinline__ void exact_dkdv_row(const BackwardParams& bp, const S
       WarpRow<kDimV> output_gradient;
       output_gradient.load(Tag{}, bp.dout.data, row_index(bp.dout, batch, span.q_offset + q, head),
                            lane);
-      const ExactElement element = exact_element<Modifier>(bp, invariants, at, span, batch, head,
-                                                           q, kv, query, key, value,
-                                                           output_gradient);
+      const ExactElement element = exact_element<Modifier>(bp, invariants, at, span, batch, head, q,
+                                                           kv, query, key, value, output_gradient);
       if (!element.kept) continue;
       if constexpr (kWantDv) dv.add(element.probability, output_gradient);
       if constexpr (kWantDk) dk.add(element.dscore, query);
@@ -292,8 +290,8 @@ __device__ __forceinline__ void exact_dkdv_row(const BackwardParams& bp, const S
 // non-finite results) is set: its warps recompute the rows whose stored dQ holds NaN or inf.
 template <class Tag, class Modifier, int kDimQk, int kDimV>
 __device__ __forceinline__ void repair_dq_rows(const BackwardParams& bp, const SequenceSpan& span,
-                                               int batch, int head, int q_start, int rows,
-                                               int warp, int warps) {
+                                               int batch, int head, int q_start, int rows, int warp,
+                                               int warps) {
   const int lane = static_cast<int>(threadIdx.x % kWarpSize);
   const Coordinates at{batch, head, span.q_len, span.kv_len};
   const typename Modifier::Invariants invariants = Modifier::prepare(bp.fwd, at);
@@ -309,9 +307,9 @@ __device__ __forceinline__ void repair_dq_rows(const BackwardParams& bp, const S
 // The same for a dK/dV block's keys [kv_start, kv_start + rows): the rows where a stored output
 // it wrote (kWantDk, kWantDv) holds NaN or inf.
 template <class Tag, class Modifier, int kDimQk, int kDimV, bool kWantDk, bool kWantDv>
-__device__ __forceinline__ void repair_dkdv_rows(const BackwardParams& bp,
-                                                 const SequenceSpan& span, int batch, int head_kv,
-                                                 int kv_start, int rows, int warp, int warps) {
+__device__ __forceinline__ void repair_dkdv_rows(const BackwardParams& bp, const SequenceSpan& span,
+                                                 int batch, int head_kv, int kv_start, int rows,
+                                                 int warp, int warps) {
   const int lane = static_cast<int>(threadIdx.x % kWarpSize);
   for (int r = warp; r < rows && kv_start + r < span.kv_len; r += warps) {
     const int kv = kv_start + r;

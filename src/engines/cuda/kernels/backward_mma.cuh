@@ -185,11 +185,13 @@ __device__ __forceinline__ void store_staged(const unsigned char* tile, unsigned
 // tiles: S^T becomes P^T and dP^T becomes dS^T (including d score_mod / d score). `check`: the
 // tile is mixed or crosses the end of the keys, so the mask and the bounds apply.
 template <class Modifier, bool kSmall, bool kGradient, int kTilesQ>
-__device__ __forceinline__ void dkdv_elements_with(
-    float (&st)[kTilesQ][4], float (&dpt)[kTilesQ][4], const ForwardParams& p,
-    const typename Modifier::Invariants& invariants, const Coordinates& at,
-    const SequenceSpan& span, const int (&kv_row)[2], int q_start, bool check,
-    const float* lse2_stage, const float* delta_stage, int quad_lane) {
+__device__ __forceinline__ void dkdv_elements_with(float (&st)[kTilesQ][4],
+                                                   float (&dpt)[kTilesQ][4], const ForwardParams& p,
+                                                   const typename Modifier::Invariants& invariants,
+                                                   const Coordinates& at, const SequenceSpan& span,
+                                                   const int (&kv_row)[2], int q_start, bool check,
+                                                   const float* lse2_stage,
+                                                   const float* delta_stage, int quad_lane) {
 #pragma unroll
   for (int j = 0; j < kTilesQ; ++j) {
 #pragma unroll
@@ -366,8 +368,8 @@ __device__ __forceinline__ void backward_dkdv_mma_part(const BackwardParams& bp,
     // Element pipeline: st becomes P^T, dpt becomes dS^T.
     const bool q_boundary = q_start + Config::kBlockQ > span.q_len;
     dkdv_elements<Modifier, kWantDk>(st, dpt, p, invariants, at, span, kv_row, q_start,
-                                     entry_is_mixed(entry) || kv_boundary || q_boundary,
-                                     lse2_stage, delta_stage, quad_lane);
+                                     entry_is_mixed(entry) || kv_boundary || q_boundary, lse2_stage,
+                                     delta_stage, quad_lane);
 
     // dV += P^T dO and dK += dS^T Q (k = the 64 queries).
 #pragma unroll
@@ -453,15 +455,14 @@ __device__ __forceinline__ float dq_logit(const float (&s)[kTilesKv][4], int j, 
 // position clamped into the sequence, validity, LSE in the log2 domain and delta.
 __device__ __forceinline__ void dq_rows(const BackwardParams& bp, int batch, int head,
                                         const SequenceSpan& span, int first_row, int (&query)[2],
-                                        bool (&row_valid)[2], float (&lse2)[2],
-                                        float (&delta)[2]) {
+                                        bool (&row_valid)[2], float (&lse2)[2], float (&delta)[2]) {
 #pragma unroll
   for (int half = 0; half < 2; ++half) {
     const int row = first_row + half * 8;
     row_valid[half] = row < span.q_len;
     query[half] = ir_min(row, span.q_len - 1);
-    lse2[half] = row_valid[half] ? *lse2_address(bp, batch, head, span.q_offset + row)
-                                 : positive_infinity();
+    lse2[half] =
+        row_valid[half] ? *lse2_address(bp, batch, head, span.q_offset + row) : positive_infinity();
     delta[half] = row_valid[half] ? *delta_address(bp, batch, head, span.q_offset + row) : 0.0f;
   }
 }
@@ -496,11 +497,10 @@ __device__ __forceinline__ void dq_delta_elements_with(
 #pragma unroll
     for (int e = 0; e < 4; ++e) {
       const int kv = kv_start + j * 8 + 2 * quad_lane + e % 2;
-      const float probability =
-          probability_log2(dq_logit<Modifier, kSmall>(s, j, e, p, invariants, at, query, kv,
-                                                      ir_min(kv, span.kv_len - 1), lse2[e / 2],
-                                                      check),
-                           lse2[e / 2]);
+      const float probability = probability_log2(
+          dq_logit<Modifier, kSmall>(s, j, e, p, invariants, at, query, kv,
+                                     ir_min(kv, span.kv_len - 1), lse2[e / 2], check),
+          lse2[e / 2]);
       // P 0: a removed position, whose dP may be NaN (a NaN or inf V or dO it does not keep).
       row_pdp[e / 2] += probability != 0.0f ? probability * dp[j][e] : 0.0f;
       row_p[e / 2] += probability;
@@ -569,15 +569,13 @@ __device__ __forceinline__ void dq_gradient_elements(
     long long (&local)[Modifier::kLocalGradSlots]) {
   if constexpr (Modifier::kSmallTanh) {
     if (!check && small_tanh_tile<Modifier, kTilesKv * 4>(&s[0][0], invariants, bp.fwd)) {
-      dq_gradient_elements_with<Modifier, kScatter, true>(s, dp, bp, invariants, at, span, query,
-                                                          lse2, delta, kv_start, false, quad_lane,
-                                                          local);
+      dq_gradient_elements_with<Modifier, kScatter, true>(
+          s, dp, bp, invariants, at, span, query, lse2, delta, kv_start, false, quad_lane, local);
       return;
     }
   }
-  dq_gradient_elements_with<Modifier, kScatter, false>(s, dp, bp, invariants, at, span, query,
-                                                       lse2, delta, kv_start, check, quad_lane,
-                                                       local);
+  dq_gradient_elements_with<Modifier, kScatter, false>(s, dp, bp, invariants, at, span, query, lse2,
+                                                       delta, kv_start, check, quad_lane, local);
 }
 
 template <class Config, class Modifier>
@@ -691,8 +689,8 @@ __device__ __forceinline__ void backward_dq_mma(const BackwardParams& bp) {
       float dp[kTilesKv][4];
       product_a_bt<Tag, Config::kStepsV>(dp, do_tile, do_a, v_tile, v_n);
 
-      const bool check = entry_is_mixed(entry) || kv_start + Config::kBlockKv > span.kv_len ||
-                         q_boundary;
+      const bool check =
+          entry_is_mixed(entry) || kv_start + Config::kBlockKv > span.kv_len || q_boundary;
       // The pass (exact delta or gradients) and whether tensor gradients are scattered are
       // decided per tile, outside the element loop: a branch per element would split the loop's
       // straight-line code (unmasked_then_masked).

@@ -29,7 +29,9 @@ namespace simt_backward {
 
 // A row stride whose rows start in different banks for 32 consecutive rows: any odd number of
 // floats (an even head dim gets one float of padding).
-__host__ __device__ constexpr int odd_stride(int head_dim) { return head_dim % 2 == 0 ? head_dim + 1 : head_dim; }
+__host__ __device__ constexpr int odd_stride(int head_dim) {
+  return head_dim % 2 == 0 ? head_dim + 1 : head_dim;
+}
 
 // Rows [0, kRows) of a (token, d) slice of a view, as float, into a tile of row stride kStride.
 // `first` is the index of element (row 0, d 0); rows at or past `rows_valid` become zeros.
@@ -102,7 +104,8 @@ __device__ __forceinline__ void accumulate_row(float (&accumulator)[kRows][kColu
     if (kDim % kWarpSize == 0 || column < kDim) {
       const float value = row[column];
 #pragma unroll
-      for (int j = 0; j < kRows; ++j) accumulator[j][c] = fmaf(weights[j], value, accumulator[j][c]);
+      for (int j = 0; j < kRows; ++j)
+        accumulator[j][c] = fmaf(weights[j], value, accumulator[j][c]);
     }
   }
 }
@@ -125,10 +128,10 @@ struct ElementGradient {
 // here, only the fp32 logit, dP and delta carry rounding, and the fp32 tolerance holds (the
 // thd ALiBi slopes case of the conformance matrix was 5% beyond it with expf).
 template <class Modifier, bool kCheck>
-__device__ __forceinline__ ElementGradient element_gradient(
-    float dot, float dp, float lse, float delta, bool row_valid, const ForwardParams& p,
-    const typename Modifier::Invariants& invariants, const Coordinates& at, int q, int kv,
-    bool precise = false) {
+__device__ __forceinline__ ElementGradient
+element_gradient(float dot, float dp, float lse, float delta, bool row_valid,
+                 const ForwardParams& p, const typename Modifier::Invariants& invariants,
+                 const Coordinates& at, int q, int kv, bool precise = false) {
   // P = exp(logit - lse) in the natural domain with expf, as a plain fp32 implementation computes
   // it: the fp32 path's tensor gradients sum P over whole rows, where the log2 domain's extra
   // rounding (logit * log2(e)) and ex2.approx showed up beyond the fp32 tolerance.
@@ -141,8 +144,8 @@ __device__ __forceinline__ ElementGradient element_gradient(
     if (precise) {
       const double probability = exp(static_cast<double>(logit) - static_cast<double>(lse));
       result.probability = static_cast<float>(probability);
-      result.dlogit = static_cast<float>(probability *
-                                         (static_cast<double>(dp) - static_cast<double>(delta)));
+      result.dlogit =
+          static_cast<float>(probability * (static_cast<double>(dp) - static_cast<double>(delta)));
     } else {
       result.probability = expf(logit - lse);
       result.dlogit = result.probability * (dp - delta);
@@ -325,8 +328,8 @@ __device__ __forceinline__ void backward_dkdv_simt(const BackwardParams& p) {
       for (int j = 0; j < kRows; ++j) {
         const int kv = first_kv + j;
         const ElementGradient element =
-            check ? element_gradient<Modifier, true>(dots[j], dps[j], row_lse, delta, row_valid, p.fwd,
-                                                     invariants, at, q_inside, kv)
+            check ? element_gradient<Modifier, true>(dots[j], dps[j], row_lse, delta, row_valid,
+                                                     p.fwd, invariants, at, q_inside, kv)
                   : element_gradient<Modifier, false>(dots[j], dps[j], row_lse, delta, row_valid,
                                                       p.fwd, invariants, at, q_inside, kv);
         probabilities[j] = element.probability;
@@ -414,8 +417,7 @@ __device__ __forceinline__ void backward_dq_simt(const BackwardParams& p) {
   for (int j = 0; j < kRows; ++j) {
     const int q = first_q + j;
     const bool row_valid = q < span.q_len;
-    row_lse[j] =
-        row_valid ? *lse_row(p, batch, head, span.q_offset + q) : negative_infinity();
+    row_lse[j] = row_valid ? *lse_row(p, batch, head, span.q_offset + q) : negative_infinity();
     delta[j] = row_valid ? *delta_address(p, batch, head, span.q_offset + q) : 0.0f;
 #pragma unroll
     for (int c = 0; c < kColumnsQk; ++c) dq[j][c] = 0.0f;
@@ -518,11 +520,12 @@ __device__ __forceinline__ void backward_dq_simt(const BackwardParams& p) {
       const bool row_valid = q < span.q_len;
       const int q_inside = ir_min(q, span.q_len - 1);
       const ElementGradient element =
-          check ? element_gradient<Modifier, true>(dots[j], dps[j], row_lse[j], delta[j], row_valid,
-                                                   p.fwd, invariants, at, q_inside, kv, tensor_grads)
-                : element_gradient<Modifier, false>(dots[j], dps[j], row_lse[j], delta[j], row_valid,
-                                                    p.fwd, invariants, at, q_inside, kv,
-                                                    tensor_grads);
+          check
+              ? element_gradient<Modifier, true>(dots[j], dps[j], row_lse[j], delta[j], row_valid,
+                                                 p.fwd, invariants, at, q_inside, kv, tensor_grads)
+              : element_gradient<Modifier, false>(dots[j], dps[j], row_lse[j], delta[j], row_valid,
+                                                  p.fwd, invariants, at, q_inside, kv,
+                                                  tensor_grads);
       dscores[j] = element.dscore;
       if constexpr (Modifier::kHasTensorGrads) {
         if (tensor_grads && element.kept) {

@@ -132,8 +132,7 @@ __device__ __forceinline__ float masked_logit(float logit, const ForwardParams& 
 // from the generated score_mod_log2 (which merges constant multiplications). kSmall: its
 // small-tanh variant, for a tile that small_tanh_tile admitted. kForward (the forward's
 // softmax): score_mod_forward, the logit times log2(e) / Modifier::kForwardToLog2.
-template <class Modifier, bool kCheck, bool kLog2Domain, bool kSmall = false,
-          bool kForward = false>
+template <class Modifier, bool kCheck, bool kLog2Domain, bool kSmall = false, bool kForward = false>
 __device__ __forceinline__ float element_logit(float dot, const ForwardParams& p,
                                                const typename Modifier::Invariants& invariants,
                                                const Coordinates& at, int q, int kv,
@@ -299,9 +298,9 @@ __device__ __forceinline__ bool stored_row_non_finite(const void* data, long lon
 // in the log2 domain; a removed position (mask, or a -inf modified score) is skipped.
 template <class Tag, class Modifier, int kDimQk, int kDimV>
 __device__ __forceinline__ void exact_forward_row(const ForwardParams& p,
-                                               const typename Modifier::Invariants& invariants,
-                                               const Coordinates& at, const SequenceSpan& span,
-                                               int batch, int head, int row, int lane) {
+                                                  const typename Modifier::Invariants& invariants,
+                                                  const Coordinates& at, const SequenceSpan& span,
+                                                  int batch, int head, int row, int lane) {
   const int head_kv = head / p.heads_per_kv;
   WarpRow<kDimQk> query;
   query.load(Tag{}, p.q.data, row_index(p.q, batch, span.q_offset + row, head), lane);
@@ -312,8 +311,8 @@ __device__ __forceinline__ void exact_forward_row(const ForwardParams& p,
   for (int kv = 0; kv < span.kv_len; ++kv) {
     WarpRow<kDimQk> key;
     key.load(Tag{}, p.k.data, row_index(p.k, batch, span.kv_offset + kv, head_kv), lane);
-    const float logit = element_logit<Modifier, true, true>(query.dot(key), p, invariants, at,
-                                                            row, kv);
+    const float logit =
+        element_logit<Modifier, true, true>(query.dot(key), p, invariants, at, row, kv);
     if (logit == negative_infinity()) continue;
     // fmaxf ignores a NaN logit; its weight exp2(NaN) makes the sum NaN.
     const float new_max = fmaxf(row_max, logit);
@@ -349,8 +348,8 @@ __device__ __forceinline__ void repair_forward_rows(const ForwardParams& p,
   const typename Modifier::Invariants invariants = Modifier::prepare(p, at);
   for (int r = warp; r < rows && q_start + r < span.q_len; r += warps) {
     const int row = q_start + r;
-    if (stored_row_non_finite<Tag, kDimV>(
-            p.o.data, row_index(p.o, batch, span.q_offset + row, head), lane)) {
+    if (stored_row_non_finite<Tag, kDimV>(p.o.data,
+                                          row_index(p.o, batch, span.q_offset + row, head), lane)) {
       exact_forward_row<Tag, Modifier, kDimQk, kDimV>(p, invariants, at, span, batch, head, row,
                                                       lane);
     }

@@ -205,8 +205,7 @@ __device__ __forceinline__ bool softmax_probabilities(float (&score)[kTiles][kSc
     for (int half = 0; half < 2; ++half) {
       // -inf + kMaxSlack is -inf: a row's first finite logits set its reference.
       const float seen = row_tile_max(score[i], half);
-      const float new_max =
-          seen > row_max[i][half] + kMaxSlack / to_log2 ? seen : row_max[i][half];
+      const float new_max = seen > row_max[i][half] + kMaxSlack / to_log2 ? seen : row_max[i][half];
       const float subtract = safe_max(new_max) * to_log2;
       correction[i][half] = fast_exp2(row_max[i][half] * to_log2 - subtract);
       max_changed = max_changed || new_max != row_max[i][half];
@@ -273,8 +272,8 @@ __device__ __forceinline__ void bounded_softmax_probabilities(
         row_max[i][half] =
             fmaxf(row_tile_max(score[i], half), (bound_log2 - kStaticHeadroom) / to_log2);
       }
-      row_sum[i][half] = exponentiate_row(score[i], half, row_max[i][half] * to_log2, to_log2,
-                                          row_sum[i][half]);
+      row_sum[i][half] =
+          exponentiate_row(score[i], half, row_max[i][half] * to_log2, to_log2, row_sum[i][half]);
     }
   }
 }

@@ -41,8 +41,8 @@ __device__ __forceinline__ void forward_simt(const ForwardParams& p) {
   constexpr int kDimV = Config::kHeadDimV;
   constexpr int kColumns = Config::kColumnsPerLane;
   extern __shared__ __align__(128) unsigned char shared[];
-  float* q_tile = reinterpret_cast<float*>(shared);      // (kBlockM, kDimQk)
-  float* k_tile = q_tile + kBlockM * kDimQk;             // (kBlockN, kKeyStride)
+  float* q_tile = reinterpret_cast<float*>(shared);       // (kBlockM, kDimQk)
+  float* k_tile = q_tile + kBlockM * kDimQk;              // (kBlockN, kKeyStride)
   float* v_tile = k_tile + kBlockN * Config::kKeyStride;  // (kBlockN, kDimV)
 
   const int thread = threadIdx.x;
@@ -83,10 +83,10 @@ __device__ __forceinline__ void forward_simt(const ForwardParams& p) {
     query[r] = ir_min(q_start + warp * kRows + r, span.q_len - 1);
   }
   const typename Modifier::Invariants invariants = Modifier::prepare(p, at);
-  const long long k_base = batch * p.k.batch_stride + span.kv_offset * p.k.token_stride +
-                           head_kv * p.k.head_stride;
-  const long long v_base = batch * p.v.batch_stride + span.kv_offset * p.v.token_stride +
-                           head_kv * p.v.head_stride;
+  const long long k_base =
+      batch * p.k.batch_stride + span.kv_offset * p.k.token_stride + head_kv * p.k.head_stride;
+  const long long v_base =
+      batch * p.v.batch_stride + span.kv_offset * p.v.token_stride + head_kv * p.v.head_stride;
 
   for (int entry_index = entries.begin; entry_index < entries.end; ++entry_index) {
     const int entry = p.tile_entries[entry_index];
@@ -97,9 +97,9 @@ __device__ __forceinline__ void forward_simt(const ForwardParams& p) {
       const int column = index % kDimQk;
       const int key = kv_start + row;
       k_tile[row * Config::kKeyStride + column] =
-          key < span.kv_len ? load_as_float(Tag{}, p.k.data,
-                                            k_base + key * p.k.token_stride + column)
-                            : 0.0f;
+          key < span.kv_len
+              ? load_as_float(Tag{}, p.k.data, k_base + key * p.k.token_stride + column)
+              : 0.0f;
     }
     for (int index = thread; index < kBlockN * kDimV; index += kThreads) {
       const int row = index / kDimV;
@@ -128,10 +128,10 @@ __device__ __forceinline__ void forward_simt(const ForwardParams& p) {
 #pragma unroll
       for (int r = 0; r < kRows; ++r) {
         const int kv = kv_start + key_row;
-        logit[r] = check ? element_logit<Modifier, true, false>(logit[r], p, invariants, at,
-                                                               query[r], kv)
-                         : element_logit<Modifier, false, false>(logit[r], p, invariants, at,
-                                                                query[r], kv);
+        logit[r] =
+            check
+                ? element_logit<Modifier, true, false>(logit[r], p, invariants, at, query[r], kv)
+                : element_logit<Modifier, false, false>(logit[r], p, invariants, at, query[r], kv);
         const float new_max = fmaxf(row_max[r], warp_max(logit[r]));
         const float subtract = safe_max(new_max);
         const float correction = expf(row_max[r] - subtract);

@@ -106,9 +106,9 @@ struct WgmmaConfig {
   static_assert(kMinBlocks == 1 || kMinBlocks == 2, "one or two blocks per multiprocessor");
   static_assert(!kProducer || (kWarpgroups == 2 && kMinBlocks == 1 && kStages <= 4),
                 "a producer serves two computing warpgroups, one block per multiprocessor");
-  static_assert(!kProducer || kProducerThreads * kProducerRegisters +
-                                      kThreads * kConsumerRegisters <=
-                                  kBlockThreads * (65536 / kBlockThreads / 8 * 8),
+  static_assert(!kProducer ||
+                    kProducerThreads * kProducerRegisters + kThreads * kConsumerRegisters <=
+                        kBlockThreads * (65536 / kBlockThreads / 8 * 8),
                 "the register split fits the launch's registers");
 };
 
@@ -202,7 +202,8 @@ __device__ __forceinline__ void forward_wgmma(const ForwardParams& p) {
   const unsigned q_tile = aligned_start;                         // (kBlockM, qk) panels
   const unsigned k_tiles = q_tile + Config::kQBytes;             // kStages x (kBlockN, qk)
   const unsigned v_tiles = k_tiles + kStages * Config::kKBytes;  // kStages x (kBlockN, v)
-  // kStages x (kBlockM, kBlockN) of the staged tensor (kStageTensor), and its rows in global memory.
+  // kStages x (kBlockM, kBlockN) of the staged tensor (kStageTensor), and its rows in global
+  // memory.
   const unsigned staged_tiles = v_tiles + kStages * Config::kVBytes;
   // With kProducer: the stages' full and empty barriers.
   const unsigned barriers = staged_tiles + kStages * Config::kStagedBytes;
@@ -385,8 +386,7 @@ __device__ __forceinline__ void forward_wgmma(const ForwardParams& p) {
       fixed_reference_probabilities<Modifier>(score, row_max, row_sum, first);
       return false;  // O is never rescaled
     } else {
-      return softmax_probabilities(score, row_max, row_sum, correction,
-                                   Modifier::kForwardToLog2);
+      return softmax_probabilities(score, row_max, row_sum, correction, Modifier::kForwardToLog2);
     }
   };
   // O rescaled for the tile's new reference (never with a fixed one).

@@ -29,9 +29,9 @@ struct ForwardParams {
   float* lse;  // null: not written. (b, h, q) at b * lse_batch_stride + h * lse_head_stride + token
   long long lse_batch_stride;
   long long lse_head_stride;
-  const int* cu_seqlens_q;   // batch + 1 offsets for thd, else null
+  const int* cu_seqlens_q;  // batch + 1 offsets for thd, else null
   const int* cu_seqlens_kv;
-  int seq_len_q;   // the sequence lengths when cu_seqlens are null
+  int seq_len_q;  // the sequence lengths when cu_seqlens are null
   int seq_len_kv;
   int heads_per_kv;  // heads_q / heads_kv (GQA group size)
   float scale;       // softmax scale (the score the modifier sees is scale * dot)
@@ -54,7 +54,7 @@ struct ForwardParams {
 // Tensor gradients are summed in 64-bit fixed point (value * 2^32, rounded to nearest): integer
 // addition is associative, so the atomics that scatter them give bit-identical results in any
 // order. Range +-2^31, resolution 2^-32.
-constexpr float kGradFixedScale = 4294967296.0f;         // 2^32
+constexpr float kGradFixedScale = 4294967296.0f;          // 2^32
 constexpr double kGradFixedInverse = 1.0 / 4294967296.0;  // 2^-32
 
 // Launch geometry of the delta kernel: grid (ceil(seq_len_q / kDeltaRows), heads_q, batch).

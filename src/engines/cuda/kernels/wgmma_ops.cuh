@@ -97,9 +97,9 @@ __device__ __forceinline__ void barrier_init(unsigned barrier, unsigned count) {
 // wait sees the phase complete.
 __device__ __forceinline__ void barrier_arrive(unsigned barrier) {
 #if FLEXATTN_WGMMA_AVAILABLE
-  asm volatile("{\n.reg .b64 state;\nmbarrier.arrive.shared::cta.b64 state, [%0];\n}\n" ::"r"(
-                   barrier)
-               : "memory");
+  asm volatile(
+      "{\n.reg .b64 state;\nmbarrier.arrive.shared::cta.b64 state, [%0];\n}\n" ::"r"(barrier)
+      : "memory");
 #endif
 }
 // Waits (acquire) until the phase of parity `parity` has completed.
