@@ -107,18 +107,21 @@ Case make_case(const Shape& shape, Layout layout, DType dtype, std::string modif
 constexpr Layout kLayouts[] = {Layout::kBSHD, Layout::kSBHD, Layout::kBHSD, Layout::kTHD};
 constexpr DType kDtypes[] = {DType::kF32, DType::kF16, DType::kBF16};
 
-// Shapes: odd lengths (1, 17, 100, 577), seq_len_q != seq_len_kv, head dims 64/80/128/256,
-// head_dim_v != head_dim_qk, GQA ratios 1 and 4, and MQA.
+// Shapes: odd lengths (1, 17, 100, 577), seq_len_q != seq_len_kv, head dims 64/80/96/128/256
+// and 192 with a 128-wide V (DeepSeek's MLA), head_dim_v != head_dim_qk, GQA ratios 1 and 4, and
+// MQA.
 std::vector<Shape> shape_sweep(Tier tier) {
   std::vector<Shape> shapes = {
-      {1, 2, 2, 1, 1, 64, 64},    {2, 4, 4, 17, 17, 64, 64},     {1, 4, 1, 17, 100, 64, 64},
-      {1, 4, 4, 100, 17, 80, 80}, {1, 8, 2, 100, 100, 128, 128}, {1, 2, 2, 64, 64, 256, 256},
-      {1, 4, 2, 33, 47, 64, 80},  {1, 1, 1, 577, 577, 64, 64},   {1, 4, 1, 1, 577, 128, 128},
+      {1, 2, 2, 1, 1, 64, 64},       {2, 4, 4, 17, 17, 64, 64},     {1, 4, 1, 17, 100, 64, 64},
+      {1, 4, 4, 100, 17, 80, 80},    {1, 8, 2, 100, 100, 128, 128}, {1, 2, 2, 64, 64, 256, 256},
+      {1, 4, 2, 33, 47, 64, 80},     {1, 1, 1, 577, 577, 64, 64},   {1, 4, 1, 1, 577, 128, 128},
+      {1, 4, 2, 100, 100, 192, 128},
   };
   if (tier == Tier::kFull) {
     const std::vector<Shape> more = {
-        {2, 8, 2, 577, 577, 80, 80}, {2, 4, 4, 100, 577, 256, 256}, {1, 16, 4, 577, 100, 64, 64},
-        {3, 6, 3, 17, 17, 128, 64},  {2, 8, 1, 100, 100, 256, 128},
+        {2, 8, 2, 577, 577, 80, 80},  {2, 4, 4, 100, 577, 256, 256}, {1, 16, 4, 577, 100, 64, 64},
+        {3, 6, 3, 17, 17, 128, 64},   {2, 8, 1, 100, 100, 256, 128}, {1, 4, 4, 77, 77, 96, 96},
+        {2, 4, 2, 129, 65, 192, 128},
     };
     shapes.insert(shapes.end(), more.begin(), more.end());
   }
