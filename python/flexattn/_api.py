@@ -7,6 +7,7 @@ import types
 
 import torch
 
+from . import _dynamo_compat
 from . import _flexattn as _ext
 from . import _torch as ops
 from ._trace import TraceError, cached_trace, trace
@@ -101,8 +102,14 @@ def _parts(function):
     if not isinstance(function, types.FunctionType):
         raise TraceError(f"under torch.compile, a modifier must be a Python function (def or "
                          f"lambda) or IR text, not {type(function).__name__}")
-    cells = [cell.cell_contents for cell in function.__closure__] if function.__closure__ else []
-    return function.__code__, function.__module__, len(cells), cells
+    code, module, cells = _function_parts(function)
+    return code, module, len(cells), list(cells)
+
+
+def _function_parts(function):
+    """A Python function's code, module name and closure cells' contents."""
+    cells = [cell.cell_contents for cell in function.__closure__ or ()]
+    return function.__code__, function.__module__, cells
 
 
 def _captured_compiling(score_mod, mask_mod, tensors):
@@ -152,6 +159,11 @@ def _constant_trace(score_code, score_module, score_count, mask_code, mask_modul
 
 
 _constant_trace = torch._dynamo.assume_constant_result(_constant_trace)
+
+# Dynamo before PyTorch 2.14 cannot read a closure of a function defined inside the compiled code
+# (nor, before 2.12, pass an object to _constant_trace): _dynamo_compat answers those two calls.
+if _dynamo_compat.needed(torch.__version__):
+    _dynamo_compat.install(_function_parts, _constant_trace)
 
 
 def _layout_argument(layout, cu_seqlens_q, cu_seqlens_kv) -> str:
