@@ -54,7 +54,7 @@ std::string backward_members(const Problem& problem, const ModifierBindings& bin
       // The same element for the whole (b, h): summed per thread, then per warp, then added.
       scatter += fmt::format("      local[{}] += {};\n", local_slots, contribution);
       flush += fmt::format(
-          "    {{\n      const long long sum = warp_sum_fixed(local[{}]);\n"
+          "    {{\n      const GradSum sum = warp_sum_fixed(local[{}]);\n"
           "      if ((threadIdx.x % kWarpSize) == 0 && {} != nullptr) add_fixed({} + {}, sum);\n"
           "    }}\n",
           local_slots, accumulator, accumulator, offset);
@@ -92,13 +92,13 @@ std::string backward_members(const Problem& problem, const ModifierBindings& bin
   text +=
       "  __device__ static __forceinline__ void tensor_grads(const Invariants& inv, "
       "const BackwardParams& bp, const Coordinates& at, float score, int q, int kv, "
-      "float dlogit, long long (&local)[kLocalGradSlots]) {\n";
+      "float dlogit, GradSum (&local)[kLocalGradSlots]) {\n";
   if (!scatter.empty()) text += "    [[maybe_unused]] const ForwardParams& p = bp.fwd;\n";
   text += scatter + "  }\n";
   text +=
       "  __device__ static __forceinline__ void flush_tensor_grads(const Invariants& inv, "
       "const BackwardParams& bp, const Coordinates& at, "
-      "long long (&local)[kLocalGradSlots]) {\n" +
+      "GradSum (&local)[kLocalGradSlots]) {\n" +
       flush + "  }\n";
   return text;
 }

@@ -450,7 +450,7 @@ class CudaPlan final : public Plan {
       if (!is_floating(decl.dtype)) continue;
       std::size_t elements = 1;
       for (std::int64_t extent : decl.shape) elements *= static_cast<std::size_t>(extent);
-      bytes += align_scratch(elements * sizeof(long long));
+      bytes += align_scratch(elements * sizeof(flexattn_kernels::GradAccumulator));
     }
     return bytes;
   }
@@ -522,7 +522,8 @@ class CudaPlan final : public Plan {
       const auto found = args.tensor_grads.find(bindings_.tensors[slot]);
       if (found == args.tensor_grads.end()) continue;
       gradients.push_back({slot, &found->second, bytes});
-      bytes += align_scratch(static_cast<std::size_t>(found->second.numel()) * sizeof(long long));
+      bytes += align_scratch(static_cast<std::size_t>(found->second.numel()) *
+                             sizeof(flexattn_kernels::GradAccumulator));
     }
 
     ContextScope scope(*driver_);
@@ -543,7 +544,7 @@ class CudaPlan final : public Plan {
     }
     for (const Gradient& gradient : gradients) {
       p.grad_fixed[gradient.slot] =
-          reinterpret_cast<unsigned long long*>(scratch.address() + gradient.offset);
+          reinterpret_cast<flexattn_kernels::GradAccumulator*>(scratch.address() + gradient.offset);
     }
     p.tensor_grads_wanted = gradients.empty() ? 0 : 1;
 
@@ -568,7 +569,8 @@ class CudaPlan final : public Plan {
     }
     for (const Gradient& gradient : gradients) {
       FinalizeParams f{};
-      f.fixed = reinterpret_cast<const long long*>(scratch.address() + gradient.offset);
+      f.fixed = reinterpret_cast<const flexattn_kernels::GradAccumulator*>(scratch.address() +
+                                                                           gradient.offset);
       f.out = gradient.view->data;
       f.count = gradient.view->numel();
       f.out_is_f64 = gradient.view->dtype == DType::kF64 ? 1 : 0;

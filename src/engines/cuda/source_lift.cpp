@@ -179,7 +179,7 @@ class SourceParser {
       } else if (parameter == "const StagedElement* staged") {
         scope.has_staged = true;
       } else if (parameter == "const BackwardParams& bp" ||
-                 parameter == "long long (&local)[kLocalGradSlots]") {
+                 parameter == "GradSum (&local)[kLocalGradSlots]") {
       } else if (parameter == "float score" || parameter == "float dot" ||
                  parameter == "float bound" || parameter == "float dlogit" ||
                  parameter == "int q" || parameter == "int kv") {
@@ -370,7 +370,7 @@ class SourceParser {
       if (line != "{") fail("a statement of flush_tensor_grads the code generator does not emit");
       ExpressionParser sum(modifier_, scope, tokenize(next_line()));
       for (const char* text :
-           {"const", "long", "long", "sum", "=", "warp_sum_fixed", "(", "local", "["}) {
+           {"const", "GradSum", "sum", "=", "warp_sum_fixed", "(", "local", "["}) {
         sum.expect(text);
       }
       const auto local_slot = static_cast<int>(sum.integer());

@@ -48,8 +48,8 @@ struct IdentityModifier {
   static constexpr int kStagedTensor = -1;
   static constexpr bool kStaticReference = false;  // (the generated softcap modules take it)
   static constexpr float kStaticReferenceLog2 = 0.0f;
-  __device__ static bool mask_mod(const Invariants&, const ForwardParams&, const Coordinates&,
-                                  int, int) {
+  __device__ static bool mask_mod(const Invariants&, const ForwardParams&, const Coordinates&, int,
+                                  int) {
     return true;
   }
 
@@ -66,9 +66,11 @@ struct IdentityModifier {
     return 1.0f;
   }
   __device__ static void tensor_grads(const Invariants&, const BackwardParams&, const Coordinates&,
-                                      float, int, int, float, long long (&)[kLocalGradSlots]) {}
+                                      float, int, int, float,
+                                      flexattn_kernels::GradSum (&)[kLocalGradSlots]) {}
   __device__ static void flush_tensor_grads(const Invariants&, const BackwardParams&,
-                                            const Coordinates&, long long (&)[kLocalGradSlots]) {}
+                                            const Coordinates&,
+                                            flexattn_kernels::GradSum (&)[kLocalGradSlots]) {}
 };
 
 // A modifier with every code path of the element pipeline live (score_mod, mask, and in the
@@ -109,9 +111,8 @@ struct CausalSoftcapModifier {
                                          float bound) {
     return fabsf((bound * fabsf(p.scale)) / invariants.cap) < flexattn_kernels::kTanhSmallLimit;
   }
-  __device__ static float score_mod_log2_small(const Invariants& invariants,
-                                               const ForwardParams& p, const Coordinates&,
-                                               float dot, int, int kv,
+  __device__ static float score_mod_log2_small(const Invariants& invariants, const ForwardParams& p,
+                                               const Coordinates&, float dot, int, int kv,
                                                const flexattn_kernels::StagedElement*) {
     return (invariants.cap * flexattn_kernels::ir_tanh_small(dot * p.scale / invariants.cap) +
             invariants.head_bias +
@@ -150,7 +151,7 @@ struct CausalSoftcapModifier {
   // (indexed by kv) straight into its accumulator.
   __device__ static void tensor_grads(const Invariants&, const BackwardParams& p,
                                       const Coordinates&, float, int, int kv, float dlogit,
-                                      long long (&local)[kLocalGradSlots]) {
+                                      flexattn_kernels::GradSum (&local)[kLocalGradSlots]) {
     if (p.grad_fixed[0] != nullptr) local[0] += flexattn_kernels::to_fixed(dlogit);
     if (p.grad_fixed[1] != nullptr) {
       flexattn_kernels::add_fixed(p.grad_fixed[1] + kv, flexattn_kernels::to_fixed(dlogit));
@@ -158,9 +159,9 @@ struct CausalSoftcapModifier {
   }
   __device__ static void flush_tensor_grads(const Invariants&, const BackwardParams& p,
                                             const Coordinates& at,
-                                            long long (&local)[kLocalGradSlots]) {
+                                            flexattn_kernels::GradSum (&local)[kLocalGradSlots]) {
     if (p.grad_fixed[0] == nullptr) return;
-    const long long sum = flexattn_kernels::warp_sum_fixed(local[0]);
+    const flexattn_kernels::GradSum sum = flexattn_kernels::warp_sum_fixed(local[0]);
     if (threadIdx.x % flexattn_kernels::kWarpSize == 0) {
       flexattn_kernels::add_fixed(p.grad_fixed[0] + at.head, sum);
     }
@@ -172,39 +173,37 @@ struct CausalSoftcapModifier {
 using flexattn_aot::CausalSoftcapModifier;
 using flexattn_aot::IdentityModifier;
 
-#define FLEXATTN_AOT_MMA(name, modifier, ...)                                                 \
-  extern "C" __global__ void __launch_bounds__(MmaConfig<__VA_ARGS__>::kThreads,             \
-                                               MmaConfig<__VA_ARGS__>::kMinBlocks)            \
-      name(const ForwardParams params) {                                                      \
-    flexattn_kernels::forward_mma<MmaConfig<__VA_ARGS__>, modifier>(params);                  \
+#define FLEXATTN_AOT_MMA(name, modifier, ...)                                      \
+  extern "C" __global__ void __launch_bounds__(MmaConfig<__VA_ARGS__>::kThreads,   \
+                                               MmaConfig<__VA_ARGS__>::kMinBlocks) \
+      name(const ForwardParams params) {                                           \
+    flexattn_kernels::forward_mma<MmaConfig<__VA_ARGS__>, modifier>(params);       \
   }
-#define FLEXATTN_AOT_SIMT(name, modifier, ...)                                                \
-  extern "C" __global__ void __launch_bounds__(SimtConfig<__VA_ARGS__>::kThreads)            \
-      name(const ForwardParams params) {                                                      \
-    flexattn_kernels::forward_simt<SimtConfig<__VA_ARGS__>, modifier>(params);                \
+#define FLEXATTN_AOT_SIMT(name, modifier, ...)                                    \
+  extern "C" __global__ void __launch_bounds__(SimtConfig<__VA_ARGS__>::kThreads) \
+      name(const ForwardParams params) {                                          \
+    flexattn_kernels::forward_simt<SimtConfig<__VA_ARGS__>, modifier>(params);    \
   }
 
-#define FLEXATTN_AOT_WGMMA(name, modifier, ...)                                               \
-  extern "C" __global__ void __launch_bounds__(WgmmaConfig<__VA_ARGS__>::kThreads,           \
-                                               WgmmaConfig<__VA_ARGS__>::kMinBlocks)          \
-      name(const ForwardParams params) {                                                      \
-    flexattn_kernels::forward_wgmma<WgmmaConfig<__VA_ARGS__>, modifier>(params);              \
+#define FLEXATTN_AOT_WGMMA(name, modifier, ...)                                      \
+  extern "C" __global__ void __launch_bounds__(WgmmaConfig<__VA_ARGS__>::kThreads,   \
+                                               WgmmaConfig<__VA_ARGS__>::kMinBlocks) \
+      name(const ForwardParams params) {                                             \
+    flexattn_kernels::forward_wgmma<WgmmaConfig<__VA_ARGS__>, modifier>(params);     \
   }
 
 FLEXATTN_AOT_MMA(aot_bf16_d128, IdentityModifier, BFloat16Tag, 128, 128, 128, 128, 2, 4, 64, 2, 2)
-FLEXATTN_AOT_MMA(aot_bf16_d128_softcap, CausalSoftcapModifier, BFloat16Tag, 128, 128, 128, 128,
-                 2, 4, 64, 2, 2)
+FLEXATTN_AOT_MMA(aot_bf16_d128_softcap, CausalSoftcapModifier, BFloat16Tag, 128, 128, 128, 128, 2,
+                 4, 64, 2, 2)
 FLEXATTN_AOT_MMA(aot_bf16_d64, IdentityModifier, BFloat16Tag, 64, 64, 64, 64, 2, 4, 64, 2, 2)
-FLEXATTN_AOT_MMA(aot_f16_d80_v72, CausalSoftcapModifier, HalfTag, 80, 72, 128, 128, 2, 4, 64, 2,
-                 2)
-FLEXATTN_AOT_MMA(aot_bf16_d256, IdentityModifier, BFloat16Tag, 256, 256, 256, 256, 1, 4, 64, 2,
-                 1)
+FLEXATTN_AOT_MMA(aot_f16_d80_v72, CausalSoftcapModifier, HalfTag, 80, 72, 128, 128, 2, 4, 64, 2, 2)
+FLEXATTN_AOT_MMA(aot_bf16_d256, IdentityModifier, BFloat16Tag, 256, 256, 256, 256, 1, 4, 64, 2, 1)
 // wgmma (sm_90a): shared bytes = 1024 + Q + the stages of K and V (tile_plan.cpp); pipelined
 // with 3 stages at head dim 128, not with 2 at head dim 64 (both loops compiled here).
 FLEXATTN_AOT_WGMMA(aot_wgmma_bf16_d128, IdentityModifier, BFloat16Tag, 128, 128, 128, 3, true,
                    1024 + 128 * 256 + 3 * 2 * 128 * 256)
-FLEXATTN_AOT_WGMMA(aot_wgmma_f16_d64_softcap, CausalSoftcapModifier, HalfTag, 64, 64, 128, 2,
-                   false, 1024 + 128 * 128 + 2 * 2 * 128 * 128)
+FLEXATTN_AOT_WGMMA(aot_wgmma_f16_d64_softcap, CausalSoftcapModifier, HalfTag, 64, 64, 128, 2, false,
+                   1024 + 128 * 128 + 2 * 2 * 128 * 128)
 FLEXATTN_AOT_WGMMA(aot_wgmma_bf16_d128_v64, CausalSoftcapModifier, BFloat16Tag, 128, 64, 128, 3,
                    true, 1024 + 128 * 256 + 3 * 128 * (256 + 128))
 FLEXATTN_AOT_WGMMA(aot_wgmma_bf16_d128_turns, CausalSoftcapModifier, BFloat16Tag, 128, 128, 128, 3,
@@ -217,26 +216,26 @@ FLEXATTN_AOT_SIMT(aot_bf16_d17, CausalSoftcapModifier, BFloat16Tag, 17, 17)
 
 // ---- backward -------------------------------------------------------------------------------
 
-#define FLEXATTN_AOT_BACKWARD_DELTA(name, tag, head_dim_v)                                    \
-  extern "C" __global__ void __launch_bounds__(flexattn_kernels::kDeltaThreads)              \
-      name(const BackwardParams params) {                                                     \
-    flexattn_kernels::backward_delta<tag, head_dim_v>(params);                                \
+#define FLEXATTN_AOT_BACKWARD_DELTA(name, tag, head_dim_v)                      \
+  extern "C" __global__ void __launch_bounds__(flexattn_kernels::kDeltaThreads) \
+      name(const BackwardParams params) {                                       \
+    flexattn_kernels::backward_delta<tag, head_dim_v>(params);                  \
   }
 // The simt dK/dV and dQ kernels of one configuration: name##_dkdv, name##_dq.
-#define FLEXATTN_AOT_BACKWARD_SIMT(name, modifier, tag, head_dim_qk, head_dim_v)              \
-  using name##_config = BackwardSimtConfig<                                                   \
-      tag, head_dim_qk, head_dim_v,                                                           \
-      flexattn_kernels::backward_simt_shared_bytes(head_dim_qk, head_dim_v),                  \
-      flexattn_kernels::backward_simt_shared_bytes(head_dim_qk, head_dim_v)>;                 \
-  static_assert(name##_config::kSharedBytesDkdv <= kMaxSharedBytes,                           \
-                "the dK/dV kernel's shared memory fits a multiprocessor");                    \
-  extern "C" __global__ void __launch_bounds__(name##_config::kThreads)                       \
-      name##_dkdv(const BackwardParams params) {                                              \
-    flexattn_kernels::backward_dkdv_simt<name##_config, modifier>(params);                    \
-  }                                                                                           \
-  extern "C" __global__ void __launch_bounds__(name##_config::kThreads)                       \
-      name##_dq(const BackwardParams params) {                                                \
-    flexattn_kernels::backward_dq_simt<name##_config, modifier>(params);                      \
+#define FLEXATTN_AOT_BACKWARD_SIMT(name, modifier, tag, head_dim_qk, head_dim_v)                 \
+  using name##_config =                                                                          \
+      BackwardSimtConfig<tag, head_dim_qk, head_dim_v,                                           \
+                         flexattn_kernels::backward_simt_shared_bytes(head_dim_qk, head_dim_v),  \
+                         flexattn_kernels::backward_simt_shared_bytes(head_dim_qk, head_dim_v)>; \
+  static_assert(name##_config::kSharedBytesDkdv <= kMaxSharedBytes,                              \
+                "the dK/dV kernel's shared memory fits a multiprocessor");                       \
+  extern "C" __global__ void __launch_bounds__(name##_config::kThreads)                          \
+      name##_dkdv(const BackwardParams params) {                                                 \
+    flexattn_kernels::backward_dkdv_simt<name##_config, modifier>(params);                       \
+  }                                                                                              \
+  extern "C" __global__ void __launch_bounds__(name##_config::kThreads)                          \
+      name##_dq(const BackwardParams params) {                                                   \
+    flexattn_kernels::backward_dq_simt<name##_config, modifier>(params);                         \
   }
 
 // The most dynamic shared memory one block of sm_90 may use (227 KB).
@@ -258,29 +257,28 @@ FLEXATTN_AOT_BACKWARD_SIMT(aot_backward_bf16_d17, CausalSoftcapModifier, BFloat1
 FLEXATTN_AOT_BACKWARD_SIMT(aot_backward_f32_d256, IdentityModifier, Float32Tag, 256, 256)
 
 // Tensor-core backward (backward_mma.cuh): instantiations go here.
-#define FLEXATTN_AOT_BACKWARD_MMA(name, modifier, tag, qk, v, padded_qk, padded_v)                \
-  using name##_config = flexattn_kernels::BackwardMmaConfig<                                     \
-      tag, qk, v, padded_qk, padded_v, 6 * 64 * ((padded_qk) + (padded_v)) + 1024,              \
-      6 * 64 * ((padded_qk) + (padded_v)), ((padded_qk) + (padded_v) > 256 ? 2 : 1)>;           \
-  extern "C" __global__ void __launch_bounds__(name##_config::kThreads, 1)                      \
-      name##_dkdv(const BackwardParams params) {                                                \
-    flexattn_kernels::backward_dkdv_mma<name##_config, modifier>(params);                       \
-  }                                                                                             \
-  extern "C" __global__ void __launch_bounds__(name##_config::kThreads, 1)                      \
-      name##_dq(const BackwardParams params) {                                                  \
-    flexattn_kernels::backward_dq_mma<name##_config, modifier>(params);                         \
+#define FLEXATTN_AOT_BACKWARD_MMA(name, modifier, tag, qk, v, padded_qk, padded_v)    \
+  using name##_config = flexattn_kernels::BackwardMmaConfig<                          \
+      tag, qk, v, padded_qk, padded_v, 6 * 64 * ((padded_qk) + (padded_v)) + 1024,    \
+      6 * 64 * ((padded_qk) + (padded_v)), ((padded_qk) + (padded_v) > 256 ? 2 : 1)>; \
+  extern "C" __global__ void __launch_bounds__(name##_config::kThreads, 1)            \
+      name##_dkdv(const BackwardParams params) {                                      \
+    flexattn_kernels::backward_dkdv_mma<name##_config, modifier>(params);             \
+  }                                                                                   \
+  extern "C" __global__ void __launch_bounds__(name##_config::kThreads, 1)            \
+      name##_dq(const BackwardParams params) {                                        \
+    flexattn_kernels::backward_dq_mma<name##_config, modifier>(params);               \
   }
 
-FLEXATTN_AOT_BACKWARD_MMA(aot_backward_bf16_d128, IdentityModifier, BFloat16Tag, 128, 128, 128,
-                          128)
+FLEXATTN_AOT_BACKWARD_MMA(aot_backward_bf16_d128, IdentityModifier, BFloat16Tag, 128, 128, 128, 128)
 FLEXATTN_AOT_BACKWARD_MMA(aot_backward_bf16_d128_softcap, CausalSoftcapModifier, BFloat16Tag, 128,
                           128, 128, 128)
 FLEXATTN_AOT_BACKWARD_MMA(aot_backward_f16_d80_v72, CausalSoftcapModifier, HalfTag, 80, 72, 128,
                           128)
 FLEXATTN_AOT_BACKWARD_MMA(aot_backward_bf16_d256_softcap, CausalSoftcapModifier, BFloat16Tag, 256,
                           256, 256, 256)
-FLEXATTN_AOT_BACKWARD_MMA(aot_backward_bf16_d192_v128, IdentityModifier, BFloat16Tag, 192, 128,
-                          192, 128)
+FLEXATTN_AOT_BACKWARD_MMA(aot_backward_bf16_d192_v128, IdentityModifier, BFloat16Tag, 192, 128, 192,
+                          128)
 FLEXATTN_AOT_BACKWARD_MMA(aot_backward_bf16_d64, IdentityModifier, BFloat16Tag, 64, 64, 64, 64)
 
 // wgmma dK/dV and dQ (backward_wgmma.cuh, sm_90a): dK/dV shared bytes = 1024 + K and V of 128

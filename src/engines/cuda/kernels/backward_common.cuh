@@ -13,9 +13,9 @@
 //                                    float dot, int q, int kv);  // score_grad(dot * scale)
 //   static void tensor_grads(const Invariants&, const BackwardParams&, const Coordinates&,
 //                            float score, int q, int kv, float dlogit,
-//                            long long (&local)[kLocalGradSlots]);
+//                            GradSum (&local)[kLocalGradSlots]);
 //   static void flush_tensor_grads(const Invariants&, const BackwardParams&, const Coordinates&,
-//                                  long long (&local)[kLocalGradSlots]);
+//                                  GradSum (&local)[kLocalGradSlots]);
 // tensor_grads adds dlogit * d score_mod / d load for every float tensor load whose gradient is
 // wanted (grad_fixed[slot] != null): a load whose index depends only on (b, h) goes into
 // `local` (fixed point, summed per thread), the others straight into grad_fixed by atomicAdd.
@@ -43,18 +43,40 @@ __device__ __forceinline__ float* lse2_address(const BackwardParams& p, int batc
   return p.lse2 + batch * p.fwd.lse_batch_stride + head * p.fwd.lse_head_stride + token;
 }
 
-// One gradient contribution in fixed point (saturates beyond +-2^31; NaN becomes INT64_MIN).
-__device__ __forceinline__ long long to_fixed(float value) {
-  return __float2ll_rn(value * kGradFixedScale);
+// A sum of gradient contributions: fixed point (each saturates beyond +-2^31) and the non-finite
+// values among them (GradAccumulator's flags).
+struct GradSum {
+  long long fixed = 0;
+  unsigned flags = 0;
+  __device__ __forceinline__ GradSum& operator+=(const GradSum& other) {
+    fixed += other.fixed;
+    flags |= other.flags;
+    return *this;
+  }
+};
+__device__ __forceinline__ GradSum to_fixed(float value) {
+  GradSum result;
+  if (value != value) {
+    result.flags = kGradNan;
+  } else if (value == positive_infinity()) {
+    result.flags = kGradPlusInf;
+  } else if (value == negative_infinity()) {
+    result.flags = kGradMinusInf;
+  } else {
+    result.fixed = __float2ll_rn(value * kGradFixedScale);
+  }
+  return result;
 }
-__device__ __forceinline__ void add_fixed(unsigned long long* address, long long value) {
-  if (value != 0) atomicAdd(address, static_cast<unsigned long long>(value));
+__device__ __forceinline__ void add_fixed(GradAccumulator* address, const GradSum& value) {
+  if (value.fixed != 0) atomicAdd(&address->fixed, static_cast<unsigned long long>(value.fixed));
+  if (value.flags != 0) atomicOr(&address->flags, static_cast<unsigned long long>(value.flags));
 }
 // Sum over the warp (integer: the order does not matter).
-__device__ __forceinline__ long long warp_sum_fixed(long long value) {
+__device__ __forceinline__ GradSum warp_sum_fixed(GradSum value) {
 #pragma unroll
   for (int offset = kWarpSize / 2; offset > 0; offset /= 2) {
-    value += __shfl_xor_sync(0xffffffffu, value, offset);
+    value.fixed += __shfl_xor_sync(0xffffffffu, value.fixed, offset);
+    value.flags |= __shfl_xor_sync(0xffffffffu, value.flags, offset);
   }
   return value;
 }
@@ -171,11 +193,21 @@ __device__ __forceinline__ void backward_delta(const BackwardParams& p) {
   }
 }
 
-// gradient[i] = fixed[i] * 2^-32, as float or double. Grid (ceil(count / kFinalizeThreads)).
+// gradient[i] = fixed[i] * 2^-32, as float or double, or the non-finite value that reached it
+// (NaN, or +inf and -inf both: NaN). Grid (ceil(count / kFinalizeThreads)).
 __device__ __forceinline__ void backward_finalize(const FinalizeParams& p) {
   const long long index = static_cast<long long>(blockIdx.x) * kFinalizeThreads + threadIdx.x;
   if (index >= p.count) return;
-  const double value = static_cast<double>(p.fixed[index]) * kGradFixedInverse;
+  const GradAccumulator accumulator = p.fixed[index];
+  double value = static_cast<double>(static_cast<long long>(accumulator.fixed)) * kGradFixedInverse;
+  const unsigned long long infinities = accumulator.flags & (kGradPlusInf | kGradMinusInf);
+  if ((accumulator.flags & kGradNan) != 0 || infinities == (kGradPlusInf | kGradMinusInf)) {
+    value = static_cast<double>(__int_as_float(0x7fc00000));
+  } else if (infinities == kGradPlusInf) {
+    value = static_cast<double>(positive_infinity());
+  } else if (infinities == kGradMinusInf) {
+    value = static_cast<double>(negative_infinity());
+  }
   if (p.out_is_f64 != 0) {
     static_cast<double*>(p.out)[index] = value;
   } else {
@@ -205,16 +237,21 @@ exact_element(const BackwardParams& bp, const typename Modifier::Invariants& inv
               const WarpRow<kDimV>& output_gradient) {
   const ForwardParams& p = bp.fwd;
   ExactElement result{0.0f, 0.0f, false};
+  // In the natural domain with P and dlogit in double, as the fp32 kernels' precise path: a
+  // recomputed row must meet the fp32 tolerance too.
   const float dot = query.dot(key);
-  const float logit2 = element_logit<Modifier, true, true>(dot, p, invariants, at, q, kv);
-  if (logit2 == negative_infinity()) return result;
-  // lse2 is +inf in a row that kept no key: P 0. A NaN row's NaN P is kept.
-  const float probability = exp2f(logit2 - *lse2_address(bp, batch, head, span.q_offset + q));
-  if (probability == 0.0f) return result;
+  const float logit = element_logit<Modifier, true, false>(dot, p, invariants, at, q, kv);
+  if (logit == negative_infinity()) return result;
+  // The LSE is -inf in a row that kept no key: P 0. A NaN row's NaN P is kept.
+  const float lse = *lse_row(bp, batch, head, span.q_offset + q);
+  if (lse == negative_infinity()) return result;
+  const double probability = exp(static_cast<double>(logit) - static_cast<double>(lse));
+  if (probability == 0.0) return result;
   const float dp = output_gradient.dot(value);
-  const float dlogit = probability * (dp - *delta_address(bp, batch, head, span.q_offset + q));
-  const float dscore = score_gradient_from_dot<Modifier>(dlogit, invariants, p, at, dot, q, kv);
-  result.probability = probability;
+  const double delta = *delta_address(bp, batch, head, span.q_offset + q);
+  const float dlogit = static_cast<float>(probability * (static_cast<double>(dp) - delta));
+  const float dscore = score_gradient<Modifier>(dlogit, invariants, p, at, dot * p.scale, q, kv);
+  result.probability = static_cast<float>(probability);
   result.dscore = Modifier::kBoundedDerivative || dlogit != 0.0f ? dscore : 0.0f;
   result.kept = true;
   return result;

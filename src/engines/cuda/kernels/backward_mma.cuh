@@ -397,7 +397,12 @@ __device__ __forceinline__ void backward_dkdv_mma_part(const BackwardParams& bp,
   if constexpr (kWantDv) {
     stage_rows<Tag, Config::kChunksV>(dv_stage, dv, warp * 16, group, quad_lane, 1.0f);
   }
-  __syncthreads();
+  // The staging barrier also tells every thread whether a value is NaN or inf (a removed
+  // position's 0 times a NaN or inf operand: see repair_dkdv_rows).
+  bool non_finite_result = false;
+  if constexpr (kWantDk) non_finite_result |= any_non_finite(dk);
+  if constexpr (kWantDv) non_finite_result |= any_non_finite(dv);
+  const bool flagged = barrier_any<-1>(non_finite_result, kThreads);
   const int rows_valid = span.kv_len - kv_start;
   if constexpr (kWantDk) {
     store_staged<Config::kChunksQk, Config::kRealChunksQk, kThreads>(
@@ -409,11 +414,8 @@ __device__ __forceinline__ void backward_dkdv_mma_part(const BackwardParams& bp,
         dv_stage, view_row<unsigned short>(bp.dv, batch, span.kv_offset + kv_start, head_kv),
         bp.dv.token_stride, rows_valid, thread);
   }
-  // A removed position's 0 times a NaN or inf operand (see repair_dkdv_rows).
-  bool non_finite_result = false;
-  if constexpr (kWantDk) non_finite_result |= any_non_finite(dk);
-  if constexpr (kWantDv) non_finite_result |= any_non_finite(dv);
-  if (barrier_any<-1>(non_finite_result, kThreads)) {
+  if (flagged) {
+    __syncthreads();  // the stores are visible to the warps that read them back
     repair_dkdv_rows<Tag, Modifier, Config::kHeadDimQk, Config::kHeadDimV, kWantDk, kWantDv>(
         bp, span, batch, head_kv, kv_start, Config::kBlockKv, warp, Config::kWarps);
   }
@@ -533,7 +535,7 @@ __device__ __forceinline__ void dq_gradient_elements_with(
     const typename Modifier::Invariants& invariants, const Coordinates& at,
     const SequenceSpan& span, const int (&query)[2], const float (&lse2)[2],
     const float (&delta)[2], int kv_start, bool check, int quad_lane,
-    long long (&local)[Modifier::kLocalGradSlots]) {
+    GradSum (&local)[Modifier::kLocalGradSlots]) {
   const ForwardParams& p = bp.fwd;
 #pragma unroll
   for (int j = 0; j < kTilesKv; ++j) {
@@ -566,7 +568,7 @@ __device__ __forceinline__ void dq_gradient_elements(
     const typename Modifier::Invariants& invariants, const Coordinates& at,
     const SequenceSpan& span, const int (&query)[2], const float (&lse2)[2],
     const float (&delta)[2], int kv_start, bool check, int quad_lane,
-    long long (&local)[Modifier::kLocalGradSlots]) {
+    GradSum (&local)[Modifier::kLocalGradSlots]) {
   if constexpr (Modifier::kSmallTanh) {
     if (!check && small_tanh_tile<Modifier, kTilesKv * 4>(&s[0][0], invariants, bp.fwd)) {
       dq_gradient_elements_with<Modifier, kScatter, true>(
@@ -640,9 +642,9 @@ __device__ __forceinline__ void backward_dq_mma(const BackwardParams& bp) {
   float delta[2];
   dq_rows(bp, batch, head, span, q_start + warp * 16 + group, query, row_valid, lse2, delta);
   const typename Modifier::Invariants invariants = Modifier::prepare(p, at);
-  long long local[Modifier::kLocalGradSlots];
+  GradSum local[Modifier::kLocalGradSlots];
 #pragma unroll
-  for (int k = 0; k < Modifier::kLocalGradSlots; ++k) local[k] = 0;
+  for (int k = 0; k < Modifier::kLocalGradSlots; ++k) local[k] = GradSum{};
 
   float dq[Config::kTilesQk][4];
   zero_accumulators(dq);
@@ -724,11 +726,12 @@ __device__ __forceinline__ void backward_dq_mma(const BackwardParams& bp) {
 
   unsigned char* dq_stage = shared + Config::kTileQkBytes + Config::kTileVBytes;
   stage_rows<Tag, Config::kChunksQk>(dq_stage, dq, warp * 16, group, quad_lane, p.scale);
-  __syncthreads();
+  const bool flagged = barrier_any<-1>(any_non_finite(dq), kThreads);  // see repair_dq_rows
   store_staged<Config::kChunksQk, Config::kRealChunksQk, kThreads>(
       dq_stage, view_row<unsigned short>(bp.dq, batch, span.q_offset + q_start, head),
       bp.dq.token_stride, q_rows_valid, thread);
-  if (barrier_any<-1>(any_non_finite(dq), kThreads)) {  // see repair_dq_rows
+  if (flagged) {
+    __syncthreads();  // the stores are visible to the warps that read them back
     repair_dq_rows<Tag, Modifier, Config::kHeadDimQk, Config::kHeadDimV>(
         bp, span, batch, head, q_start, Config::kBlockQ, warp, Config::kWarps);
   }

@@ -422,9 +422,9 @@ __device__ __forceinline__ void backward_dq_simt(const BackwardParams& p) {
 #pragma unroll
     for (int c = 0; c < kColumnsQk; ++c) dq[j][c] = 0.0f;
   }
-  long long local[Modifier::kLocalGradSlots];
+  GradSum local[Modifier::kLocalGradSlots];
 #pragma unroll
-  for (int slot = 0; slot < Modifier::kLocalGradSlots; ++slot) local[slot] = 0;
+  for (int slot = 0; slot < Modifier::kLocalGradSlots; ++slot) local[slot] = GradSum{};
 
   const typename Modifier::Invariants invariants = Modifier::prepare(p.fwd, at);
   const long long k_base = view_index(p.fwd.k, batch, span.kv_offset, head_kv);

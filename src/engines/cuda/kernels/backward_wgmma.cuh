@@ -359,7 +359,8 @@ __device__ __forceinline__ void backward_dkdv_wgmma(const BackwardParams& bp) {
   unsigned char* dv_stage = dk_stage + Config::kBlockKv * Config::kChunksQk * kChunkBytes;
   stage_rows<Tag, Config::kChunksQk>(dk_stage, dk, warp * 16, group, quad_lane, p.scale);
   stage_rows<Tag, Config::kChunksV>(dv_stage, dv, warp * 16, group, quad_lane, 1.0f);
-  __syncthreads();
+  // see repair_dkdv_rows
+  const bool flagged = barrier_any<-1>(any_non_finite(dk) || any_non_finite(dv), kThreads);
   const int rows_valid = span.kv_len - kv_start;
   store_staged<Config::kChunksQk, Config::kChunksQk, kThreads, Config::kBlockKv>(
       dk_stage, view_row<unsigned short>(bp.dk, batch, span.kv_offset + kv_start, head_kv),
@@ -367,7 +368,8 @@ __device__ __forceinline__ void backward_dkdv_wgmma(const BackwardParams& bp) {
   store_staged<Config::kChunksV, Config::kChunksV, kThreads, Config::kBlockKv>(
       dv_stage, view_row<unsigned short>(bp.dv, batch, span.kv_offset + kv_start, head_kv),
       bp.dv.token_stride, rows_valid, thread);
-  if (barrier_any<-1>(any_non_finite(dk) || any_non_finite(dv), kThreads)) {
+  if (flagged) {
+    __syncthreads();  // the stores are visible to the warps that read them back
     repair_dkdv_rows<Tag, Modifier, Config::kHeadDimQk, Config::kHeadDimV, true, true>(
         bp, span, batch, head_kv, kv_start, Config::kBlockKv, warp, Config::kWarps);
   }
@@ -444,9 +446,9 @@ __device__ __forceinline__ void backward_dq_wgmma(const BackwardParams& bp) {
   float delta[2];
   dq_rows(bp, batch, head, span, q_start + warp * 16 + group, query, row_valid, lse2, delta);
   const typename Modifier::Invariants invariants = Modifier::prepare(p, at);
-  long long local[Modifier::kLocalGradSlots];
+  GradSum local[Modifier::kLocalGradSlots];
 #pragma unroll
-  for (int k = 0; k < Modifier::kLocalGradSlots; ++k) local[k] = 0;
+  for (int k = 0; k < Modifier::kLocalGradSlots; ++k) local[k] = GradSum{};
 
   float dq[Config::kTilesQk][4];
   zero_accumulators(dq);
@@ -576,11 +578,12 @@ __device__ __forceinline__ void backward_dq_wgmma(const BackwardParams& bp) {
 
   unsigned char* dq_stage = shared + Config::kDqQBytes + Config::kDqDoBytes;
   stage_rows<Tag, Config::kChunksQk>(dq_stage, dq, warp * 16, group, quad_lane, p.scale);
-  __syncthreads();
+  const bool flagged = barrier_any<-1>(any_non_finite(dq), kThreads);  // see repair_dq_rows
   store_staged<Config::kChunksQk, Config::kChunksQk, kThreads, kBlockQ>(
       dq_stage, view_row<unsigned short>(bp.dq, batch, span.q_offset + q_start, head),
       bp.dq.token_stride, q_rows_valid, thread);
-  if (barrier_any<-1>(any_non_finite(dq), kThreads)) {  // see repair_dq_rows
+  if (flagged) {
+    __syncthreads();  // the stores are visible to the warps that read them back
     repair_dq_rows<Tag, Modifier, Config::kHeadDimQk, Config::kHeadDimV>(
         bp, span, batch, head, q_start, kBlockQ, warp, Config::kWarps);
   }

@@ -309,7 +309,7 @@ __device__ __forceinline__ void online_softmax(float (&score)[kTiles][kScoreTile
 // with coalesced 16-byte stores. Config names the warps' rows (kRowsPerWarp, kTilesPerWarp).
 // kBarrier: the named barrier of the Config::kThreads threads that run it (a block with a producer
 // warpgroup), or -1 for __syncthreads. Returns whether some output value is NaN or inf, the same
-// in every thread, after a barrier that makes the stores visible (then repair_forward_rows).
+// in every thread; then, after a barrier that makes the stores visible, repair_forward_rows.
 template <class Config, int kBarrier = -1>
 __device__ __forceinline__ bool store_output(
     const ForwardParams& p, unsigned char* shared,
@@ -348,11 +348,8 @@ __device__ __forceinline__ bool store_output(
       }
     }
   }
-  if constexpr (kBarrier >= 0) {
-    named_barrier_sync<kBarrier>(kThreads);
-  } else {
-    __syncthreads();
-  }
+  // The staging barrier also tells every thread whether a value is NaN or inf.
+  const bool flagged = barrier_any<kBarrier>(non_finite_output, kThreads);
 
   // Coalesced 16-byte stores of the rows inside the sequence.
   unsigned short* o_destination =
@@ -368,7 +365,9 @@ __device__ __forceinline__ bool store_output(
                                                 swizzled_offset<Config::kChunksV>(row, chunk));
     }
   }
-  return barrier_any<kBarrier>(non_finite_output, kThreads);
+  // Only a flagged block waits for its stores (repair_forward_rows reads them back).
+  if (flagged) barrier_any<kBarrier>(true, kThreads);
+  return flagged;
 }
 
 template <class Config, class Modifier>

@@ -57,6 +57,17 @@ struct ForwardParams {
 constexpr float kGradFixedScale = 4294967296.0f;          // 2^32
 constexpr double kGradFixedInverse = 1.0 / 4294967296.0;  // 2^-32
 
+// One element of a tensor gradient's accumulator: the fixed-point sum of its finite contributions,
+// and which non-finite values reached it (kGradNan, kGradPlusInf, kGradMinusInf, OR-ed), so a NaN
+// or inf contribution stays NaN or inf (docs/design.md, non-finite values).
+struct GradAccumulator {
+  unsigned long long fixed;
+  unsigned long long flags;
+};
+constexpr unsigned kGradNan = 1;
+constexpr unsigned kGradPlusInf = 2;
+constexpr unsigned kGradMinusInf = 4;
+
 // Launch geometry of the delta kernel: grid (ceil(seq_len_q / kDeltaRows), heads_q, batch).
 constexpr int kDeltaRows = 32;
 constexpr int kDeltaThreads = 128;
@@ -82,7 +93,7 @@ struct BackwardParams {
   const int* kv_tile_entries;
   // Per tensor slot (as fwd.tensors): the fixed-point accumulator of its gradient (one long long
   // per element, zeroed before the launch), or null where no gradient is wanted.
-  unsigned long long* grad_fixed[kMaxTensors];
+  GradAccumulator* grad_fixed[kMaxTensors];
   // 1 when some grad_fixed slot is set: only then does the dQ kernel run the exact-delta pass and
   // the tensor-gradient scatter (a modifier with tensor loads whose gradients nobody asked for
   // costs what one without them does).
@@ -91,7 +102,7 @@ struct BackwardParams {
 
 // Converts one fixed-point accumulator to the gradient tensor (fp32 or fp64, contiguous).
 struct FinalizeParams {
-  const long long* fixed;
+  const GradAccumulator* fixed;
   void* out;
   long long count;
   int out_is_f64;  // 0: float, 1: double
