@@ -16,6 +16,8 @@
 #if FLEXATTN_HAVE_CUDA
 #include "engines/cuda/codegen.hpp"
 #include "engines/cuda/kernel_cache.hpp"
+#include "engines/cuda/repair.hpp"
+#include "engines/cuda/source_proof.hpp"
 #include "engines/cuda/tile_plan.hpp"
 #endif
 
@@ -50,14 +52,28 @@ TEST(CudaForwardCompile, WgmmaTranslationUnitsCompileForSm90a) {
   SKIP_WITHOUT_CUDA_ENGINE();
   constexpr int kCapability = 90;
   const TensorDecl slopes{DType::kF32, {4}};
-  for (const auto& [c, backward] :
-       {std::pair{GeneratedCase{"wgmma_bf16_d128_softcap_causal", DType::kBF16, 128, 128,
-                                "30 * tanh(score / 30)", "q >= kv", {}, {}, Layout::kBSHD, {}},
-                  false},
-        std::pair{GeneratedCase{"wgmma_f16_d64_alibi_thd", DType::kF16, 64, 64,
-                                "score + slopes[h] * (kv - q)", "", {{"slopes", slopes}}, {},
-                                Layout::kTHD, {}},
-                  true}}) {
+  for (const auto& [c, backward] : {std::pair{GeneratedCase{"wgmma_bf16_d128_softcap_causal",
+                                                            DType::kBF16,
+                                                            128,
+                                                            128,
+                                                            "30 * tanh(score / 30)",
+                                                            "q >= kv",
+                                                            {},
+                                                            {},
+                                                            Layout::kBSHD,
+                                                            {}},
+                                              false},
+                                    std::pair{GeneratedCase{"wgmma_f16_d64_alibi_thd",
+                                                            DType::kF16,
+                                                            64,
+                                                            64,
+                                                            "score + slopes[h] * (kv - q)",
+                                                            "",
+                                                            {{"slopes", slopes}},
+                                                            {},
+                                                            Layout::kTHD,
+                                                            {}},
+                                              true}}) {
     SCOPED_TRACE(c.name);
     const Problem problem = backward ? make_backward_problem(c) : make_problem(c);
     const cuda::KernelSelection selection = cuda::choose_kernel(problem, kCapability);
@@ -66,8 +82,7 @@ TEST(CudaForwardCompile, WgmmaTranslationUnitsCompileForSm90a) {
     ASSERT_TRUE(bindings.reason.empty()) << bindings.reason;
     std::optional<cuda::BackwardCode> backward_code;
     if (backward) {
-      const cuda::BackwardChoice choice =
-          cuda::choose_backward_kernel(problem, kCapability).choice;
+      const cuda::BackwardChoice choice = cuda::choose_backward_kernel(problem, kCapability).choice;
       EXPECT_TRUE(choice.wgmma);
       backward_code = cuda::backward_code(problem, choice);
     }
@@ -91,9 +106,8 @@ TEST(CudaForwardCompile, StagedTensorCompilesForSm90a) {
   constexpr int kCapability = 90;
   for (const std::int64_t head_dim : {64, 128}) {
     SCOPED_TRACE(head_dim);
-    const Problem problem =
-        staging_problem("score + bias[h, q, kv]", TensorDecl{DType::kBF16, {4, 128, 128}},
-                        Layout::kBSHD, head_dim);
+    const Problem problem = staging_problem(
+        "score + bias[h, q, kv]", TensorDecl{DType::kBF16, {4, 128, 128}}, Layout::kBSHD, head_dim);
     cuda::KernelChoice choice = cuda::choose_kernel(problem, kCapability).choice;
     ASSERT_EQ(choice.kind, cuda::KernelKind::kWgmma);
     choice.take_turns = choice.pipelined;
@@ -103,7 +117,7 @@ TEST(CudaForwardCompile, StagedTensorCompilesForSm90a) {
     EXPECT_FALSE(choice.take_turns);
     EXPECT_EQ(choice.stages, 2);
     const int h = static_cast<int>(head_dim);
-    const int n = head_dim == 64 ? 64 : 128;  // keys per tile
+    const int n = head_dim == 64 ? 64 : 128;    // keys per tile
     const int blocks = head_dim == 64 ? 2 : 1;  // per multiprocessor
     EXPECT_EQ(choice.block_n, n);
     EXPECT_EQ(choice.min_blocks, blocks);
@@ -121,8 +135,8 @@ TEST(CudaForwardCompile, StagedTensorCompilesForSm90a) {
         problem, cuda::bind_modifier(problem).bindings, choice, nullptr);
     const std::string generated = source.substr(source.find("// ---- generated"));
     for (const char* fragment :
-         {"staged != nullptr ? staged_bf16(*staged) : load_tensor_bf16(",
-          "kStagedTensor = 0;", "kStagedRowStride = 128LL;", "staged_origin("}) {
+         {"staged != nullptr ? staged_bf16(*staged) : load_tensor_bf16(", "kStagedTensor = 0;",
+          "kStagedRowStride = 128LL;", "staged_origin("}) {
       EXPECT_NE(generated.find(fragment), std::string::npos) << fragment << "\n" << generated;
     }
     expect_compiles(source, "staged.cu", kCapability, choice.architecture_suffix());
@@ -144,9 +158,16 @@ TEST(CudaForwardCompile, StagedTensorCompilesForSm90a) {
 TEST(CudaForwardCompile, WgmmaProducerTakingTurnsCompilesForSm90a) {
   SKIP_WITHOUT_CUDA_ENGINE();
   constexpr int kCapability = 90;
-  const Problem problem = make_problem(GeneratedCase{"turns", DType::kBF16, 128, 128,
-                                                     "30 * tanh(score / 30)", "q >= kv", {}, {},
-                                                     Layout::kBSHD, {}});
+  const Problem problem = make_problem(GeneratedCase{"turns",
+                                                     DType::kBF16,
+                                                     128,
+                                                     128,
+                                                     "30 * tanh(score / 30)",
+                                                     "q >= kv",
+                                                     {},
+                                                     {},
+                                                     Layout::kBSHD,
+                                                     {}});
   cuda::KernelChoice choice = cuda::choose_kernel(problem, kCapability).choice;
   ASSERT_TRUE(choice.pipelined);
   ASSERT_TRUE(choice.producer);
@@ -167,25 +188,55 @@ TEST(CudaBackwardCompile, GeneratedBackwardTranslationUnitsCompile) {
   const TensorDecl per_head{DType::kF32, {4}};
   const TensorDecl bias{DType::kF32, {4, 100, 77}};
   for (const GeneratedCase& c :
-       {GeneratedCase{"bwd_bf16_d64_softcap_alibi_bias", DType::kBF16, 64, 64,
-                      "30 * tanh(score / 30) + slopes[h] * (kv - q) + bias[h, q, kv]", "q >= kv",
-                      {{"slopes", per_head}, {"bias", bias}}, {}, Layout::kBSHD, {}},
-        GeneratedCase{"bwd_fp32_d80_gate", DType::kF32, 80, 80, "score * gate[h]", "",
-                      {{"gate", per_head}}, {}, Layout::kBSHD, {}},
+       {GeneratedCase{"bwd_bf16_d64_softcap_alibi_bias",
+                      DType::kBF16,
+                      64,
+                      64,
+                      "30 * tanh(score / 30) + slopes[h] * (kv - q) + bias[h, q, kv]",
+                      "q >= kv",
+                      {{"slopes", per_head}, {"bias", bias}},
+                      {},
+                      Layout::kBSHD,
+                      {}},
+        GeneratedCase{"bwd_fp32_d80_gate",
+                      DType::kF32,
+                      80,
+                      80,
+                      "score * gate[h]",
+                      "",
+                      {{"gate", per_head}},
+                      {},
+                      Layout::kBSHD,
+                      {}},
         // Head dims above 128: a dV and a dK block per kv tile.
-        GeneratedCase{"bwd_bf16_d256_softcap_bias", DType::kBF16, 256, 256,
-                      "30 * tanh(score / 30) + bias[h, q, kv]", "q >= kv", {{"bias", bias}}, {},
-                      Layout::kBSHD, {}},
-        GeneratedCase{"bwd_fp16_d192_v128", DType::kF16, 192, 128, "score", "", {}, {},
-                      Layout::kTHD, {}}}) {
+        GeneratedCase{"bwd_bf16_d256_softcap_bias",
+                      DType::kBF16,
+                      256,
+                      256,
+                      "30 * tanh(score / 30) + bias[h, q, kv]",
+                      "q >= kv",
+                      {{"bias", bias}},
+                      {},
+                      Layout::kBSHD,
+                      {}},
+        GeneratedCase{
+            "bwd_fp16_d192_v128", DType::kF16, 192, 128, "score", "", {}, {}, Layout::kTHD, {}}}) {
     SCOPED_TRACE(c.name);
     const std::string source = cuda_engine()->generated_source(make_backward_problem(c));
     ASSERT_EQ(source.find("not supported"), std::string::npos) << source;
     expect_compiles(source, c.name + ".cu", kCapability);
   }
   // The wgmma backward at head dim 128, softcap and causal, for sm_90a.
-  const GeneratedCase wgmma{"bwd_bf16_d128_softcap_wgmma", DType::kBF16, 128, 128,
-                            "30 * tanh(score / 30)", "q >= kv", {}, {}, Layout::kBSHD, {}};
+  const GeneratedCase wgmma{"bwd_bf16_d128_softcap_wgmma",
+                            DType::kBF16,
+                            128,
+                            128,
+                            "30 * tanh(score / 30)",
+                            "q >= kv",
+                            {},
+                            {},
+                            Layout::kBSHD,
+                            {}};
   const Problem problem = make_backward_problem(wgmma);
   const cuda::KernelSelection selection = cuda::choose_kernel(problem, kCapability);
   const cuda::BackwardCode code =
@@ -195,6 +246,77 @@ TEST(CudaBackwardCompile, GeneratedBackwardTranslationUnitsCompile) {
       problem, cuda::bind_modifier(problem).bindings, selection.choice, &code);
   EXPECT_NE(source.find(code.choice.wgmma_config_type()), std::string::npos) << source;
   expect_compiles(source, wgmma.name + ".cu", kCapability, "a");
+}
+
+// The non-finite repair module the cudnn engine runs after its graphs (repair.hpp): forward and
+// backward, every catalogue case of the shared list; its Modifier is proven equal to the request
+// as the engine's own sources are (a changed function is refused), and it compiles for sm_90.
+TEST(CudaRepairCompile, RepairTranslationUnitsAreProvenAndCompile) {
+  SKIP_WITHOUT_CUDA_ENGINE();
+  constexpr int kCapability = 90;
+  const std::shared_ptr<const cuda::Driver> driver = cuda::Driver::open();
+  std::vector<std::pair<GeneratedCase, bool>> repairs;
+  for (const GeneratedCase& c : cases()) repairs.emplace_back(c, false);
+  const TensorDecl slopes{DType::kF32, {4}};
+  repairs.emplace_back(GeneratedCase{"repair_bwd_bf16_d128_softcap_causal",
+                                     DType::kBF16,
+                                     128,
+                                     128,
+                                     "30 * tanh(score / 30)",
+                                     "q >= kv",
+                                     {},
+                                     {},
+                                     Layout::kBSHD,
+                                     {}},
+                       true);
+  repairs.emplace_back(GeneratedCase{"repair_bwd_f16_d192_v128_alibi_thd",
+                                     DType::kF16,
+                                     192,
+                                     128,
+                                     "score + slopes[h] * (kv - q)",
+                                     "q >= kv",
+                                     {{"slopes", slopes}},
+                                     {},
+                                     Layout::kTHD,
+                                     {}},
+                       true);
+  for (const auto& [c, backward] : repairs) {
+    SCOPED_TRACE(c.name);
+    const Problem problem = backward ? make_backward_problem(c) : make_problem(c);
+    const cuda::RepairLowering lowering = cuda::make_non_finite_repair(problem, driver, false);
+    ASSERT_TRUE(lowering.support) << lowering.support.reason();
+    const cuda::BindingSelection bindings = cuda::bind_modifier(problem);
+    std::optional<cuda::BackwardCode> code;
+    if (backward) code = cuda::backward_code(problem, cuda::BackwardChoice{});
+    const std::string source =
+        cuda::generate_repair_translation_unit(problem, bindings.bindings, code ? &*code : nullptr);
+    EXPECT_TRUE(cuda::prove_modifier_source(problem, bindings.bindings, source).proven);
+    for (std::string_view name : {cuda::kRepairForwardName, cuda::kBackwardDeltaName,
+                                  cuda::kRepairDqName, cuda::kRepairDkdvName}) {
+      const bool wanted = name == cuda::kRepairForwardName || backward;
+      EXPECT_EQ(source.find(fmt::format("void __launch_bounds__(flexattn_kernels::k{}Threads) {}(",
+                                        name == cuda::kBackwardDeltaName ? "Delta" : "Repair",
+                                        name)) != std::string::npos,
+                wanted)
+          << name;
+    }
+    expect_compiles(source, c.name + "_repair.cu", kCapability);
+  }
+  // A changed function in the repair's Modifier: the proof refuses the source.
+  const Problem softcap = make_backward_problem(repairs[repairs.size() - 2].first);
+  const cuda::BindingSelection bindings = cuda::bind_modifier(softcap);
+  const cuda::BackwardCode code = cuda::backward_code(softcap, cuda::BackwardChoice{});
+  std::string source = cuda::generate_repair_translation_unit(softcap, bindings.bindings, &code);
+  const std::size_t at = source.find("ir_tanh(", source.find("struct Modifier"));
+  ASSERT_NE(at, std::string::npos);
+  source.replace(at, 8, "ir_sigmoid(");
+  EXPECT_FALSE(cuda::prove_modifier_source(softcap, bindings.bindings, source).proven);
+  // What the repair cannot serve is refused with its reason (a problem on the CPU).
+  ProblemDesc cpu = softcap.desc();
+  cpu.device = Device::kCpu;
+  const cuda::RepairLowering refused = cuda::make_non_finite_repair(Problem(cpu), driver, false);
+  EXPECT_FALSE(refused.support);
+  EXPECT_NE(refused.support.reason().find("not on the cuda device"), std::string::npos);
 }
 #endif
 
@@ -240,7 +362,8 @@ TEST(CudaCodegen, GeneratedSourcesCompileWithNvrtc) {
     SCOPED_TRACE(c.name);
     const std::string source = engine->generated_source(make_problem(c));
     const std::string errors = compile_errors(source, c.name + ".cu");
-    EXPECT_TRUE(errors.empty()) << errors << "\n" << source.substr(source.find("// ---- generated"));
+    EXPECT_TRUE(errors.empty()) << errors << "\n"
+                                << source.substr(source.find("// ---- generated"));
   }
 }
 #endif

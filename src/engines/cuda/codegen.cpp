@@ -7,6 +7,7 @@
 #include <numbers>
 #include <set>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "engines/cuda/codegen_backward.hpp"
@@ -99,8 +100,12 @@ std::string static_reference_members(const Problem& problem) {
   return text;
 }
 
-std::string generate_modifier_source(const Problem& problem, const ModifierBindings& bindings,
-                                     const KernelChoice& choice, const BackwardCode* backward) {
+namespace {
+
+// The namespace flexattn_generated with the Modifier struct of the problem's score_mod and
+// mask_mod (the part source_lift.cpp reads back); `stage_tensor`: KernelChoice::stage_tensor.
+std::string modifier_struct_source(const Problem& problem, const ModifierBindings& bindings,
+                                   bool stage_tensor, const BackwardCode* backward) {
   if (problem.wants_backward() != (backward != nullptr)) {
     throw_internal("cuda codegen: backward code must be given exactly when gradients are wanted");
   }
@@ -114,7 +119,7 @@ std::string generate_modifier_source(const Problem& problem, const ModifierBindi
   const std::string score_value = score.emit_varying(score_body);
   GraphLowering score_log2(problem.score_mod(), "s", problem, bindings);
   std::string staged_members = "  static constexpr int kStagedTensor = -1;\n";
-  if (choice.stage_tensor) {
+  if (stage_tensor) {
     const std::int32_t staged = stageable_load(problem);
     if (staged < 0) throw_internal("cuda codegen: a staged tensor without a stageable load");
     staged_members = score_log2.stage_load(static_cast<std::size_t>(staged));
@@ -136,7 +141,7 @@ std::string generate_modifier_source(const Problem& problem, const ModifierBindi
   if (!problem.score_mod().is_identity_score() && score_log2.factor_multiplies() > 0 &&
       !(score_small.has_tanh && score_small.possible)) {
     GraphLowering score_natural(problem.score_mod(), "s", problem, bindings);
-    if (choice.stage_tensor) {
+    if (stage_tensor) {
       const auto staged = static_cast<std::size_t>(stageable_load(problem));
       static_cast<void>(score_natural.stage_load(staged));
     }
@@ -225,7 +230,14 @@ std::string generate_modifier_source(const Problem& problem, const ModifierBindi
       mask_body + fmt::format("    return {};\n  }}\n", mask_value);
   text += backward_text;
   text += "};\n\n}  // namespace flexattn_generated\n\n";
+  return text;
+}
 
+}  // namespace
+
+std::string generate_modifier_source(const Problem& problem, const ModifierBindings& bindings,
+                                     const KernelChoice& choice, const BackwardCode* backward) {
+  std::string text = modifier_struct_source(problem, bindings, choice.stage_tensor, backward);
   const bool tensor_cores = choice.kind != KernelKind::kSimt;
   text += fmt::format("using FlexattnConfig = {};\n", choice.config_type());
   text += fmt::format(
@@ -242,6 +254,36 @@ std::string generate_translation_unit(const Problem& problem, const ModifierBind
                                       const KernelChoice& choice, const BackwardCode* backward) {
   return std::string(kernel_library_source()) + "\n" +
          generate_modifier_source(problem, bindings, choice, backward);
+}
+
+std::string generate_repair_translation_unit(const Problem& problem,
+                                             const ModifierBindings& bindings,
+                                             const BackwardCode* backward) {
+  std::string text = std::string(kernel_library_source()) + "\n" +
+                     modifier_struct_source(problem, bindings, false, backward);
+  const std::string arguments =
+      fmt::format("{}, flexattn_generated::Modifier, {}, {}", element_tag(problem.dtype()),
+                  problem.head_dim_qk(), problem.head_dim_v());
+  text += fmt::format(
+      "extern \"C\" __global__ void __launch_bounds__(flexattn_kernels::kRepairThreads) {}(\n"
+      "    const flexattn_kernels::ForwardParams params) {{\n"
+      "  flexattn_kernels::repair_forward<{}>(params);\n}}\n",
+      kRepairForwardName, arguments);
+  if (backward == nullptr) return text;
+  text += fmt::format(
+      "extern \"C\" __global__ void __launch_bounds__(flexattn_kernels::kDeltaThreads) {}(\n"
+      "    const flexattn_kernels::BackwardParams params) {{\n"
+      "  flexattn_kernels::backward_delta<{}, {}>(params);\n}}\n",
+      kBackwardDeltaName, element_tag(problem.dtype()), problem.head_dim_v());
+  for (const auto& [name, function] :
+       {std::pair{kRepairDqName, "repair_dq"}, std::pair{kRepairDkdvName, "repair_dkdv"}}) {
+    text += fmt::format(
+        "extern \"C\" __global__ void __launch_bounds__(flexattn_kernels::kRepairThreads) {}(\n"
+        "    const flexattn_kernels::BackwardParams params) {{\n"
+        "  flexattn_kernels::{}<{}>(params);\n}}\n",
+        name, function, arguments);
+  }
+  return text;
 }
 
 }  // namespace flexattn::cuda

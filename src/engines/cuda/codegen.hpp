@@ -21,6 +21,10 @@ inline constexpr std::string_view kBackwardDeltaName = "flexattn_backward_delta"
 inline constexpr std::string_view kBackwardDkdvName = "flexattn_backward_dkdv";
 inline constexpr std::string_view kBackwardDqName = "flexattn_backward_dq";
 inline constexpr std::string_view kBackwardFinalizeName = "flexattn_backward_finalize";
+// The non-finite repair module's kernels (generate_repair_translation_unit).
+inline constexpr std::string_view kRepairForwardName = "flexattn_repair_forward";
+inline constexpr std::string_view kRepairDqName = "flexattn_repair_dq";
+inline constexpr std::string_view kRepairDkdvName = "flexattn_repair_dkdv";
 
 // Which kernel-argument slot carries each extra tensor and scalar parameter the modifiers read.
 struct ModifierBindings {
@@ -37,7 +41,7 @@ BindingSelection bind_modifier(const Problem& problem);
 // modifier they evaluate.
 struct BackwardCode {
   BackwardChoice choice;
-  Graph score_derivative;                      // d score_mod / d score
+  Graph score_derivative;                        // d score_mod / d score
   std::vector<LoadDerivative> load_derivatives;  // loads of floating-point tensors only
 };
 // Throws Error when the score modifier cannot be differentiated.
@@ -58,5 +62,11 @@ std::string generate_modifier_source(const Problem& problem, const ModifierBindi
 // The complete translation unit: the embedded templates, then the generated code.
 std::string generate_translation_unit(const Problem& problem, const ModifierBindings& bindings,
                                       const KernelChoice& choice, const BackwardCode* backward);
+// The non-finite repair module (kernels/repair.cuh): the embedded templates, the same Modifier
+// struct (without a staged tensor), and kRepairForwardName; with `backward` also
+// kBackwardDeltaName, kRepairDqName and kRepairDkdvName.
+std::string generate_repair_translation_unit(const Problem& problem,
+                                             const ModifierBindings& bindings,
+                                             const BackwardCode* backward);
 
 }  // namespace flexattn::cuda

@@ -16,6 +16,7 @@
 #include "engines/cuda/driver.hpp"
 #include "engines/cuda/kernel_cache.hpp"
 #include "engines/cuda/kernels/params.cuh"
+#include "engines/cuda/repair.hpp"
 #include "engines/cuda/source_proof.hpp"
 #include "engines/cuda/tile_plan.hpp"
 #include "flexattn/error.hpp"
@@ -224,6 +225,40 @@ std::size_t align_scratch(std::size_t bytes) {
   return (bytes + kScratchAlignment - 1) / kScratchAlignment * kScratchAlignment;
 }
 
+// The forward parameters every kernel of a problem shares (views without data, lengths,
+// scale, parameters); thd's sequence offsets are uploaded into `cu_seqlens_q` and
+// `cu_seqlens_kv`, which must outlive every launch with them.
+ForwardParams base_forward_params(const Problem& problem, const ModifierBindings& bindings,
+                                  const std::shared_ptr<const Driver>& driver,
+                                  DeviceBuffer& cu_seqlens_q, DeviceBuffer& cu_seqlens_kv) {
+  ForwardParams base{};
+  base.q = sequence_view(problem, "q");
+  base.k = sequence_view(problem, "k");
+  base.v = sequence_view(problem, "v");
+  base.o = sequence_view(problem, "o");
+  const TensorView lse = problem.expected("lse");
+  if (problem.layout() == Layout::kTHD) {
+    base.lse_batch_stride = 0;
+    base.lse_head_stride = lse.strides[0];
+    cu_seqlens_q = upload_ints(driver, to_ints(problem.desc().cu_seqlens_q));
+    cu_seqlens_kv = upload_ints(driver, to_ints(problem.desc().cu_seqlens_kv));
+    base.cu_seqlens_q = device_ints(cu_seqlens_q);
+    base.cu_seqlens_kv = device_ints(cu_seqlens_kv);
+  } else {
+    base.lse_batch_stride = lse.strides[0];
+    base.lse_head_stride = lse.strides[1];
+  }
+  base.seq_len_q = static_cast<int>(problem.seq_len_q());
+  base.seq_len_kv = static_cast<int>(problem.seq_len_kv());
+  base.heads_per_kv = static_cast<int>(problem.heads_q() / problem.heads_kv());
+  base.scale = static_cast<float>(problem.scale());
+  base.scale_log2 = static_cast<float>(problem.scale() * std::numbers::log2e);
+  for (std::size_t i = 0; i < bindings.params.size(); ++i) {
+    base.params[i] = static_cast<float>(problem.desc().params.at(bindings.params[i]));
+  }
+  return base;
+}
+
 // A stream a plan owns (the backward's second stream), created on its first use and destroyed
 // with the plan (work still queued on it completes first; cuStreamDestroy does not wait).
 class PlanStream {
@@ -359,31 +394,9 @@ class CudaPlan final : public Plan {
         staged_tensor_(lowering.choice.stage_tensor ? stageable_tensor(problem) : std::string()),
         bindings_(lowering.bindings),
         kernel_(std::move(kernel.kernel)) {
-    ForwardParams base{};
-    base.q = sequence_view(problem, "q");
-    base.k = sequence_view(problem, "k");
-    base.v = sequence_view(problem, "v");
-    base.o = sequence_view(problem, "o");
+    const ForwardParams base =
+        base_forward_params(problem, bindings_, driver_, cu_seqlens_q_, cu_seqlens_kv_);
     const TensorView lse = problem.expected("lse");
-    if (problem.layout() == Layout::kTHD) {
-      base.lse_batch_stride = 0;
-      base.lse_head_stride = lse.strides[0];
-      cu_seqlens_q_ = upload_ints(driver_, to_ints(problem.desc().cu_seqlens_q));
-      cu_seqlens_kv_ = upload_ints(driver_, to_ints(problem.desc().cu_seqlens_kv));
-      base.cu_seqlens_q = device_ints(cu_seqlens_q_);
-      base.cu_seqlens_kv = device_ints(cu_seqlens_kv_);
-    } else {
-      base.lse_batch_stride = lse.strides[0];
-      base.lse_head_stride = lse.strides[1];
-    }
-    base.seq_len_q = static_cast<int>(problem.seq_len_q());
-    base.seq_len_kv = static_cast<int>(problem.seq_len_kv());
-    base.heads_per_kv = static_cast<int>(problem.heads_q() / problem.heads_kv());
-    base.scale = static_cast<float>(problem.scale());
-    base.scale_log2 = static_cast<float>(problem.scale() * std::numbers::log2e);
-    for (std::size_t i = 0; i < bindings_.params.size(); ++i) {
-      base.params[i] = static_cast<float>(problem.desc().params.at(bindings_.params[i]));
-    }
 
     forward_.function = kernel_->function(kKernelName);
     forward_.tile_offsets = upload_ints(driver_, tiles.offsets);
@@ -720,12 +733,182 @@ class CudaEngine final : public Engine {
   std::shared_ptr<KernelCache> kernels_;  // shared with the plans (their unstaged forwards)
 };
 
+// The non-finite repair module of a problem (repair.hpp): its kernels and their parameters.
+class RepairKernels final : public NonFiniteRepair {
+ public:
+  RepairKernels(const Problem& problem, std::shared_ptr<const Driver> driver,
+                ModifierBindings bindings, KernelLookup kernel)
+      : problem_(problem),
+        driver_(std::move(driver)),
+        bindings_(std::move(bindings)),
+        kernel_(std::move(kernel.kernel)),
+        key_(kernel.key),
+        origin_(kernel.origin) {
+    forward_ = base_forward_params(problem, bindings_, driver_, cu_seqlens_q_, cu_seqlens_kv_);
+    forward_function_ = kernel_->function(kRepairForwardName);
+    if (problem.wants_backward()) {
+      backward_.fwd = forward_;
+      backward_.dout = sequence_view(problem, "dout");
+      backward_.dq = sequence_view(problem, "dq");
+      backward_.dk = sequence_view(problem, "dk");
+      backward_.dv = sequence_view(problem, "dv");
+      delta_function_ = kernel_->function(kBackwardDeltaName);
+      dq_function_ = kernel_->function(kRepairDqName);
+      dkdv_function_ = kernel_->function(kRepairDkdvName);
+      delta_bytes_ =
+          align_scratch(static_cast<std::size_t>(problem.expected("lse").numel()) * sizeof(float));
+    }
+  }
+
+  void forward(const ForwardArgs& args) const override {
+    ForwardParams p = forward_;
+    p.q.data = args.q.data;
+    p.k.data = args.k.data;
+    p.v.data = args.v.data;
+    p.o.data = args.out.data;
+    p.lse = static_cast<float*>(args.lse.data);
+    bind(args.tensors, p);
+    const ContextScope scope(*driver_);
+    launch(forward_function_, rows(problem_.seq_len_q()), heads(problem_.heads_q()),
+           flexattn_kernels::kRepairThreads, static_cast<CUstream>(args.stream), &p,
+           "non-finite repair of O");
+  }
+
+  void backward(const BackwardArgs& args, void* scratch) const override {
+    if (delta_function_ == nullptr) throw_internal("cuda: a backward repair of a forward problem");
+    if (args.lse.data == nullptr) throw_internal("cuda: a backward repair without the LSE");
+    BackwardParams p = backward_;
+    p.fwd.q.data = args.q.data;
+    p.fwd.k.data = args.k.data;
+    p.fwd.v.data = args.v.data;
+    p.fwd.o.data = args.out.data;
+    p.fwd.lse = static_cast<float*>(args.lse.data);
+    p.dout.data = args.dout.data;
+    p.dq.data = args.dq.data;
+    p.dk.data = args.dk.data;
+    p.dv.data = args.dv.data;
+    bind(args.tensors, p.fwd);
+    p.delta = static_cast<float*>(scratch);
+    p.lse2 = reinterpret_cast<float*>(static_cast<std::byte*>(scratch) + delta_bytes_);
+    const ContextScope scope(*driver_);
+    const auto stream = static_cast<CUstream>(args.stream);
+    launch(delta_function_,
+           static_cast<unsigned>(ceil_div(problem_.seq_len_q(), flexattn_kernels::kDeltaRows)),
+           heads(problem_.heads_q()), flexattn_kernels::kDeltaThreads, stream, &p,
+           "non-finite repair: delta");
+    launch(dq_function_, rows(problem_.seq_len_q()), heads(problem_.heads_q()),
+           flexattn_kernels::kRepairThreads, stream, &p, "non-finite repair of dQ");
+    launch(dkdv_function_, rows(problem_.seq_len_kv()), heads(problem_.heads_kv()),
+           flexattn_kernels::kRepairThreads, stream, &p, "non-finite repair of dK and dV");
+  }
+
+  std::size_t backward_scratch_bytes() const override { return 2 * delta_bytes_; }
+
+  std::string describe() const override {
+    return fmt::format("non-finite rows recomputed by cuda kernel {} ({})", key_.substr(0, 16),
+                       origin_);
+  }
+
+ private:
+  static unsigned rows(std::int64_t count) {
+    return static_cast<unsigned>(ceil_div(count, flexattn_kernels::kRepairRows));
+  }
+  static unsigned heads(std::int64_t count) { return static_cast<unsigned>(count); }
+
+  void bind(const std::map<std::string, TensorView>& tensors, ForwardParams& p) const {
+    for (std::size_t i = 0; i < bindings_.tensors.size(); ++i) {
+      p.tensors[i].data = tensors.at(bindings_.tensors[i]).data;
+    }
+  }
+
+  template <class Params>
+  void launch(CUfunction function, unsigned grid_x, unsigned heads, int threads, CUstream stream,
+              Params* params, std::string_view what) const {
+    std::array<void*, 1> kernel_args = {params};
+    driver_->check(driver_->api().launch_kernel(function, grid_x, heads,
+                                                static_cast<unsigned>(problem_.batch()),
+                                                static_cast<unsigned>(threads), 1, 1, 0, stream,
+                                                kernel_args.data(), nullptr),
+                   fmt::format("cuLaunchKernel ({})", what));
+  }
+
+  Problem problem_;
+  std::shared_ptr<const Driver> driver_;
+  ModifierBindings bindings_;
+  std::shared_ptr<const CompiledKernel> kernel_;
+  std::string key_;
+  std::string origin_;
+  DeviceBuffer cu_seqlens_q_;
+  DeviceBuffer cu_seqlens_kv_;
+  ForwardParams forward_{};
+  BackwardParams backward_{};
+  CUfunction forward_function_ = nullptr;
+  CUfunction delta_function_ = nullptr;
+  CUfunction dq_function_ = nullptr;
+  CUfunction dkdv_function_ = nullptr;
+  std::size_t delta_bytes_ = 0;
+};
+
 }  // namespace
 
 ProofHashes plan_proof_hashes(const Problem& problem, int capability) {
   Lowering lowering;
   if (!lower_problem(problem, lowering, capability)) return {};
   return proof_hashes(problem, prove_lowering(problem, lowering));
+}
+
+RepairLowering make_non_finite_repair(const Problem& problem,
+                                      const std::shared_ptr<const Driver>& driver, bool compile) {
+  RepairLowering result;
+  const auto refuse = [&](std::string reason) {
+    result.support = Support::no("no non-finite repair: " + reason);
+    return std::move(result);
+  };
+  if (problem.device() != Device::kCuda) return refuse("the problem is not on the cuda device");
+  if (problem.kv_cache()) return refuse("a paged KV cache");
+  const BindingSelection binding = bind_modifier(problem);
+  if (!binding.reason.empty()) return refuse(binding.reason);
+  if (problem.heads_q() > kMaxGridYZ || problem.batch() > kMaxGridYZ) {
+    return refuse(fmt::format("batch {} x heads {} exceeds the launch grid ({} each)",
+                              problem.batch(), problem.heads_q(), kMaxGridYZ));
+  }
+  constexpr auto kMaxInt = static_cast<std::int64_t>(std::numeric_limits<int>::max());
+  if (problem.total_tokens_q() > kMaxInt || problem.total_tokens_kv() > kMaxInt) {
+    return refuse("more than 2^31 - 1 tokens in one launch");
+  }
+  std::optional<BackwardCode> backward;
+  if (problem.wants_backward()) {
+    try {
+      backward = backward_code(problem, BackwardChoice{});
+    } catch (const Error& error) {
+      return refuse(fmt::format("cannot differentiate the score modifier: {}", error.what()));
+    }
+  }
+  const std::string source =
+      generate_repair_translation_unit(problem, binding.bindings, backward ? &*backward : nullptr);
+  // The same proof as the cuda engine's plans: the Modifier struct the kernels call, lifted
+  // from this source, equals the request.
+  const SourceProof proof = prove_modifier_source(problem, binding.bindings, source);
+  if (!proof.proven) {
+    return refuse(
+        fmt::format("the plan proof could not show the generated source equal to the "
+                    "request ({})",
+                    proof.failure));
+  }
+  result.support = Support::yes();
+  if (!compile) return result;
+  if (!driver->availability()) return refuse(driver->availability().reason());
+  if (Support nvrtc = nvrtc_availability(); !nvrtc) return refuse(nvrtc.reason());
+  std::vector<KernelFunction> functions = {{std::string(kRepairForwardName), 0}};
+  if (backward) {
+    functions.push_back({std::string(kBackwardDeltaName), 0});
+    functions.push_back({std::string(kRepairDqName), 0});
+    functions.push_back({std::string(kRepairDkdvName), 0});
+  }
+  KernelCache cache(driver);
+  result.repair = std::make_unique<RepairKernels>(problem, driver, binding.bindings,
+                                                  cache.get(source, functions));
+  return result;
 }
 
 }  // namespace cuda

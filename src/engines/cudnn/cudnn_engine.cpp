@@ -8,6 +8,7 @@
 #include <optional>
 
 #include "engines/cuda/driver.hpp"
+#include "engines/cuda/repair.hpp"
 #include "engines/cudnn/backend.hpp"
 #include "engines/cudnn/guards.hpp"
 #include "engines/cudnn/library.hpp"
@@ -114,84 +115,102 @@ std::string describe(const CompiledGraph& compiled, std::size_t candidates) {
 class CudnnPlan final : public Plan {
  public:
   CudnnPlan(PlanInfo info, const Problem& problem, std::shared_ptr<const Runtime> runtime,
-            CompiledGraph forward, std::optional<CompiledGraph> backward)
+            CompiledGraph forward, std::optional<CompiledGraph> backward,
+            std::unique_ptr<const cuda::NonFiniteRepair> repair)
       : Plan(std::move(info)),
         problem_(problem),
         runtime_(std::move(runtime)),
         forward_(std::move(forward)),
-        backward_(std::move(backward)) {}
+        backward_(std::move(backward)),
+        repair_(std::move(repair)) {}
 
   const Problem& problem() const override { return problem_; }
 
   // cuDNN's workspace for the engine config, then the graph's own scratch tensors.
+  // The backward's ends with the non-finite repair's scratch.
   std::size_t workspace_bytes(Pass pass) const override {
     if (pass == Pass::kForward) return footprint(forward_);
-    return backward_ ? footprint(*backward_) : 0;
+    return backward_ ? backward_footprint() : 0;
   }
 
  protected:
+  // After cuDNN's graph, the rows it left NaN or inf are computed again (repair.hpp): a removed
+  // position's weight 0 times a NaN or inf operand makes them NaN where the reference is finite.
   void run_forward(const ForwardArgs& args) const override {
-    execute(forward_, args, [&](const Binding& binding, std::byte* scratch) -> void* {
-      switch (binding.kind) {
-        case Binding::Kind::kQ:
-          return args.q.data;
-        case Binding::Kind::kK:
-          return args.k.data;
-        case Binding::Kind::kV:
-          return args.v.data;
-        case Binding::Kind::kO:
-          return args.out.data;
-        case Binding::Kind::kStats:
-          return args.lse.empty() ? scratch + forward_.graph.stats_scratch_offset : args.lse.data;
-        case Binding::Kind::kTensor:
-          return args.tensors.at(binding.tensor).data;
-        case Binding::Kind::kHost:
-          return binding.host;
-        case Binding::Kind::kScratch:
-          return scratch + binding.offset;
-        case Binding::Kind::kDOut:
-        case Binding::Kind::kDQ:
-        case Binding::Kind::kDK:
-        case Binding::Kind::kDV:
-          break;
+    const auto repair = [&](std::byte* /*base*/, std::byte* scratch) {
+      ForwardArgs stored = args;
+      if (stored.lse.empty()) {
+        stored.lse.data = scratch + forward_.graph.stats_scratch_offset;
       }
-      throw_internal("cudnn: a backward tensor in the forward graph");
-    });
+      repair_->forward(stored);
+    };
+    execute(forward_, footprint(forward_), args, repair,
+            [&](const Binding& binding, std::byte* scratch) -> void* {
+              switch (binding.kind) {
+                case Binding::Kind::kQ:
+                  return args.q.data;
+                case Binding::Kind::kK:
+                  return args.k.data;
+                case Binding::Kind::kV:
+                  return args.v.data;
+                case Binding::Kind::kO:
+                  return args.out.data;
+                case Binding::Kind::kStats:
+                  return args.lse.empty() ? scratch + forward_.graph.stats_scratch_offset
+                                          : args.lse.data;
+                case Binding::Kind::kTensor:
+                  return args.tensors.at(binding.tensor).data;
+                case Binding::Kind::kHost:
+                  return binding.host;
+                case Binding::Kind::kScratch:
+                  return scratch + binding.offset;
+                case Binding::Kind::kDOut:
+                case Binding::Kind::kDQ:
+                case Binding::Kind::kDK:
+                case Binding::Kind::kDV:
+                  break;
+              }
+              throw_internal("cudnn: a backward tensor in the forward graph");
+            });
   }
 
   void run_backward(const BackwardArgs& args) const override {
     if (!backward_) {
       throw_invalid("cudnn: this plan was built for the forward pass only");
     }
-    execute(*backward_, args, [&](const Binding& binding, std::byte* scratch) -> void* {
-      switch (binding.kind) {
-        case Binding::Kind::kQ:
-          return args.q.data;
-        case Binding::Kind::kK:
-          return args.k.data;
-        case Binding::Kind::kV:
-          return args.v.data;
-        case Binding::Kind::kO:
-          return args.out.data;
-        case Binding::Kind::kStats:
-          return args.lse.data;
-        case Binding::Kind::kDOut:
-          return args.dout.data;
-        case Binding::Kind::kDQ:
-          return args.dq.data;
-        case Binding::Kind::kDK:
-          return args.dk.data;
-        case Binding::Kind::kDV:
-          return args.dv.data;
-        case Binding::Kind::kTensor:
-          return args.tensors.at(binding.tensor).data;
-        case Binding::Kind::kHost:
-          return binding.host;
-        case Binding::Kind::kScratch:
-          return scratch + binding.offset;
-      }
-      throw_internal("cudnn: unknown binding");
-    });
+    const auto repair = [&](std::byte* base, std::byte* /*scratch*/) {
+      repair_->backward(args, base + align_up(footprint(*backward_)));
+    };
+    execute(*backward_, backward_footprint(), args, repair,
+            [&](const Binding& binding, std::byte* scratch) -> void* {
+              switch (binding.kind) {
+                case Binding::Kind::kQ:
+                  return args.q.data;
+                case Binding::Kind::kK:
+                  return args.k.data;
+                case Binding::Kind::kV:
+                  return args.v.data;
+                case Binding::Kind::kO:
+                  return args.out.data;
+                case Binding::Kind::kStats:
+                  return args.lse.data;
+                case Binding::Kind::kDOut:
+                  return args.dout.data;
+                case Binding::Kind::kDQ:
+                  return args.dq.data;
+                case Binding::Kind::kDK:
+                  return args.dk.data;
+                case Binding::Kind::kDV:
+                  return args.dv.data;
+                case Binding::Kind::kTensor:
+                  return args.tensors.at(binding.tensor).data;
+                case Binding::Kind::kHost:
+                  return binding.host;
+                case Binding::Kind::kScratch:
+                  return scratch + binding.offset;
+              }
+              throw_internal("cudnn: unknown binding");
+            });
   }
 
  private:
@@ -199,24 +218,29 @@ class CudnnPlan final : public Plan {
     return align_up(static_cast<std::size_t>(compiled.plan.workspace_bytes)) +
            compiled.graph.scratch_bytes;
   }
+  std::size_t backward_footprint() const {
+    return align_up(footprint(*backward_)) + repair_->backward_scratch_bytes();
+  }
 
   // The memory the plan keeps for calls that bring none (made on the first such call).
   CUdeviceptr own_workspace() const {
     const std::lock_guard lock(workspace_mutex_);
     if (workspace_.address() == 0) {
       std::size_t bytes = footprint(forward_);
-      if (backward_) bytes = std::max(bytes, footprint(*backward_));
+      if (backward_) bytes = std::max(bytes, backward_footprint());
       workspace_ = cuda::DeviceBuffer(runtime_->driver(), bytes);
     }
     return workspace_.address();
   }
 
-  // `args`: ForwardArgs or BackwardArgs (their stream, workspace and allocator).
-  template <class Args, class PointerOf>
-  void execute(const CompiledGraph& compiled, const Args& args, PointerOf pointer_of) const {
+  // `args`: ForwardArgs or BackwardArgs (their stream, workspace and allocator); `bytes`: the
+  // pass's workspace; `after(base, scratch)` runs once the graph is enqueued (the repair), with
+  // the workspace at `base` and the graph's scratch tensors at `scratch`.
+  template <class Args, class After, class PointerOf>
+  void execute(const CompiledGraph& compiled, std::size_t bytes, const Args& args, After after,
+               PointerOf pointer_of) const {
     const Library& library = *runtime_->library();
     void* const stream = args.stream;
-    const std::size_t bytes = footprint(compiled);
     const bool own = bytes > 0 && args.workspace.data == nullptr && args.allocator == nullptr;
     const CUdeviceptr fallback = own ? own_workspace() : 0;
     cuda::ContextScope memory_scope(*runtime_->driver());
@@ -254,6 +278,7 @@ class CudnnPlan final : public Plan {
                   "cudnnSetStream");
     library.check(library.api().execute(handle, compiled.plan.plan.get(), pack.get()),
                   "cudnnBackendExecute");
+    after(base, scratch);
     memory.release();
   }
 
@@ -261,6 +286,7 @@ class CudnnPlan final : public Plan {
   std::shared_ptr<const Runtime> runtime_;
   CompiledGraph forward_;
   std::optional<CompiledGraph> backward_;
+  std::unique_ptr<const cuda::NonFiniteRepair> repair_;
   mutable std::mutex workspace_mutex_;
   mutable cuda::DeviceBuffer workspace_;
 };
@@ -340,6 +366,15 @@ class CudnnEngine final : public Engine {
           Support::no(fmt::format("cudnn: the plan proof failed: {}", proof.mismatch));
       return lowered;
     }
+    // cuDNN's products, like the tensor-core kernels', multiply a removed position's weight 0 by
+    // its operand; the cuda engine's row kernels recompute the rows that makes NaN (repair.hpp).
+    // Without them the plan would not compute the reference's non-finite semantics.
+    cuda::RepairLowering repair =
+        cuda::make_non_finite_repair(problem, runtime_->driver(), stage != Stage::kCheck);
+    if (!repair.support) {
+      lowered.support = Support::no(fmt::format("cudnn: {}", repair.support.reason()));
+      return lowered;
+    }
     if (stage == Stage::kCheck) {
       lowered.support = Support::yes();
       return lowered;
@@ -369,10 +404,11 @@ class CudnnEngine final : public Engine {
     info.lowered_backward_hash = proof.lowered_backward_hash;
     info.description += fmt::format("; plan proof: {} (forward: {})",
                                     forward.modifiers->to_string(), forward.readback_counts);
+    info.description += "; " + repair.repair->describe();
     info.signature = problem.signature();
-    lowered.plan =
-        std::make_unique<CudnnPlan>(std::move(info), problem, runtime_,
-                                    std::move(*compiled_forward), std::move(compiled_backward));
+    lowered.plan = std::make_unique<CudnnPlan>(
+        std::move(info), problem, runtime_, std::move(*compiled_forward),
+        std::move(compiled_backward), std::move(repair.repair));
     lowered.support = Support::yes();
     return lowered;
   }

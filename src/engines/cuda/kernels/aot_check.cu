@@ -9,6 +9,7 @@
 #include "forward_mma.cuh"
 #include "forward_simt.cuh"
 #include "forward_wgmma.cuh"
+#include "repair.cuh"
 
 using flexattn_kernels::BackwardParams;
 using flexattn_kernels::BackwardSimtConfig;
@@ -301,3 +302,21 @@ FLEXATTN_AOT_BACKWARD_WGMMA(aot_backward_wgmma_bf16_d128, IdentityModifier, BFlo
 FLEXATTN_AOT_BACKWARD_WGMMA(aot_backward_wgmma_bf16_d128_softcap, CausalSoftcapModifier,
                             BFloat16Tag, 128, 128)
 FLEXATTN_AOT_BACKWARD_WGMMA(aot_backward_wgmma_f16_d64, CausalSoftcapModifier, HalfTag, 64, 64)
+
+// The non-finite repair kernels (repair.cuh) that run after the cudnn engine's graphs.
+#define FLEXATTN_AOT_REPAIR(name, modifier, tag, qk, v)                                        \
+  extern "C" __global__ void __launch_bounds__(flexattn_kernels::kRepairThreads)               \
+      name##_forward(const ForwardParams params) {                                             \
+    flexattn_kernels::repair_forward<tag, modifier, qk, v>(params);                            \
+  }                                                                                            \
+  extern "C" __global__ void __launch_bounds__(flexattn_kernels::kRepairThreads)               \
+      name##_dq(const BackwardParams params) {                                                 \
+    flexattn_kernels::repair_dq<tag, modifier, qk, v>(params);                                 \
+  }                                                                                            \
+  extern "C" __global__ void __launch_bounds__(flexattn_kernels::kRepairThreads)               \
+      name##_dkdv(const BackwardParams params) {                                               \
+    flexattn_kernels::repair_dkdv<tag, modifier, qk, v>(params);                               \
+  }
+
+FLEXATTN_AOT_REPAIR(aot_repair_bf16_d128_softcap, CausalSoftcapModifier, BFloat16Tag, 128, 128)
+FLEXATTN_AOT_REPAIR(aot_repair_f16_d192_v128, IdentityModifier, HalfTag, 192, 128)

@@ -71,6 +71,10 @@ constexpr unsigned kGradMinusInf = 4;
 // Launch geometry of the delta kernel: grid (ceil(seq_len_q / kDeltaRows), heads_q, batch).
 constexpr int kDeltaRows = 32;
 constexpr int kDeltaThreads = 128;
+// Launch geometry of the non-finite repair kernels (repair.cuh): grid (ceil(rows /
+// kRepairRows), heads, batch), kRepairThreads threads.
+constexpr int kRepairRows = 16;
+constexpr int kRepairThreads = 128;
 // Launch geometry of the finalize kernel: grid (ceil(count / kFinalizeThreads)).
 constexpr int kFinalizeThreads = 256;
 
