@@ -259,6 +259,29 @@ ForwardParams base_forward_params(const Problem& problem, const ModifierBindings
   return base;
 }
 
+// Points the modifier's tensor slots of `p` at the call's tensors (bindings.tensors order).
+void bind_tensors(const ModifierBindings& bindings,
+                  const std::map<std::string, TensorView>& tensors, ForwardParams& p) {
+  for (std::size_t i = 0; i < bindings.tensors.size(); ++i) {
+    p.tensors[i].data = tensors.at(bindings.tensors[i]).data;
+  }
+}
+
+struct Grid {
+  unsigned x, y, z;
+};
+
+// Launches `function` with its one argument block `params` (the driver copies it at launch).
+template <class Params>
+void launch(const Driver& driver, CUfunction function, Grid grid, int threads, int shared_bytes,
+            CUstream stream, Params* params, std::string_view what) {
+  std::array<void*, 1> kernel_args = {params};
+  driver.check(driver.api().launch_kernel(
+                   function, grid.x, grid.y, grid.z, static_cast<unsigned>(threads), 1, 1,
+                   static_cast<unsigned>(shared_bytes), stream, kernel_args.data(), nullptr),
+               fmt::format("cuLaunchKernel ({})", what));
+}
+
 // A stream a plan owns (the backward's second stream), created on its first use and destroyed
 // with the plan (work still queued on it completes first; cuStreamDestroy does not wait).
 class PlanStream {
@@ -482,7 +505,7 @@ class CudaPlan final : public Plan {
         check_chunk_aligned(name, view->data);
       }
     }
-    bind_tensors(args.tensors, p);
+    bind_tensors(bindings_, args.tensors, p);
     CUfunction function = forward_.function;
     const KernelChoice* choice = &choice_;
     if (unstaged_ &&
@@ -517,7 +540,7 @@ class CudaPlan final : public Plan {
         check_chunk_aligned(name, view->data);
       }
     }
-    bind_tensors(args.tensors, p.fwd);
+    bind_tensors(bindings_, args.tensors, p.fwd);
 
     // Scratch (from args.workspace, args.allocator or cuMemAllocAsync): delta, lse2, then one
     // fixed-point accumulator per wanted tensor gradient.
@@ -595,28 +618,13 @@ class CudaPlan final : public Plan {
   }
 
  private:
-  struct Grid {
-    unsigned x, y, z;
-  };
-
   unsigned heads_q() const { return static_cast<unsigned>(problem_.heads_q()); }
   unsigned batch() const { return static_cast<unsigned>(problem_.batch()); }
 
-  void bind_tensors(const std::map<std::string, TensorView>& tensors, ForwardParams& p) const {
-    for (std::size_t i = 0; i < bindings_.tensors.size(); ++i) {
-      p.tensors[i].data = tensors.at(bindings_.tensors[i]).data;
-    }
-  }
-
-  // Launches `function` with its one argument block `params` (the driver copies it at launch).
   template <class Params>
   void launch(CUfunction function, Grid grid, int threads, int shared_bytes, CUstream stream,
               Params* params, std::string_view what) const {
-    std::array<void*, 1> kernel_args = {params};
-    driver_->check(driver_->api().launch_kernel(
-                       function, grid.x, grid.y, grid.z, static_cast<unsigned>(threads), 1, 1,
-                       static_cast<unsigned>(shared_bytes), stream, kernel_args.data(), nullptr),
-                   fmt::format("cuLaunchKernel ({})", what));
+    cuda::launch(*driver_, function, grid, threads, shared_bytes, stream, params, what);
   }
 
   Problem problem_;
@@ -767,7 +775,7 @@ class RepairKernels final : public NonFiniteRepair {
     p.v.data = args.v.data;
     p.o.data = args.out.data;
     p.lse = static_cast<float*>(args.lse.data);
-    bind(args.tensors, p);
+    bind_tensors(bindings_, args.tensors, p);
     const ContextScope scope(*driver_);
     launch(forward_function_, rows(problem_.seq_len_q()), heads(problem_.heads_q()),
            flexattn_kernels::kRepairThreads, static_cast<CUstream>(args.stream), &p,
@@ -787,7 +795,7 @@ class RepairKernels final : public NonFiniteRepair {
     p.dq.data = args.dq.data;
     p.dk.data = args.dk.data;
     p.dv.data = args.dv.data;
-    bind(args.tensors, p.fwd);
+    bind_tensors(bindings_, args.tensors, p.fwd);
     p.delta = static_cast<float*>(scratch);
     p.lse2 = reinterpret_cast<float*>(static_cast<std::byte*>(scratch) + delta_bytes_);
     const ContextScope scope(*driver_);
@@ -815,21 +823,12 @@ class RepairKernels final : public NonFiniteRepair {
   }
   static unsigned heads(std::int64_t count) { return static_cast<unsigned>(count); }
 
-  void bind(const std::map<std::string, TensorView>& tensors, ForwardParams& p) const {
-    for (std::size_t i = 0; i < bindings_.tensors.size(); ++i) {
-      p.tensors[i].data = tensors.at(bindings_.tensors[i]).data;
-    }
-  }
-
+  // Grid (rows, heads, batch) of kRepairThreads threads, no dynamic shared memory.
   template <class Params>
   void launch(CUfunction function, unsigned grid_x, unsigned heads, int threads, CUstream stream,
               Params* params, std::string_view what) const {
-    std::array<void*, 1> kernel_args = {params};
-    driver_->check(driver_->api().launch_kernel(function, grid_x, heads,
-                                                static_cast<unsigned>(problem_.batch()),
-                                                static_cast<unsigned>(threads), 1, 1, 0, stream,
-                                                kernel_args.data(), nullptr),
-                   fmt::format("cuLaunchKernel ({})", what));
+    cuda::launch(*driver_, function, {grid_x, heads, static_cast<unsigned>(problem_.batch())},
+                 threads, 0, stream, params, what);
   }
 
   Problem problem_;
