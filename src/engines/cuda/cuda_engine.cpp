@@ -63,6 +63,19 @@ bool wgmma_allowed() {
   return value == nullptr || std::string_view(value) != "0";
 }
 
+// The grid's y (heads) and z (batch) limits, and token indices within int.
+Support launch_limits(const Problem& problem) {
+  if (problem.heads_q() > kMaxGridYZ || problem.batch() > kMaxGridYZ) {
+    return Support::no(fmt::format("batch {} x heads {} exceeds the launch grid ({} each)",
+                                   problem.batch(), problem.heads_q(), kMaxGridYZ));
+  }
+  constexpr auto kMaxInt = static_cast<std::int64_t>(std::numeric_limits<int>::max());
+  if (problem.total_tokens_q() > kMaxInt || problem.total_tokens_kv() > kMaxInt) {
+    return Support::no("more than 2^31 - 1 tokens in one launch");
+  }
+  return Support::yes();
+}
+
 Support lower_backward(const Problem& problem, Lowering& lowering, int capability) {
   const BackwardSelection selection = choose_backward_kernel(problem, capability, wgmma_allowed());
   if (!selection.reason.empty()) return Support::no(selection.reason);
@@ -116,14 +129,7 @@ Support lower_problem(const Problem& problem, Lowering& lowering, int capability
   }
   const BindingSelection binding = bind_modifier(problem);
   if (!binding.reason.empty()) return Support::no(binding.reason);
-  if (problem.heads_q() > kMaxGridYZ || problem.batch() > kMaxGridYZ) {
-    return Support::no(fmt::format("batch {} x heads {} exceeds the launch grid ({} each)",
-                                   problem.batch(), problem.heads_q(), kMaxGridYZ));
-  }
-  constexpr auto kMaxInt = static_cast<std::int64_t>(std::numeric_limits<int>::max());
-  if (problem.total_tokens_q() > kMaxInt || problem.total_tokens_kv() > kMaxInt) {
-    return Support::no("more than 2^31 - 1 tokens in one launch");
-  }
+  if (Support limits = launch_limits(problem); !limits) return limits;
   lowering.choice = selection.choice;
   lowering.bindings = binding.bindings;
   if (problem.wants_backward()) {
@@ -768,13 +774,13 @@ class RepairKernels final : public NonFiniteRepair {
     }
   }
 
-  void forward(const ForwardArgs& args) const override {
+  void forward(const ForwardArgs& args, void* lse) const override {
     ForwardParams p = forward_;
     p.q.data = args.q.data;
     p.k.data = args.k.data;
     p.v.data = args.v.data;
     p.o.data = args.out.data;
-    p.lse = static_cast<float*>(args.lse.data);
+    p.lse = static_cast<float*>(lse);
     bind_tensors(bindings_, args.tensors, p);
     const ContextScope scope(*driver_);
     launch(forward_function_, rows(problem_.seq_len_q()), heads(problem_.heads_q()),
@@ -867,14 +873,7 @@ RepairLowering make_non_finite_repair(const Problem& problem,
   if (problem.kv_cache()) return refuse("a paged KV cache");
   const BindingSelection binding = bind_modifier(problem);
   if (!binding.reason.empty()) return refuse(binding.reason);
-  if (problem.heads_q() > kMaxGridYZ || problem.batch() > kMaxGridYZ) {
-    return refuse(fmt::format("batch {} x heads {} exceeds the launch grid ({} each)",
-                              problem.batch(), problem.heads_q(), kMaxGridYZ));
-  }
-  constexpr auto kMaxInt = static_cast<std::int64_t>(std::numeric_limits<int>::max());
-  if (problem.total_tokens_q() > kMaxInt || problem.total_tokens_kv() > kMaxInt) {
-    return refuse("more than 2^31 - 1 tokens in one launch");
-  }
+  if (Support limits = launch_limits(problem); !limits) return refuse(limits.reason());
   std::optional<BackwardCode> backward;
   if (problem.wants_backward()) {
     try {

@@ -18,9 +18,10 @@ namespace flexattn::cuda {
 class NonFiniteRepair {
  public:
   virtual ~NonFiniteRepair() = default;
-  // After the engine stored args.out (and args.lse, when given): recomputes every row of O whose
-  // stored values are not all finite, and its LSE. Stream-ordered on args.stream.
-  virtual void forward(const ForwardArgs& args) const = 0;
+  // After the engine stored args.out and the LSE at `lse` (args.lse's data, or the engine's own
+  // copy when the caller asked for none): recomputes every row of O whose stored values are not
+  // all finite, and its LSE. Stream-ordered on args.stream.
+  virtual void forward(const ForwardArgs& args, void* lse) const = 0;
   // After the engine stored dQ, dK and dV: recomputes every row of them that is not all finite.
   // `scratch`: backward_scratch_bytes() of device memory, stream-ordered on args.stream, that
   // the call may overwrite (the rows' delta).

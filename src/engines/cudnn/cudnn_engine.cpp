@@ -137,12 +137,12 @@ class CudnnPlan final : public Plan {
   // After cuDNN's graph, the rows it left NaN or inf are computed again (repair.hpp): a removed
   // position's weight 0 times a NaN or inf operand makes them NaN where the reference is finite.
   void run_forward(const ForwardArgs& args) const override {
+    // The LSE (cuDNN's Stats): the caller's, else the graph's scratch copy.
+    const auto stats = [&](std::byte* scratch) -> void* {
+      return args.lse.empty() ? scratch + forward_.graph.stats_scratch_offset : args.lse.data;
+    };
     const auto repair = [&](std::byte* /*base*/, std::byte* scratch) {
-      ForwardArgs stored = args;
-      if (stored.lse.empty()) {
-        stored.lse.data = scratch + forward_.graph.stats_scratch_offset;
-      }
-      repair_->forward(stored);
+      repair_->forward(args, stats(scratch));
     };
     execute(forward_, footprint(forward_), args, repair,
             [&](const Binding& binding, std::byte* scratch) -> void* {
@@ -156,8 +156,7 @@ class CudnnPlan final : public Plan {
                 case Binding::Kind::kO:
                   return args.out.data;
                 case Binding::Kind::kStats:
-                  return args.lse.empty() ? scratch + forward_.graph.stats_scratch_offset
-                                          : args.lse.data;
+                  return stats(scratch);
                 case Binding::Kind::kTensor:
                   return args.tensors.at(binding.tensor).data;
                 case Binding::Kind::kHost:
