@@ -73,7 +73,7 @@ std::vector<conformance::Case> forward_cases() {
                                                         {"softcap30", "causal"},
                                                         {"alibi", "none"},
                                                         {"bias", "causal"}}) {
-    for (std::int64_t head_dim : {64, 128}) {
+    for (std::int64_t head_dim : {64, 128, 256}) {
       conformance::Case c;
       c.modifier = modifier;
       c.mask = mask;
@@ -96,7 +96,7 @@ std::vector<conformance::Case> forward_cases() {
       {"falling", "score - float(kv) * 0.02"}};
   for (const auto& [name, score_mod] : drifts) {
     for (const auto& [dtype, head_dim] : std::vector<std::pair<DType, std::int64_t>>{
-             {DType::kBF16, 64}, {DType::kBF16, 128}, {DType::kF16, 128}}) {
+             {DType::kBF16, 64}, {DType::kBF16, 128}, {DType::kF16, 128}, {DType::kF16, 256}}) {
       conformance::Case c =
           conformance::custom_case(conformance::Shape{1, 2, 2, 1024, 1024, head_dim, head_dim},
                                    Layout::kBHSD, dtype, score_mod, "none", false);
@@ -110,7 +110,7 @@ std::vector<conformance::Case> forward_cases() {
   // and P is about 2^-21 for every key; causal, so the first rows see one key and the diagonal
   // tiles are masked.
   for (const auto& [dtype, head_dim] : std::vector<std::pair<DType, std::int64_t>>{
-           {DType::kBF16, 64}, {DType::kBF16, 128}, {DType::kF32, 64}}) {
+           {DType::kBF16, 64}, {DType::kBF16, 128}, {DType::kBF16, 256}, {DType::kF32, 64}}) {
     conformance::Case c = conformance::custom_case(
         conformance::Shape{1, 2, 2, 1024, 1024, head_dim, head_dim}, Layout::kBHSD, dtype,
         "30 * tanh(score / 30 - 2)", "causal", false);
@@ -433,10 +433,11 @@ TEST(CudaArguments, MisalignedDataIsRefused) {
 // default), which copies 16-byte chunks. A bias that starts 2 bytes past such a boundary (a view
 // into a larger buffer) still works: the plan runs its forward without staging, with the same
 // result as the aligned call, both within a few bf16 roundings of the reference. Three batches
-// share the bias (the staged kernel numbers its blocks batch-fastest). Head dims 128 and 64 (whose
-// staged shape, 64-key tiles, differs from its default: the fallback takes the staged shape).
+// share the bias (the staged kernel numbers its blocks batch-fastest). Head dims 128, 64 (whose
+// staged shape, 64-key tiles, differs from its default: the fallback takes the staged shape) and
+// 256 (64-key tiles either way).
 class CudaStagedArguments : public ::testing::TestWithParam<std::int64_t> {};
-INSTANTIATE_TEST_SUITE_P(HeadDims, CudaStagedArguments, ::testing::Values(64, 128));
+INSTANTIATE_TEST_SUITE_P(HeadDims, CudaStagedArguments, ::testing::Values(64, 128, 256));
 TEST_P(CudaStagedArguments, MisalignedStagedTensorRunsWithoutStaging) {
   SKIP_WITHOUT_DEVICE();
   const auto engine = device_engine();

@@ -99,12 +99,76 @@ TEST(CudaForwardCompile, WgmmaTranslationUnitsCompileForSm90a) {
   }
 }
 
+// The wgmma forward at the wide head dims (256, and MLA's 192/128): 64-key tiles, O += P V as
+// one m64n256k16 per 16 keys at 256. Forward and backward in one module: the backward there is
+// the mma.sync kernels', compiled for sm_90a with the forward.
+TEST(CudaForwardCompile, WideHeadDimWgmmaTranslationUnitsCompileForSm90a) {
+  SKIP_WITHOUT_CUDA_ENGINE();
+  constexpr int kCapability = 90;
+  const TensorDecl slopes{DType::kF32, {4}};
+  for (const auto& [c, backward] :
+       {std::pair{GeneratedCase{"wgmma_bf16_d256_softcap_causal",
+                                DType::kBF16,
+                                256,
+                                256,
+                                "30 * tanh(score / 30)",
+                                "q >= kv",
+                                {},
+                                {},
+                                Layout::kBSHD,
+                                {}},
+                  false},
+        std::pair{GeneratedCase{"wgmma_f16_d256_alibi_thd",
+                                DType::kF16,
+                                256,
+                                256,
+                                "score + slopes[h] * (kv - q)",
+                                "",
+                                {{"slopes", slopes}},
+                                {},
+                                Layout::kTHD,
+                                {}},
+                  true},
+        std::pair{
+            GeneratedCase{
+                "wgmma_bf16_d192_v128", DType::kBF16, 192, 128, "", "", {}, {}, Layout::kBSHD, {}},
+            false}}) {
+    SCOPED_TRACE(c.name);
+    const Problem problem = backward ? make_backward_problem(c) : make_problem(c);
+    const cuda::KernelSelection selection = cuda::choose_kernel(problem, kCapability);
+    ASSERT_TRUE(selection.reason.empty()) << selection.reason;
+    ASSERT_EQ(selection.choice.kind, cuda::KernelKind::kWgmma);
+    EXPECT_EQ(selection.choice.block_n, 64);
+    EXPECT_FALSE(selection.choice.pipelined);
+    const cuda::BindingSelection bindings = cuda::bind_modifier(problem);
+    ASSERT_TRUE(bindings.reason.empty()) << bindings.reason;
+    std::optional<cuda::BackwardCode> backward_code;
+    if (backward) {
+      const cuda::BackwardChoice choice = cuda::choose_backward_kernel(problem, kCapability).choice;
+      EXPECT_FALSE(choice.wgmma);
+      EXPECT_EQ(choice.kind, cuda::KernelKind::kMma);
+      backward_code = cuda::backward_code(problem, choice);
+    }
+    const std::string source = cuda::generate_translation_unit(
+        problem, bindings.bindings, selection.choice, backward_code ? &*backward_code : nullptr);
+    EXPECT_NE(source.find(fmt::format("flexattn_kernels::WgmmaConfig<{}, {}, {}, 64, 2, false, {}>",
+                                      cuda::element_tag(c.dtype), c.head_dim_qk, c.head_dim_v,
+                                      selection.choice.shared_bytes)),
+              std::string::npos);
+    EXPECT_NE(source.find("flexattn_kernels::forward_wgmma<FlexattnConfig"), std::string::npos);
+    if (backward) {
+      EXPECT_NE(source.find("flexattn_kernels::backward_dkdv_mma<"), std::string::npos);
+    }
+    expect_compiles(source, c.name + ".cu", kCapability, selection.choice.architecture_suffix());
+  }
+}
+
 // The staged wgmma forward: two stages without pipelining and the bias tiles in the shared
 // memory; the generated code reads the tile when the kernel passes one, and compiles for sm_90a.
 TEST(CudaForwardCompile, StagedTensorCompilesForSm90a) {
   SKIP_WITHOUT_CUDA_ENGINE();
   constexpr int kCapability = 90;
-  for (const std::int64_t head_dim : {64, 128}) {
+  for (const std::int64_t head_dim : {64, 128, 256}) {
     SCOPED_TRACE(head_dim);
     const Problem problem = staging_problem(
         "score + bias[h, q, kv]", TensorDecl{DType::kBF16, {4, 128, 128}}, Layout::kBSHD, head_dim);
@@ -117,7 +181,7 @@ TEST(CudaForwardCompile, StagedTensorCompilesForSm90a) {
     EXPECT_FALSE(choice.take_turns);
     EXPECT_EQ(choice.stages, 2);
     const int h = static_cast<int>(head_dim);
-    const int n = head_dim == 64 ? 64 : 128;    // keys per tile
+    const int n = head_dim == 128 ? 128 : 64;   // keys per tile
     const int blocks = head_dim == 64 ? 2 : 1;  // per multiprocessor
     EXPECT_EQ(choice.block_n, n);
     EXPECT_EQ(choice.min_blocks, blocks);

@@ -119,7 +119,10 @@ TEST(CudaBackwardChoice, WgmmaOnSm90ForHeadDims64And128) {
   for (const cuda::BackwardSelection& other :
        {cuda::choose_backward_kernel(backward_problem_with(DType::kBF16, 128, 128), 80),
         cuda::choose_backward_kernel(backward_problem_with(DType::kBF16, 128, 128), 90, false),
-        cuda::choose_backward_kernel(backward_problem_with(DType::kF16, 80, 72), 90)}) {
+        cuda::choose_backward_kernel(backward_problem_with(DType::kF16, 80, 72), 90),
+        // The wgmma forward takes these; the wgmma backward does not.
+        cuda::choose_backward_kernel(backward_problem_with(DType::kBF16, 256, 256), 90),
+        cuda::choose_backward_kernel(backward_problem_with(DType::kBF16, 192, 128), 90)}) {
     EXPECT_FALSE(other.choice.wgmma);
     EXPECT_EQ(other.choice.dkdv_block_kv, other.choice.block_kv);
     EXPECT_EQ(other.choice.dq_block_q, other.choice.block_q);
@@ -273,6 +276,69 @@ TEST(CudaForwardChoice, WgmmaOnlyOnSm90ForSixteenBitHeadDims64And128) {
     EXPECT_EQ(other.architecture_suffix(), "");
   }
   EXPECT_EQ(choose(DType::kF32, 128, 128, 90).kind, cuda::KernelKind::kSimt);
+}
+
+// Head dims above 128 (Gemma's 256, MLA's 192/128): 64-key tiles, two stages, each product
+// waited for, one block per multiprocessor, no producer.
+TEST(CudaForwardChoice, WgmmaForWideHeadDimsTakes64KeyTiles) {
+  constexpr int kCapability = 90;
+  const auto choose = [](DType dtype, std::int64_t qk, std::int64_t v, int capability) {
+    GeneratedCase c{"wide", dtype, qk, v, "", "", {}, {}, Layout::kBSHD, {}};
+    const cuda::KernelSelection selection = cuda::choose_kernel(make_problem(c), capability);
+    EXPECT_TRUE(selection.reason.empty()) << selection.reason;
+    return selection.choice;
+  };
+  for (const DType dtype : {DType::kBF16, DType::kF16}) {
+    const cuda::KernelChoice d256 = choose(dtype, 256, 256, kCapability);
+    EXPECT_EQ(d256.kind, cuda::KernelKind::kWgmma);
+    EXPECT_EQ(d256.block_m, 128);
+    EXPECT_EQ(d256.block_n, 64);
+    EXPECT_EQ(d256.warps, 8);
+    EXPECT_EQ(d256.threads(), 256);
+    EXPECT_EQ(d256.stages, 2);
+    EXPECT_FALSE(d256.pipelined);
+    EXPECT_FALSE(d256.producer);
+    EXPECT_FALSE(d256.turns_possible());
+    EXPECT_EQ(d256.min_blocks, 1);
+    EXPECT_EQ(d256.class_block_q, 128);
+    EXPECT_EQ(d256.architecture_suffix(), "a");
+    // 1024 (alignment) + Q 128 x 256 + 2 stages of 64 keys of K and V.
+    EXPECT_EQ(d256.shared_bytes, 1024 + 128 * 256 * 2 + 2 * 64 * (256 + 256) * 2);
+    EXPECT_LE(d256.shared_bytes, 227 * 1024);
+    EXPECT_EQ(d256.config_type(),
+              fmt::format("flexattn_kernels::WgmmaConfig<{}, 256, 256, 64, 2, false, {}>",
+                          cuda::element_tag(dtype), d256.shared_bytes));
+    EXPECT_NE(d256.describe().find("128x64 tiles"), std::string::npos) << d256.describe();
+  }
+  const cuda::KernelChoice mla = choose(DType::kBF16, 192, 128, kCapability);
+  EXPECT_EQ(mla.kind, cuda::KernelKind::kWgmma);
+  EXPECT_EQ(mla.block_n, 64);
+  EXPECT_FALSE(mla.pipelined);
+  EXPECT_EQ(mla.min_blocks, 1);
+  EXPECT_EQ(mla.shared_bytes, 1024 + 128 * 192 * 2 + 2 * 64 * (192 + 128) * 2);
+  EXPECT_EQ(choose(DType::kBF16, 256, 128, kCapability).kind, cuda::KernelKind::kWgmma);
+  // A V width that is no wgmma of P V (192), padded head dims, and other architectures keep the
+  // mma.sync kernel.
+  for (const cuda::KernelChoice& other :
+       {choose(DType::kBF16, 192, 192, kCapability), choose(DType::kBF16, 160, 160, kCapability),
+        choose(DType::kBF16, 256, 256, 80), choose(DType::kBF16, 256, 256, 0)}) {
+    EXPECT_EQ(other.kind, cuda::KernelKind::kMma);
+  }
+  // The staged tensor keeps the 64-key tiles and fits beside them (225 KB).
+  cuda::KernelChoice staged =
+      cuda::choose_kernel(
+          staging_problem("score + bias[h, q, kv]", TensorDecl{DType::kBF16, {4, 128, 128}},
+                          Layout::kBSHD, 256),
+          kCapability)
+          .choice;
+  ASSERT_EQ(staged.kind, cuda::KernelKind::kWgmma);
+  ASSERT_EQ(cuda::stage_wgmma_tensor(staged), "");
+  EXPECT_TRUE(staged.stage_tensor);
+  EXPECT_EQ(staged.block_n, 64);
+  EXPECT_EQ(staged.min_blocks, 1);
+  EXPECT_EQ(staged.shared_bytes, 1024 + 128 * 256 * 2 + 2 * (64 * 512 * 2 + 128 * 64 * 2));
+  EXPECT_EQ(cuda::without_staged_tensor(staged).shared_bytes,
+            1024 + 128 * 256 * 2 + 2 * 64 * 512 * 2);
 }
 
 // The head-dim-128 wgmma forward has a producer warpgroup: a third warpgroup of 128 threads

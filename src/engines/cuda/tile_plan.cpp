@@ -46,9 +46,15 @@ constexpr int kSimtClassBlockQ = 64;
 // At head dim 128 a producer warpgroup copies the stages (WgmmaConfig::kProducer): no modifier
 // 470 -> 496, softcap 294 -> 299, causal softcap 260 -> 273 (H200, 2026-12-03); not with a staged
 // tensor (359 -> 333) nor at head dim 64 (one block instead of two: 351 -> 241).
+// Wider head dims (q/k 192 or 256, v 256: Gemma's 256, MLA's 192/128): O at v 256 is 128 fp32 a
+// thread, so the kv tiles are 64 keys (S 32 fp32 a thread beside it, one block per
+// multiprocessor: 255 registers); K and V of a tile take 64 KB at 256, so two stages (Q 64 KB +
+// 2 x 64 KB) and no pipelining, which would need a third; no producer (the loop that waits for
+// each product, as at head dim 64).
 // Only the head dims it holds unpadded, on the architecture it exists on.
 constexpr int kWgmmaBlockM = 128;
 constexpr int kWgmmaBlockN = 128;
+constexpr int kWgmmaWideBlockN = 64;
 constexpr int kWgmmaWarps = 8;
 constexpr int kWgmmaPipelinedHeadDim = 128;
 constexpr int kWgmmaSmallMinBlocks = 2;     // head dim 64: two blocks per multiprocessor
@@ -125,7 +131,14 @@ KernelChoice mma_choice(const Problem& problem) {
   return c;
 }
 
+// The head dims the wgmma backward holds (kernels/backward_wgmma.cuh).
 bool wgmma_head_dim(std::int64_t head_dim) { return head_dim == 64 || head_dim == 128; }
+
+// The wgmma forward's (kernels/forward_wgmma.cuh, WgmmaConfig): whole 64-value panels of Q and K,
+// and a V width that is one wgmma of P V (N = 64, 128 or 256).
+bool wgmma_forward_head_dims(std::int64_t qk, std::int64_t v) {
+  return (qk == 64 || qk == 128 || qk == 192 || qk == 256) && (v == 64 || v == 128 || v == 256);
+}
 
 // The wgmma forward's shared memory (WgmmaConfig::kSharedBytes): the alignment slack, Q (then
 // the O staging), and the stages of K and V.
@@ -156,10 +169,12 @@ KernelChoice wgmma_choice(const Problem& problem) {
   c.tiles_per_warp = 1;
   c.warps = kWgmmaWarps;
   c.block_m = kWgmmaBlockM;
-  c.pipelined = std::max(c.head_dim_qk, c.head_dim_v) == kWgmmaPipelinedHeadDim;
-  c.block_n = kWgmmaBlockN;
+  const int largest = std::max(c.head_dim_qk, c.head_dim_v);
+  const bool wide = largest > kWgmmaPipelinedHeadDim;
+  c.pipelined = largest == kWgmmaPipelinedHeadDim;
+  c.block_n = wide ? kWgmmaWideBlockN : kWgmmaBlockN;
   c.stages = c.pipelined ? 3 : 2;
-  c.min_blocks = c.pipelined ? 1 : kWgmmaSmallMinBlocks;
+  c.min_blocks = c.pipelined || wide ? 1 : kWgmmaSmallMinBlocks;
   c.producer = c.pipelined;
   c.class_block_q = c.block_m;
   c.shared_bytes = wgmma_shared_bytes(c);
@@ -378,7 +393,8 @@ std::string stage_wgmma_tensor(KernelChoice& choice) {
     c.block_n = 64;
     c.min_blocks = 2;
   } else {
-    // At head dim 128 the staged tile's reads need registers the two-blocks cap does not leave.
+    // At head dim 128 the staged tile's reads need registers the two-blocks cap does not leave;
+    // wider head dims keep their 64-key tiles (at 256: 225 KB with the staged tiles).
     c.min_blocks = 1;
   }
   c.shared_bytes = wgmma_shared_bytes(c);
@@ -406,7 +422,7 @@ KernelSelection choose_kernel(const Problem& problem, int capability, bool allow
       problem.head_dim_qk() % kChunkElements == 0 && problem.head_dim_v() % kChunkElements == 0;
   const bool tensor_cores = sixteen_bit && whole_chunks && strides_chunk_aligned(problem);
   if (tensor_cores && allow_wgmma && capability == kWgmmaCapability &&
-      wgmma_head_dim(problem.head_dim_qk()) && wgmma_head_dim(problem.head_dim_v())) {
+      wgmma_forward_head_dims(problem.head_dim_qk(), problem.head_dim_v())) {
     selection.choice = wgmma_choice(problem);
   } else if (tensor_cores) {
     selection.choice = mma_choice(problem);

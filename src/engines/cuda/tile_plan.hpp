@@ -13,7 +13,7 @@ namespace flexattn::cuda {
 
 enum class KernelKind {
   kMma,    // tensor cores (mma.sync, sm_80+), bf16/fp16 storage (kernels/forward_mma.cuh)
-  kWgmma,  // Hopper's warpgroup tensor cores (sm_90a), head dims 64/128 (kernels/forward_wgmma.cuh)
+  kWgmma,  // Hopper's warpgroup tensor cores (sm_90a), head dims 64 to 256 (forward_wgmma.cuh)
   kSimt,   // fp32 units: fp32 storage, or head dims the tensor-core kernel cannot take
 };
 
@@ -68,7 +68,7 @@ KernelSelection choose_kernel(const Problem& problem, int capability, bool allow
 // The wgmma forward with the modifier's stageable tensor (codegen.hpp: stageable_tensor) staged
 // in shared memory beside K and V, a tile per stage: the loop without pipelining, two stages;
 // head dim 128: 128-key tiles, one block per multiprocessor; head dim 64: 64-key tiles, two
-// blocks (what the engine does wherever it fits).
+// blocks; wider head dims: their 64-key tiles, one block (what the engine does wherever it fits).
 // Returns why it cannot (choice unchanged), or empty. Other kernel kinds are left alone.
 std::string stage_wgmma_tensor(KernelChoice& choice);
 

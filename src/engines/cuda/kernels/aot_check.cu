@@ -211,6 +211,13 @@ FLEXATTN_AOT_WGMMA(aot_wgmma_bf16_d128_turns, CausalSoftcapModifier, BFloat16Tag
                    true, 1024 + 128 * 256 + 3 * 2 * 128 * 256, true)
 FLEXATTN_AOT_WGMMA(aot_wgmma_bf16_d64_unpipelined, IdentityModifier, BFloat16Tag, 64, 64, 128, 2,
                    false, 1024 + 128 * 128 + 2 * 2 * 128 * 128)
+// Wide head dims: 64-key tiles, 2 stages, each product waited for.
+FLEXATTN_AOT_WGMMA(aot_wgmma_bf16_d256_softcap, CausalSoftcapModifier, BFloat16Tag, 256, 256, 64, 2,
+                   false, 1024 + 128 * 512 + 2 * 2 * 64 * 512)
+FLEXATTN_AOT_WGMMA(aot_wgmma_f16_d256, IdentityModifier, HalfTag, 256, 256, 64, 2, false,
+                   1024 + 128 * 512 + 2 * 2 * 64 * 512)
+FLEXATTN_AOT_WGMMA(aot_wgmma_bf16_d192_v128_softcap, CausalSoftcapModifier, BFloat16Tag, 192, 128,
+                   64, 2, false, 1024 + 128 * 384 + 2 * 64 * (384 + 256))
 FLEXATTN_AOT_SIMT(aot_f32_d64, IdentityModifier, Float32Tag, 64, 64)
 FLEXATTN_AOT_SIMT(aot_f32_d80_softcap, CausalSoftcapModifier, Float32Tag, 80, 40)
 FLEXATTN_AOT_SIMT(aot_bf16_d17, CausalSoftcapModifier, BFloat16Tag, 17, 17)

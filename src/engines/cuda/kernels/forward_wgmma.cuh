@@ -17,6 +17,9 @@
 // and after the last tile O += P V of it. Tile j's K, tile j - 1's V and tile j + 1's copy are
 // in flight at once: three stages. Without kPipelined each product is waited for before its
 // result is read (two stages); only the block's other warpgroup overlaps the element work.
+// Head dims: q/k 64, 128, 192 or 256 (one to four panels; S takes 16 values of each per k-step),
+// v 64, 128 or 256 (P V is one wgmma of N = head_dim_v per 16 keys; at 256 O is 128 fp32 a
+// thread, which is why wide head dims take 64-key tiles: S is then 32).
 // Copies: either all threads cp.async the next tile and the block meets at __syncthreads every
 // tile, or (kProducer, the head-dim-128 default) a third warpgroup copies and hands each stage
 // over through a "full" and an "empty" mbarrier, and the computing warpgroups never meet per tile.
@@ -55,7 +58,7 @@ struct WgmmaConfig {
   static constexpr int kMinBlocks = kMinBlocks_;
   static constexpr int kChunksQk = kHeadDimQk / kChunkElements;
   static constexpr int kChunksV = kHeadDimV / kChunkElements;
-  static constexpr int kRealChunksV = kChunksV;     // head dims are 64 or 128: nothing padded
+  static constexpr int kRealChunksV = kChunksV;     // head dims are whole panels: nothing padded
   static constexpr int kStepsQk = kHeadDimQk / 16;  // k-steps of Q K^T
   static constexpr int kStepsKv = kBlockN / 16;     // k-steps of P V
   static constexpr int kScoreTiles = kBlockN / 8;   // 8-column accumulator tiles of S
@@ -92,8 +95,10 @@ struct WgmmaConfig {
   static constexpr int kSharedBytes =
       kAlignment + kQBytes + kStages * (kKBytes + kVBytes + kStagedBytes) + kBarrierBytes;
 
-  static_assert((kHeadDimQk == 64 || kHeadDimQk == 128) && (kHeadDimV == 64 || kHeadDimV == 128),
-                "the wgmma kernel takes head dims 64 and 128");
+  // Whole 64-value panels; v is P V's N, a width wgmma_from_registers has (64, 128, 256).
+  static_assert((kHeadDimQk == 64 || kHeadDimQk == 128 || kHeadDimQk == 192 || kHeadDimQk == 256) &&
+                    (kHeadDimV == 64 || kHeadDimV == 128 || kHeadDimV == 256),
+                "the wgmma kernel takes head dims q/k 64, 128, 192, 256 and v 64, 128, 256");
   static_assert(kBlockN == 64 || kBlockN == 128, "kv tiles are one wgmma of width 64 or 128");
   static_assert(kQBytes % kAlignment == 0 && kKBytes % kAlignment == 0 && kVBytes % kAlignment == 0,
                 "every tile starts on a 1024-byte boundary");

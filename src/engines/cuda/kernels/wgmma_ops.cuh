@@ -131,7 +131,7 @@ __device__ __forceinline__ void claim_registers() {
 #endif
 }
 
-// Operand lists: the 32 or 64 accumulators as "%0, ..." placeholders and "+f" operands.
+// Operand lists: the 32, 64 or 128 accumulators as "%0, ..." placeholders and "+f" operands.
 #define FLEXATTN_WGMMA_D32                   \
   "%0, %1, %2, %3, %4, %5, %6, %7, "         \
   "%8, %9, %10, %11, %12, %13, %14, %15, "   \
@@ -146,6 +146,23 @@ __device__ __forceinline__ void claim_registers() {
   "%40, %41, %42, %43, %44, %45, %46, %47, " \
   "%48, %49, %50, %51, %52, %53, %54, %55, " \
   "%56, %57, %58, %59, %60, %61, %62, %63"
+#define FLEXATTN_WGMMA_D128                          \
+  "%0, %1, %2, %3, %4, %5, %6, %7, "                 \
+  "%8, %9, %10, %11, %12, %13, %14, %15, "           \
+  "%16, %17, %18, %19, %20, %21, %22, %23, "         \
+  "%24, %25, %26, %27, %28, %29, %30, %31, "         \
+  "%32, %33, %34, %35, %36, %37, %38, %39, "         \
+  "%40, %41, %42, %43, %44, %45, %46, %47, "         \
+  "%48, %49, %50, %51, %52, %53, %54, %55, "         \
+  "%56, %57, %58, %59, %60, %61, %62, %63, "         \
+  "%64, %65, %66, %67, %68, %69, %70, %71, "         \
+  "%72, %73, %74, %75, %76, %77, %78, %79, "         \
+  "%80, %81, %82, %83, %84, %85, %86, %87, "         \
+  "%88, %89, %90, %91, %92, %93, %94, %95, "         \
+  "%96, %97, %98, %99, %100, %101, %102, %103, "     \
+  "%104, %105, %106, %107, %108, %109, %110, %111, " \
+  "%112, %113, %114, %115, %116, %117, %118, %119, " \
+  "%120, %121, %122, %123, %124, %125, %126, %127"
 #define FLEXATTN_WGMMA_ACC8(i)                                                                \
   "+f"(d[i]), "+f"(d[i + 1]), "+f"(d[i + 2]), "+f"(d[i + 3]), "+f"(d[i + 4]), "+f"(d[i + 5]), \
       "+f"(d[i + 6]), "+f"(d[i + 7])
@@ -154,6 +171,10 @@ __device__ __forceinline__ void claim_registers() {
 #define FLEXATTN_WGMMA_ACC64                                                                       \
   FLEXATTN_WGMMA_ACC32, FLEXATTN_WGMMA_ACC8(32), FLEXATTN_WGMMA_ACC8(40), FLEXATTN_WGMMA_ACC8(48), \
       FLEXATTN_WGMMA_ACC8(56)
+#define FLEXATTN_WGMMA_ACC128                                                                      \
+  FLEXATTN_WGMMA_ACC64, FLEXATTN_WGMMA_ACC8(64), FLEXATTN_WGMMA_ACC8(72), FLEXATTN_WGMMA_ACC8(80), \
+      FLEXATTN_WGMMA_ACC8(88), FLEXATTN_WGMMA_ACC8(96), FLEXATTN_WGMMA_ACC8(104),                  \
+      FLEXATTN_WGMMA_ACC8(112), FLEXATTN_WGMMA_ACC8(120)
 
 // d (64 x N) = A B (+ d when accumulate != 0), A and B in shared memory (descriptors), both
 // K-major: wgmma_ss_n<N> (TRANSPOSE: the operands' transpose flags). A from registers (m16n8k16 A
@@ -209,12 +230,19 @@ FLEXATTN_WGMMA_RS(BFloat16Tag, "bf16", 128, 64, FLEXATTN_WGMMA_D64, FLEXATTN_WGM
                   "%64, %65, %66, %67", "%68", "%69")
 FLEXATTN_WGMMA_RS(HalfTag, "f16", 128, 64, FLEXATTN_WGMMA_D64, FLEXATTN_WGMMA_ACC64,
                   "%64, %65, %66, %67", "%68", "%69")
+// O += P V at head dim 256: 128 accumulators a thread.
+FLEXATTN_WGMMA_RS(BFloat16Tag, "bf16", 256, 128, FLEXATTN_WGMMA_D128, FLEXATTN_WGMMA_ACC128,
+                  "%128, %129, %130, %131", "%132", "%133")
+FLEXATTN_WGMMA_RS(HalfTag, "f16", 256, 128, FLEXATTN_WGMMA_D128, FLEXATTN_WGMMA_ACC128,
+                  "%128, %129, %130, %131", "%132", "%133")
 
 #undef FLEXATTN_WGMMA_SS
 #undef FLEXATTN_WGMMA_RS
+#undef FLEXATTN_WGMMA_ACC128
 #undef FLEXATTN_WGMMA_ACC64
 #undef FLEXATTN_WGMMA_ACC32
 #undef FLEXATTN_WGMMA_ACC8
+#undef FLEXATTN_WGMMA_D128
 #undef FLEXATTN_WGMMA_D64
 #undef FLEXATTN_WGMMA_D32
 
@@ -233,11 +261,13 @@ template <class Tag, int kCount>
 __device__ __forceinline__ void wgmma_from_registers(Tag tag, float (&d)[kCount],
                                                      const unsigned (&a)[4], unsigned long long b,
                                                      int accumulate) {
-  static_assert(kCount == 32 || kCount == 64, "wgmma widths 64 and 128");
+  static_assert(kCount == 32 || kCount == 64 || kCount == 128, "wgmma widths 64, 128 and 256");
   if constexpr (kCount == 32) {
     wgmma_rs_n64(tag, d, a, b, accumulate);
-  } else {
+  } else if constexpr (kCount == 64) {
     wgmma_rs_n128(tag, d, a, b, accumulate);
+  } else {
+    wgmma_rs_n256(tag, d, a, b, accumulate);
   }
 }
 
