@@ -120,6 +120,34 @@ TEST(CudnnLowering, RefusesTheBackwardClassesCudnnGotWrong) {
   }
 }
 
+// cuDNN 9.19's heuristics crashed the process on forward graphs whose score modifier compares q
+// with kv; those are refused before cuDNN sees them, in both directions, naming the class. The
+// same comparison as the mask, and index arithmetic in the score modifier, still lower.
+TEST(CudnnLowering, RefusesScoreModifiersComparingQueryWithKey) {
+  for (const char* score_mod :
+       {"where(kv > q, -inf, score)", "where(q < kv, -1e30, score)",
+        "where(kv > q + 3, -inf, score)", "where(q - 2 == kv, score * 2, score)",
+        "where(score > 0 && q >= kv, score, score * 0.5)"}) {
+    for (Direction direction : {Direction::kForward, Direction::kForwardBackward}) {
+      ProblemDesc desc = bf16_desc(direction);
+      desc.score_mod = ir::parse(score_mod);
+      const Support support = check_cudnn_lowering(Problem(desc));
+      ASSERT_FALSE(support.ok()) << score_mod;
+      EXPECT_NE(support.reason().find("compares q with kv"), std::string::npos) << support.reason();
+    }
+  }
+  for (const auto& [score_mod, mask_mod] : {std::pair<const char*, const char*>{nullptr, "q >= kv"},
+                                            {"score + float(kv - q) * 0.5", "kv <= q + 3"},
+                                            {"where(kv % 5 == 3, score * 0.5, score)", nullptr},
+                                            {"where(q == 3, score * 2, score)", nullptr}}) {
+    ProblemDesc desc = bf16_desc(Direction::kForward);
+    if (score_mod != nullptr) desc.score_mod = ir::parse(score_mod);
+    if (mask_mod != nullptr) desc.mask_mod = ir::parse(mask_mod);
+    const Support support = check_cudnn_lowering(Problem(desc));
+    EXPECT_TRUE(support.ok()) << (score_mod ? score_mod : mask_mod) << ": " << support.reason();
+  }
+}
+
 // The first device run verified eng2_k24=7 (forward) and eng6_k24=26 (backward) on cuDNN 9.19.0
 // and sm_90; another patch level, another knob, another architecture, another engine or the other
 // graph kind is not verified.
@@ -220,8 +248,8 @@ TEST(CudnnPlanProof, ReadsBackTheConstantsAndRecipesCudnnHolds) {
 // sides of the proof, not as a load without indices (which the IR refuses, so the plan threw).
 TEST(CudnnPlanProof, LoadsThatVaryAlongNoAxisReadBackAsElementZero) {
   for (const char* modifier : {"alibi", "bias", "gate"}) {
-    for (const conformance::Shape& shape :
-         {conformance::Shape{1, 1, 1, 577, 577, 64, 64}, conformance::Shape{1, 1, 1, 1, 1, 64, 64}}) {
+    for (const conformance::Shape& shape : {conformance::Shape{1, 1, 1, 577, 577, 64, 64},
+                                            conformance::Shape{1, 1, 1, 1, 1, 64, 64}}) {
       conformance::Case test_case;
       test_case.shape = shape;
       test_case.dtype = DType::kBF16;
@@ -231,9 +259,9 @@ TEST(CudnnPlanProof, LoadsThatVaryAlongNoAxisReadBackAsElementZero) {
       const Problem problem(conformance::instantiate(test_case, Device::kCuda, 1).desc);
       const CudnnGraphProof proof = prove_cudnn_graphs_without_device(problem);
       SKIP_WITHOUT_LIBCUDNN(proof);
-      EXPECT_TRUE(proof.proof.ok()) << label(problem) << " at " << shape.seq_len_q << ": "
-                                    << proof.proof.reason() << "\n"
-                                    << proof.read_back;
+      EXPECT_TRUE(proof.proof.ok())
+          << label(problem) << " at " << shape.seq_len_q << ": " << proof.proof.reason() << "\n"
+          << proof.read_back;
     }
   }
 }

@@ -4,6 +4,7 @@
 
 #include <limits>
 #include <utility>
+#include <vector>
 
 #include "flexattn/analysis.hpp"
 #include "flexattn/error.hpp"
@@ -133,6 +134,30 @@ const char* batch_or_head_leaf(const Graph& graph) {
   return nullptr;
 }
 
+// Whether `graph` compares a value that reads the index q with one that reads kv (a comparison
+// node whose operands together read both).
+bool compares_query_with_key(const Graph& graph) {
+  struct Reads {
+    bool query = false;
+    bool key = false;
+  };
+  std::vector<Reads> reads(graph.nodes().size());
+  for (std::size_t i = 0; i < graph.nodes().size(); ++i) {
+    const GraphNode& node = graph.nodes()[i];
+    reads[i].query = node.op == Op::kQuery;
+    reads[i].key = node.op == Op::kKey;
+    for (const std::int32_t arg : node.args) {
+      reads[i].query = reads[i].query || reads[static_cast<std::size_t>(arg)].query;
+      reads[i].key = reads[i].key || reads[static_cast<std::size_t>(arg)].key;
+    }
+    const bool comparison = node.op == Op::kLess || node.op == Op::kLessEqual ||
+                            node.op == Op::kGreater || node.op == Op::kGreaterEqual ||
+                            node.op == Op::kEqual || node.op == Op::kNotEqual;
+    if (comparison && reads[i].query && reads[i].key) return true;
+  }
+  return false;
+}
+
 // Graph classes the backward engines computed wrongly with exit status 0 (cuDNN 9.19, H200,
 // flexattn's conformance cases), refused until a qualification run covers them (docs/engines.md,
 // section cudnn):
@@ -178,6 +203,17 @@ Support lower_modifiers(const Problem& problem, ModifierLowering& lowering) {
         fmt::format("the score modifier '{}' does not read the score; the fused "
                     "graphs carry the score through the modifier",
                     score.to_string()));
+  }
+  if (lowering.has_score_mod && compares_query_with_key(score)) {
+    // cuDNN 9.19 on sm_90 crashed the process (SIGSEGV inside EngineConfig finalize, under the
+    // heuristics query) for every such forward graph tried: where(kv > q, -inf, score),
+    // where(q < kv, ...), where(kv > q + 3, ...), with -inf or -1e30, at 100 x 100, 128 x 128 and
+    // 47 x 33. A crash cannot be caught, so the class is refused before cuDNN sees it.
+    return Support::no(fmt::format(
+        "the score modifier '{}' compares q with kv: cuDNN 9.19's heuristics crashed the process "
+        "(SIGSEGV) on such graphs, so the cudnn engine refuses them; a condition on q and kv "
+        "alone can be the mask instead (e.g. --mask-mod 'q >= kv')",
+        score.to_string()));
   }
   if (Support s = plan_lowering(score, problem, lowering.score); !s) return s;
   if (Support s = plan_lowering(mask, problem, lowering.mask); !s) return s;
