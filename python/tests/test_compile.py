@@ -5,7 +5,7 @@ import torch
 
 import flexattn
 
-GLOBAL_SLOPES = torch.tensor([0.5, 0.25, 0.125, 0.0625], requires_grad=True)
+GLOBAL_SLOPES = torch.tensor([0.5, 0.25, 0.125, 0.0625], dtype=torch.float64, requires_grad=True)
 
 
 class Block(torch.nn.Module):
@@ -41,9 +41,14 @@ def run(model, x):
 
 
 def test_fullgraph_matches_eager_forward_and_backward():
+    # In float64 with its own seed: Inductor's code for the projection rounds differently from
+    # eager's, and in float32 that difference, through attention and its backward, can come near
+    # the tolerance on some inputs and machines; in float64 it stays orders below, while a wrong
+    # op, modifier or gradient is off by far more.
     torch._dynamo.reset()
-    model = Block()
-    x = torch.randn(2, 32, 16, requires_grad=True)
+    torch.manual_seed(0)
+    model = Block().double()
+    x = torch.randn(2, 32, 16, dtype=torch.float64, requires_grad=True)
     eager_out, eager_grads = run(model, x)
     compiled = torch.compile(model, fullgraph=True)
     out, grads = run(compiled, x)
