@@ -8,7 +8,7 @@
 //
 //   bench_cuda_forward [--quick | --sweep | --dims] [--pass fwd|fwdbwd|both]
 //                      [--engine cuda|cudnn] [--json out.json] [--only KEY,...]
-// --sweep: the forward sequence sweep alone; --dims: head dims 256, 96, 80 and 32 alone.
+// --sweep: the forward sequence sweep alone; --dims: head dims 256, 192/128, 96, 80 and 32 alone.
 // --only keeps the problems whose key (e.g. d128/causal/softcap; sweep rows never match) is listed:
 // a short run of a few rows, e.g. under a profiler (scripts/gpu kernel-times).
 //
@@ -86,6 +86,13 @@ struct Config {
   bool causal;
   Variant variant;
   Pass pass;
+  std::int64_t head_dim_v = 0;  // 0: head_dim (MLA's 192/128 sets it)
+
+  std::int64_t dim_v() const { return head_dim_v == 0 ? head_dim : head_dim_v; }
+  // "128", or "192/128" where V is narrower.
+  std::string dims_text() const {
+    return dim_v() == head_dim ? std::to_string(head_dim) : fmt::format("{}/{}", head_dim, dim_v());
+  }
 };
 
 struct Result {
@@ -112,6 +119,7 @@ ProblemDesc describe(const Config& c) {
   desc.heads_q = c.heads;
   desc.seq_len_q = c.seq;
   desc.head_dim_qk = c.head_dim;
+  desc.head_dim_v = c.dim_v();
   desc.layout = flexattn::Layout::kBHSD;
   desc.dtype = DType::kBF16;
   desc.device = flexattn::Device::kCuda;
@@ -255,9 +263,11 @@ Result run(const std::string& engine_name, const Config& config, InputCache& inp
     args.tensors[name] = inputs.get(name, view);
   }
 
-  double flops = 4.0 * static_cast<double>(config.batch * config.heads) *
+  // 2 B H S^2 (D_qk + D_v): Q K^T and P V (4 B H S^2 D where both are D).
+  double flops = 2.0 * static_cast<double>(config.batch * config.heads) *
                  static_cast<double>(config.seq) * static_cast<double>(config.seq) *
-                 static_cast<double>(config.head_dim) * (config.causal ? 0.5 : 1.0);
+                 static_cast<double>(config.head_dim + config.dim_v()) *
+                 (config.causal ? 0.5 : 1.0);
   if (config.pass == Pass::kForward) {
     result.median_ms = median_ms([&] { plan->forward(args); });
   } else {
@@ -294,7 +304,9 @@ Result run(const std::string& engine_name, const Config& config, InputCache& inp
 
 // The key --only matches: d<head dim>/<causal|none>/<variant>.
 std::string problem_key(const Config& c) {
-  return fmt::format("d{}/{}/{}", c.head_dim, c.causal ? "causal" : "none", c.variant.name);
+  return fmt::format("d{}{}/{}/{}", c.head_dim,
+                     c.dim_v() == c.head_dim ? std::string() : fmt::format("v{}", c.dim_v()),
+                     c.causal ? "causal" : "none", c.variant.name);
 }
 
 // The warm plan time in seconds, or `absent` where it was not measured.
@@ -316,9 +328,9 @@ std::string json_row(const std::string& engine, const std::string& group, const 
                      const Result& r) {
   const std::string common = fmt::format(
       R"("group": "{}", "engine": "{}", "pass": "{}", "name": "{}_{}", "variant": "{}", )"
-      R"("B": {}, "H": {}, "S": {}, "D": {}, "causal": {})",
+      R"("B": {}, "H": {}, "S": {}, "D": {}, "Dv": {}, "causal": {})",
       group, engine, pass_name(c.pass), engine, c.variant.name, c.variant.name, c.batch, c.heads,
-      c.seq, c.head_dim, c.causal ? "true" : "false");
+      c.seq, c.head_dim, c.dim_v(), c.causal ? "true" : "false");
   if (!r.error.empty()) return fmt::format(R"({{{}, "error": {}}})", common, json_text(r.error));
   if (!r.skipped.empty()) {
     return fmt::format(R"({{{}, "skipped": {}}})", common, json_text(r.skipped));
@@ -341,9 +353,11 @@ void write_json(const std::string& path, const std::string& engine, const std::s
   file << "]}\n";
 }
 
-// The head dims beside 64 and 128 that models use (Gemma's 256, 96 and 80, 32), timed alone with
-// --dims: no modifier and softcap 30, no mask and causal, the main shapes otherwise.
-constexpr std::int64_t kOtherHeadDims[] = {256, 96, 80, 32};
+// The head dims beside 64 and 128 that models use (Gemma's 256, MLA's 192 with a 128-wide V, 96
+// and 80, 32), timed alone with --dims: no modifier and softcap 30, no mask and causal, the main
+// shapes otherwise. {q/k, v}.
+constexpr std::pair<std::int64_t, std::int64_t> kOtherHeadDims[] = {
+    {256, 256}, {192, 128}, {96, 96}, {80, 80}, {32, 32}};
 
 // The problems of a run. main: the issue's shapes, every modifier, forward and forward+backward
 // (--quick times forward+backward at head dim 128 only, to stay within a short run; the
@@ -353,16 +367,16 @@ std::vector<std::pair<std::string, Config>> configs(bool quick, bool forward, bo
                                                     bool dims) {
   std::vector<std::pair<std::string, Config>> result;
   if (dims) {
-    for (std::int64_t head_dim : kOtherHeadDims) {
+    for (const auto& [head_dim, head_dim_v] : kOtherHeadDims) {
       for (bool causal : {false, true}) {
         for (const Variant& variant : {kNone, kSoftcap}) {
           if (forward) {
-            result.push_back(
-                {"dims", Config{4, 16, 4096, head_dim, causal, variant, Pass::kForward}});
+            result.push_back({"dims", Config{4, 16, 4096, head_dim, causal, variant, Pass::kForward,
+                                             head_dim_v}});
           }
           if (backward) {
-            result.push_back(
-                {"dims", Config{4, 16, 4096, head_dim, causal, variant, Pass::kForwardBackward}});
+            result.push_back({"dims", Config{4, 16, 4096, head_dim, causal, variant,
+                                             Pass::kForwardBackward, head_dim_v}});
           }
         }
       }
@@ -444,13 +458,15 @@ int main(int argc, char** argv) {
     return 2;
   }
   if (dims && (quick || sweep_only || !only.empty())) {
-    fmt::print(stderr, "bench_cuda_forward: --dims times the other head dims alone (no --quick, "
-                       "--sweep or --only)\n");
+    fmt::print(stderr,
+               "bench_cuda_forward: --dims times the other head dims alone (no --quick, "
+               "--sweep or --only)\n");
     return 2;
   }
   if (sweep_only && (quick || !only.empty() || pass == "fwdbwd")) {
-    fmt::print(stderr, "bench_cuda_forward: --sweep times the forward sweep alone (no --quick, "
-                       "--only or --pass fwdbwd)\n");
+    fmt::print(stderr,
+               "bench_cuda_forward: --sweep times the forward sweep alone (no --quick, "
+               "--only or --pass fwdbwd)\n");
     return 2;
   }
   try {
@@ -479,7 +495,7 @@ int main(int argc, char** argv) {
     InputCache inputs(*engine->memory());
 
     std::vector<std::string> rows;
-    fmt::print("{:<6} {:<6} {:<6} {:<10} {:>3} {:>3} {:>6} {:>4} {:>6} {:>9} {:>8} {:>9} {:>9}\n",
+    fmt::print("{:<6} {:<6} {:<6} {:<10} {:>3} {:>3} {:>6} {:>7} {:>6} {:>9} {:>8} {:>9} {:>9}\n",
                "group", "engine", "pass", "variant", "B", "H", "S", "D", "causal", "ms", "TFLOP/s",
                "cold s", "warm s");
     bool described_forward = false, described_backward = false;
@@ -496,18 +512,18 @@ int main(int argc, char** argv) {
       }
       if (!r.error.empty()) {
         fmt::print("error: {} {} {} D {} {}: {}\n", engine_name, pass_name(config.pass),
-                   config.variant.name, config.head_dim, config.causal ? "causal" : "no mask",
+                   config.variant.name, config.dims_text(), config.causal ? "causal" : "no mask",
                    r.error);
       } else if (!r.skipped.empty()) {
         fmt::print("skip: {} {} {} D {} {}: {}\n", engine_name, pass_name(config.pass),
-                   config.variant.name, config.head_dim, config.causal ? "causal" : "no mask",
+                   config.variant.name, config.dims_text(), config.causal ? "causal" : "no mask",
                    r.skipped);
       } else {
         fmt::print(
-            "{:<6} {:<6} {:<6} {:<10} {:>3} {:>3} {:>6} {:>4} {:>6} {:>9.4f} {:>8.1f} {:>9.3f} "
+            "{:<6} {:<6} {:<6} {:<10} {:>3} {:>3} {:>6} {:>7} {:>6} {:>9.4f} {:>8.1f} {:>9.3f} "
             "{:>9}\n",
             group, engine_name, pass_name(config.pass), config.variant.name, config.batch,
-            config.heads, config.seq, config.head_dim, config.causal ? "yes" : "no", r.median_ms,
+            config.heads, config.seq, config.dims_text(), config.causal ? "yes" : "no", r.median_ms,
             r.tflops, r.plan_cold_s, warm_text(r, "-"));
         bool& described = config.pass == Pass::kForward ? described_forward : described_backward;
         if (!described) {

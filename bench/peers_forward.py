@@ -23,7 +23,8 @@ OUT = os.environ.get("OUT", "/tmp")
 TOKENS = 32768  # batch x seq of the sweep, as bench_cuda_forward
 BACKWARD_FLOPS_RATIO = 2.5  # FlashAttention's count: fwd+bwd = 3.5x fwd
 VARIANTS = ["none", "softcap", "alibi", "bias"]
-OTHER_HEAD_DIMS = (256, 96, 80, 32)  # --dims, as bench_cuda_forward
+# --dims, as bench_cuda_forward: (q/k, v) head dims (MLA: 192 with a 128-wide V).
+OTHER_HEAD_DIMS = ((256, 256), (192, 128), (96, 96), (80, 80), (32, 32))
 GRAD_VARIANTS = ["alibi_grad", "bias_grad"]  # full run, forward+backward, head dim 128
 
 
@@ -33,8 +34,21 @@ def skip(what, error=None):
     print(f"skip: {what}" + (f": {reason}" if reason else ""), flush=True)
 
 
+def dims_of(d):
+    """(q/k head dim, v head dim) of a config's D: an int (both) or a pair."""
+    return d if isinstance(d, tuple) else (d, d)
+
+
+def inputs(torch, b, h, s, d, grad):
+    """q, k (head dim q/k) and v (head dim v), bf16 N(0, 1) on the GPU."""
+    d_qk, d_v = dims_of(d)
+    return [torch.randn(b, h, s, width, device="cuda", dtype=torch.bfloat16, requires_grad=grad)
+            for width in (d_qk, d_qk, d_v)]
+
+
 def flops(b, h, s, d, causal, pass_):
-    forward = 4 * b * h * s * s * d * (0.5 if causal else 1.0)
+    d_qk, d_v = dims_of(d)
+    forward = 2 * b * h * s * s * (d_qk + d_v) * (0.5 if causal else 1.0)
     return forward * (1.0 + BACKWARD_FLOPS_RATIO if pass_ == "fwdbwd" else 1.0)
 
 
@@ -110,7 +124,8 @@ def run_part(part, quick, passes, json_path, sweep_only=False, dims=False):
     def timed(group, name, b, h, s, d, causal, pass_, forward, grads):
         """forward() returns the (b, h, s, d) output; fwdbwd also runs its backward with a random
         gradient, clearing `grads` before each timed call."""
-        row = dict(group=group, name=name, B=b, H=h, S=s, D=d, causal=causal)
+        row = dict(group=group, name=name, B=b, H=h, S=s, D=dims_of(d)[0], Dv=dims_of(d)[1],
+                   causal=causal)
         row["pass"] = pass_
         try:
             if pass_ == "fwd":
@@ -118,7 +133,7 @@ def run_part(part, quick, passes, json_path, sweep_only=False, dims=False):
                     with torch.no_grad():
                         return forward()
             else:
-                dout = torch.randn(b, h, s, d, device="cuda", dtype=torch.bfloat16)
+                dout = torch.randn(b, h, s, dims_of(d)[1], device="cuda", dtype=torch.bfloat16)
 
                 def fn():
                     forward().backward(dout)
@@ -152,8 +167,7 @@ def run_part(part, quick, passes, json_path, sweep_only=False, dims=False):
             if "none" not in variants:
                 continue
             grad = pass_ == "fwdbwd"
-            q, k, v = [torch.randn(b, h, s, d, device="cuda", dtype=torch.bfloat16,
-                                   requires_grad=grad) for _ in range(3)]
+            q, k, v = inputs(torch, b, h, s, d, grad)
             for backend, name in backends:
                 def forward(backend=backend):
                     with sdpa_kernel([backend]):
@@ -178,8 +192,7 @@ def run_part(part, quick, passes, json_path, sweep_only=False, dims=False):
             if flex_attention is None:
                 break
             grad = pass_ == "fwdbwd"
-            q, k, v = [torch.randn(b, h, s, d, device="cuda", dtype=torch.bfloat16,
-                                   requires_grad=grad) for _ in range(3)]
+            q, k, v = inputs(torch, b, h, s, d, grad)
             mask = None
             if causal:
                 mask = create_block_mask(lambda b_, h_, qi, ki: qi >= ki, None, None, s, s)
@@ -214,7 +227,7 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--sweep", action="store_true", help="the forward sequence sweep alone")
-    parser.add_argument("--dims", action="store_true", help="head dims 256, 96, 80, 32 alone")
+    parser.add_argument("--dims", action="store_true", help="head dims 256, 192/128, 96, 80, 32 alone")
     parser.add_argument("--pass", dest="passes", choices=["fwd", "fwdbwd", "both"], default="both")
     parser.add_argument("--part", choices=["sdpa", "flex"], help=argparse.SUPPRESS)
     parser.add_argument("--json", help=argparse.SUPPRESS)

@@ -22,10 +22,17 @@ def load(path):
         return {"rows": []}
 
 
+def head_dims(row):
+    """(q/k, v) head dims of a row; rows without "Dv" have V as wide as Q and K."""
+    return (row.get("D"), row.get("Dv", row.get("D")))
+
+
 def find(rows, group, name, s, d, causal, pass_, b=None):
+    """The timed row of the problem; d: the q/k head dim, or a (q/k, v) pair."""
+    dims = d if isinstance(d, tuple) else (d, d)
     for row in rows:
-        if (row.get("group"), row.get("name"), row.get("S"), row.get("D"), row.get("causal"),
-                row.get("pass", "fwd")) == (group, name, s, d, causal, pass_) \
+        if (row.get("group"), row.get("name"), row.get("S"), head_dims(row), row.get("causal"),
+                row.get("pass", "fwd")) == (group, name, s, dims, causal, pass_) \
                 and (b is None or row.get("B") == b) and "tflops" in row:
             return row
     return None
@@ -133,13 +140,14 @@ def sweep_table(ours, peers):
 
 def dims_table(ours, peers):
     """The other head dims (group dims: bench_cuda_forward --dims) as a markdown table."""
-    dims = sorted({r["D"] for r in ours + peers if r.get("group") == "dims"}, reverse=True)
+    dims = sorted({head_dims(r) for r in ours + peers if r.get("group") == "dims"}, reverse=True)
     if not dims:
         return []
     columns = [("cuda", ours, True), ("cudnn", ours, True), ("sdpa_flash", peers, False),
                ("sdpa_cudnn", peers, False), ("flex", peers, True)]
     lines = ["| pass | D | mask | modifier | " + " | ".join(c[0] for c in columns)
-             + " | cuda / flex | cuda / sdpa_flash |", "|---" * (len(columns) + 6) + "|"]
+             + " | cuda / flex | cuda / sdpa_flash | cuda / sdpa_cudnn | cudnn / sdpa_cudnn |",
+             "|---" * (len(columns) + 8) + "|"]
     for pass_, pass_label in PASSES:
         for d in dims:
             for causal in (False, True):
@@ -150,10 +158,12 @@ def dims_table(ours, peers):
                               for name, rows, suffix in columns]
                     if all(v is None for v in values):
                         continue
-                    lines.append(f"| {pass_label} | {d} | {'causal' if causal else 'none'} | "
+                    label = str(d[0]) if d[0] == d[1] else f"{d[0]}/{d[1]}"
+                    lines.append(f"| {pass_label} | {label} | {'causal' if causal else 'none'} | "
                                  f"{variant} | " + " | ".join(fmt(v) for v in values)
                                  + f" | {ratio(values[0], values[4])} | "
-                                 f"{ratio(values[0], values[2])} |")
+                                 f"{ratio(values[0], values[2])} | {ratio(values[0], values[3])} | "
+                                 f"{ratio(values[1], values[3])} |")
     return lines
 
 
