@@ -278,6 +278,117 @@ ProblemDesc small_desc(const std::string& score_mod) {
   return desc;
 }
 
+// ---- paged KV cache ------------------------------------------------------------------------------
+
+// One decoding step of three sequences against a cache of 8 pages of 16 tokens (capacity 64):
+// the same pool and query, run with page tables that place sequence 0's pages in order and
+// scrambled, give the same bits (the kernel's arithmetic depends on positions, not pages); a used
+// page id outside the pool (sequence 1) and a length past the capacity (sequence 2) give NaN rows
+// without reading past the pool, and leave sequence 0's rows alone.
+TEST(CudaPagedCache, PagesDoNotChangeBitsAndInvalidTablesGiveNanRows) {
+  SKIP_WITHOUT_DEVICE();
+  const Engine& engine = *device_engine();
+  ProblemDesc desc;
+  desc.batch = 3;
+  desc.heads_q = 4;
+  desc.heads_kv = 2;
+  desc.seq_len_q = 1;
+  desc.head_dim_qk = 64;
+  desc.dtype = DType::kBF16;
+  desc.device = Device::kCuda;
+  desc.kv_cache = KvCacheDesc{8, 16, 4};
+  desc.score_mod = ir::parse("30 * tanh(score / 30)", desc.scope());
+  desc.mask_mod = ir::parse("q - kv < 33", desc.scope());
+  const Problem problem(desc);
+  HostTensor q(DType::kBF16, problem.expected("q").shape);
+  HostTensor k(DType::kBF16, problem.expected("k").shape);
+  HostTensor v(DType::kBF16, problem.expected("v").shape);
+  q.fill_normal(1);
+  k.fill_normal(2);
+  v.fill_normal(3);
+  const DeviceMemory& memory = *engine.memory();
+  DeviceTensor dq(memory, q), dk(memory, k), dv(memory, v);
+  const std::unique_ptr<Plan> plan = engine.plan(problem);
+  const auto run = [&](const std::vector<int>& table, const std::vector<int>& lengths) {
+    HostTensor page_table(DType::kI32, {3, 4});
+    HostTensor cache_lens(DType::kI32, {3});
+    for (std::int64_t i = 0; i < 12; ++i) page_table.set(i, table[static_cast<std::size_t>(i)]);
+    for (std::int64_t i = 0; i < 3; ++i) cache_lens.set(i, lengths[static_cast<std::size_t>(i)]);
+    DeviceTensor table_device(memory, page_table), lens_device(memory, cache_lens);
+    const TensorView expected_out = problem.expected("o");
+    const TensorView expected_lse = problem.expected("lse");
+    DeviceTensor out(memory, HostTensor(expected_out.dtype, expected_out.shape), true);
+    DeviceTensor lse(memory, HostTensor(expected_lse.dtype, expected_lse.shape), true);
+    ForwardArgs args;
+    args.q = dq.view();
+    args.k = dk.view();
+    args.v = dv.view();
+    args.out = out.view();
+    args.lse = lse.view();
+    args.page_table = table_device.view();
+    args.cache_lens = lens_device.view();
+    plan->forward(args);
+    return DeviceOutputs{out.download(), lse.download()};
+  };
+  // Sequence 0 holds 40 tokens in pages 0, 1, 2 (in order) or 5, 2, 7 (scrambled, with the same
+  // contents copied there first); sequences 1 and 2 are valid in the first run.
+  const DeviceOutputs ordered = run({0, 1, 2, -1, 3, 4, -1, -1, 6, -1, -1, -1}, {40, 20, 16});
+  // Copy pages 0, 1, 2 to 5, 2, 7 in the host pool, through a second pool on the device.
+  HostTensor moved = k.to(DType::kBF16);
+  HostTensor moved_v = v.to(DType::kBF16);
+  const std::int64_t page_values = 16 * 2 * 64;
+  for (const auto& [from, to] : std::vector<std::pair<int, int>>{{2, 7}, {1, 2}, {0, 5}}) {
+    for (std::int64_t e = 0; e < page_values; ++e) {
+      moved.set(to * page_values + e, k.at(from * page_values + e));
+      moved_v.set(to * page_values + e, v.at(from * page_values + e));
+    }
+  }
+  DeviceTensor dk_moved(memory, moved), dv_moved(memory, moved_v);
+  HostTensor page_table(DType::kI32, {3, 4});
+  const std::vector<int> scrambled = {5, 2, 7, -1, 3, 99, -1, -1, 6, -1, -1, -1};
+  HostTensor cache_lens(DType::kI32, {3});
+  for (std::int64_t i = 0; i < 12; ++i) page_table.set(i, scrambled[static_cast<std::size_t>(i)]);
+  const std::vector<int> lengths = {40, 20, 70};
+  for (std::int64_t i = 0; i < 3; ++i) cache_lens.set(i, lengths[static_cast<std::size_t>(i)]);
+  DeviceTensor table_device(memory, page_table), lens_device(memory, cache_lens);
+  const TensorView expected_out = problem.expected("o");
+  const TensorView expected_lse = problem.expected("lse");
+  DeviceTensor out(memory, HostTensor(expected_out.dtype, expected_out.shape), true);
+  DeviceTensor lse(memory, HostTensor(expected_lse.dtype, expected_lse.shape), true);
+  ForwardArgs args;
+  args.q = dq.view();
+  args.k = dk_moved.view();
+  args.v = dv_moved.view();
+  args.out = out.view();
+  args.lse = lse.view();
+  args.page_table = table_device.view();
+  args.cache_lens = lens_device.view();
+  plan->forward(args);
+  const HostTensor o = out.download();
+  const HostTensor l = lse.download();
+  // o: (batch 3, 1 token, 4 heads, 64); lse: (3, 4, 1).
+  for (std::int64_t b = 0; b < 3; ++b) {
+    for (std::int64_t h = 0; h < 4; ++h) {
+      const double lse_value = l.at(b * 4 + h);
+      if (b == 0) {
+        EXPECT_TRUE(std::isfinite(lse_value)) << "head " << h;
+        EXPECT_EQ(lse_value, ordered.lse.at(b * 4 + h)) << "head " << h;
+      } else {
+        EXPECT_TRUE(std::isnan(lse_value)) << "sequence " << b << " head " << h;
+        EXPECT_TRUE(std::isfinite(ordered.lse.at(b * 4 + h))) << "sequence " << b << " head " << h;
+      }
+      for (std::int64_t d = 0; d < 64; ++d) {
+        const std::int64_t at = (b * 4 + h) * 64 + d;
+        if (b == 0) {
+          EXPECT_EQ(o.at(at), ordered.out.at(at)) << "head " << h << " column " << d;
+        } else {
+          EXPECT_TRUE(std::isnan(o.at(at))) << "sequence " << b << " head " << h;
+        }
+      }
+    }
+  }
+}
+
 TEST(CudaPlan, ProvesTheModifierItLowered) {
   SKIP_WITHOUT_DEVICE();
   const Problem problem(small_desc("20 * tanh(score / 20)"));

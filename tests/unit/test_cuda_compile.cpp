@@ -315,6 +315,79 @@ TEST(CudaBackwardCompile, GeneratedBackwardTranslationUnitsCompile) {
 // The non-finite repair module the cudnn engine runs after its graphs (repair.hpp): forward and
 // backward, every catalogue case of the shared list; its Modifier is proven equal to the request
 // as the engine's own sources are (a changed function is refused), and it compiles for sm_90.
+// A paged-cache problem (forward only) of make_problem's modifiers: decoding (one new token, bshd)
+// or chunked prefill (thd, sequences of 5 and 3 new tokens), capacity 512 in pages of 16.
+Problem make_cache_problem(const GeneratedCase& c, std::int64_t heads_q, std::int64_t heads_kv) {
+  ProblemDesc desc;
+  desc.batch = 2;
+  desc.heads_q = heads_q;
+  desc.heads_kv = heads_kv;
+  desc.head_dim_qk = c.head_dim_qk;
+  desc.head_dim_v = c.head_dim_v;
+  desc.dtype = c.dtype;
+  desc.layout = c.layout;
+  desc.device = Device::kCuda;
+  desc.tensors = c.tensors;
+  desc.params = c.params;
+  desc.seq_len_q = 1;
+  if (c.layout == Layout::kTHD) {
+    desc.cu_seqlens_q = {0, 5, 8};
+    desc.seq_len_q = 0;
+  }
+  desc.kv_cache = KvCacheDesc{64, 16, 32};
+  if (!c.score_mod.empty()) desc.score_mod = ir::parse(c.score_mod, desc.scope());
+  if (!c.mask_mod.empty()) desc.mask_mod = ir::parse(c.mask_mod, desc.scope());
+  return Problem(std::move(desc));
+}
+
+// The paged-cache module (kernels/decode.cuh): the decode kernel and its split combination, rows
+// per block from the GQA group and the new tokens, 16-byte loads where the head dim allows; the
+// plan proof holds for its Modifier and NVRTC compiles it for sm_90. A cache problem is never
+// given a training kernel.
+TEST(CudaDecodeCompile, PagedCacheTranslationUnitsAreProvenAndCompile) {
+  SKIP_WITHOUT_CUDA_ENGINE();
+  constexpr int kCapability = 90;
+  const TensorDecl slopes{DType::kF32, {8}};
+  struct DecodeCase {
+    GeneratedCase c;
+    std::int64_t heads_q, heads_kv;
+    int rows;
+    bool vector;
+  };
+  const std::vector<DecodeCase> cases = {
+      {{"decode_bf16_d128_softcap_window", DType::kBF16, 128, 128, "30 * tanh(score / 30)",
+        "q - kv < 256", {}, {}, Layout::kBSHD, {}},
+       8, 2, 4, true},
+      {{"decode_f32_d64_alibi_thd", DType::kF32, 64, 64, "score + slopes[h] * (kv - q)", "q >= kv",
+        {{"slopes", slopes}}, {}, Layout::kTHD, {}},
+       8, 8, 8, true},
+      {{"decode_f16_d80_v72", DType::kF16, 80, 72, "", "", {}, {}, Layout::kBSHD, {}}, 2, 1, 2,
+       true},
+      {{"decode_bf16_d36", DType::kBF16, 36, 36, "", "q >= kv", {}, {}, Layout::kBSHD, {}}, 1, 1,
+       1, false}};
+  for (const DecodeCase& d : cases) {
+    SCOPED_TRACE(d.c.name);
+    const Problem problem = make_cache_problem(d.c, d.heads_q, d.heads_kv);
+    const cuda::KernelSelection selection = cuda::choose_kernel(problem, kCapability);
+    ASSERT_TRUE(selection.reason.empty()) << selection.reason;
+    ASSERT_EQ(selection.choice.kind, cuda::KernelKind::kDecode);
+    EXPECT_EQ(selection.choice.block_m, d.rows);
+    EXPECT_EQ(selection.choice.vector_loads, d.vector);
+    const cuda::BindingSelection bindings = cuda::bind_modifier(problem);
+    ASSERT_TRUE(bindings.reason.empty()) << bindings.reason;
+    const std::string source =
+        cuda::generate_translation_unit(problem, bindings.bindings, selection.choice, nullptr);
+    EXPECT_NE(source.find(fmt::format("flexattn_kernels::forward_decode<FlexattnConfig")),
+              std::string::npos);
+    EXPECT_NE(source.find(fmt::format("void __launch_bounds__(flexattn_kernels::"
+                                      "kDecodeCombineThreads) {}(",
+                                      cuda::kDecodeCombineName)),
+              std::string::npos);
+    EXPECT_TRUE(cuda::prove_modifier_source(problem, bindings.bindings, source).proven);
+    expect_compiles(source, d.c.name + ".cu", kCapability);
+  }
+}
+
 TEST(CudaRepairCompile, RepairTranslationUnitsAreProvenAndCompile) {
   SKIP_WITHOUT_CUDA_ENGINE();
   constexpr int kCapability = 90;

@@ -238,8 +238,22 @@ std::string modifier_struct_source(const Problem& problem, const ModifierBinding
 std::string generate_modifier_source(const Problem& problem, const ModifierBindings& bindings,
                                      const KernelChoice& choice, const BackwardCode* backward) {
   std::string text = modifier_struct_source(problem, bindings, choice.stage_tensor, backward);
-  const bool tensor_cores = choice.kind != KernelKind::kSimt;
   text += fmt::format("using FlexattnConfig = {};\n", choice.config_type());
+  if (choice.kind == KernelKind::kDecode) {
+    // The paged-cache kernel and its split combination (no backward: caches are forward only).
+    text += fmt::format(
+        "extern \"C\" __global__ void __launch_bounds__(FlexattnConfig::kThreads) {}(\n"
+        "    const flexattn_kernels::DecodeParams params) {{\n"
+        "  flexattn_kernels::forward_decode<FlexattnConfig, flexattn_generated::Modifier>(params);\n"
+        "}}\n"
+        "extern \"C\" __global__ void __launch_bounds__(flexattn_kernels::kDecodeCombineThreads) "
+        "{}(\n"
+        "    const flexattn_kernels::DecodeParams params) {{\n"
+        "  flexattn_kernels::decode_combine<{}, {}>(params);\n}}\n",
+        kKernelName, kDecodeCombineName, element_tag(problem.dtype()), problem.head_dim_v());
+    return text;
+  }
+  const bool tensor_cores = choice.kind != KernelKind::kSimt;
   text += fmt::format(
       "extern \"C\" __global__ void __launch_bounds__(FlexattnConfig::{}{}) {}(\n"
       "    const flexattn_kernels::ForwardParams params) {{\n"

@@ -21,6 +21,8 @@ inline constexpr std::string_view kBackwardDeltaName = "flexattn_backward_delta"
 inline constexpr std::string_view kBackwardDkdvName = "flexattn_backward_dkdv";
 inline constexpr std::string_view kBackwardDqName = "flexattn_backward_dq";
 inline constexpr std::string_view kBackwardFinalizeName = "flexattn_backward_finalize";
+// A paged-cache problem's module: kKernelName (forward_decode) and the split combination.
+inline constexpr std::string_view kDecodeCombineName = "flexattn_decode_combine";
 // The non-finite repair module's kernels (generate_repair_translation_unit).
 inline constexpr std::string_view kRepairForwardName = "flexattn_repair_forward";
 inline constexpr std::string_view kRepairDqName = "flexattn_repair_dq";

@@ -26,6 +26,7 @@ namespace cuda {
 namespace {
 
 using flexattn_kernels::BackwardParams;
+using flexattn_kernels::DecodeParams;
 using flexattn_kernels::FinalizeParams;
 using flexattn_kernels::ForwardParams;
 using flexattn_kernels::SequenceView;
@@ -103,7 +104,7 @@ Support lower_problem(const Problem& problem, Lowering& lowering, int capability
   // [.., q, kv] bf16 bias at head dim 128 measured 215 -> 360 TFLOP/s (H200). Where the stages do
   // not fit, the kernel reads the tensor from global memory.
   std::optional<KernelChoice> unstaged;
-  if (!stageable_tensor(problem).empty()) {
+  if (selection.choice.kind != KernelKind::kDecode && !stageable_tensor(problem).empty()) {
     KernelChoice staged = selection.choice;
     if (stage_wgmma_tensor(staged).empty() && staged.stage_tensor) {
       // The unstaged fallback walks the same tile list: the default shape where the tiles agree
@@ -170,6 +171,10 @@ std::string architecture_suffix(const Lowering& lowering) {
 // `forward` is the forward kernel's choice (lowering.choice, or its unstaged_choice).
 std::vector<KernelFunction> kernel_functions(const Lowering& lowering,
                                              const KernelChoice& forward) {
+  if (forward.kind == KernelKind::kDecode) {
+    return {{std::string(kKernelName), forward.shared_bytes, true},
+            {std::string(kDecodeCombineName), 0}};
+  }
   std::vector<KernelFunction> functions = {
       {std::string(kKernelName), forward.shared_bytes,
        forward.kind == KernelKind::kWgmma && forward.min_blocks > 1}};
@@ -355,6 +360,33 @@ class StreamFork {
   CUstream side_;
 };
 
+// How a paged-cache plan splits each sequence's keys (DecodeParams::splits): enough blocks for
+// kDecodeWaves blocks per multiprocessor where batch x kv heads x row blocks gives fewer, each
+// split at least kDecodeMinSplitKeys keys (two 32-key chunks for each of the block's 4 warps) and
+// a whole number of chunks.
+constexpr std::int64_t kDecodeWaves = 4;
+constexpr std::int64_t kDecodeMinSplitKeys = 256;
+struct DecodeSplits {
+  int splits = 1;
+  int keys_per_split = 0;
+  unsigned row_blocks = 1;
+};
+DecodeSplits decode_splits(const Problem& problem, const KernelChoice& choice,
+                           int multiprocessors) {
+  DecodeSplits result;
+  const std::int64_t group = problem.heads_q() / problem.heads_kv();
+  result.row_blocks = static_cast<unsigned>(ceil_div(group * problem.seq_len_q(), choice.block_m));
+  const std::int64_t blocks = problem.batch() * problem.heads_kv() * result.row_blocks;
+  const std::int64_t capacity = problem.seq_len_kv();
+  const std::int64_t wanted = ceil_div(kDecodeWaves * std::max(multiprocessors, 1), blocks);
+  const std::int64_t most = std::max<std::int64_t>(1, capacity / kDecodeMinSplitKeys);
+  const std::int64_t splits = std::clamp<std::int64_t>(wanted, 1, most);
+  const std::int64_t keys = ceil_div(ceil_div(capacity, splits), choice.block_n) * choice.block_n;
+  result.keys_per_split = static_cast<int>(keys);
+  result.splits = static_cast<int>(ceil_div(capacity, keys));
+  return result;
+}
+
 // What the forward pass of every plan needs, and its grid.
 struct ForwardState {
   CUfunction function = nullptr;
@@ -385,6 +417,21 @@ struct UnstagedForward {
       kernel = std::move(lookup.kernel);
     }
     return function;
+  }
+};
+
+// A paged-cache plan's kernels and launch: the decode kernel over (splits x row blocks, kv heads,
+// batch), then, with several splits, the combine kernel; its partial results take the forward's
+// workspace.
+struct DecodeState {
+  CUfunction combine = nullptr;
+  DecodeParams params{};
+  DecodeSplits splits;
+  std::size_t partial_o_bytes = 0;
+  std::size_t partial_lse_bytes = 0;
+  std::size_t workspace_bytes() const {
+    return splits.splits > 1 ? align_scratch(partial_o_bytes) + align_scratch(partial_lse_bytes)
+                             : 0;
   }
 };
 
@@ -440,6 +487,31 @@ class CudaPlan final : public Plan {
     // docs/measurements/2026-12-03-head-dim-64-tiles.md).
     forward_.params.batch_fastest = lowering.choice.stage_tensor ? 1 : 0;
     forward_.grid_x = static_cast<unsigned>(ceil_div(problem.seq_len_q(), lowering.choice.block_m));
+    if (lowering.choice.kind == KernelKind::kDecode) {
+      DecodeState& d = decode_.emplace();
+      d.combine = kernel_->function(kDecodeCombineName);
+      d.splits = decode_splits(problem, lowering.choice, driver_->multiprocessors());
+      DecodeParams& p = d.params;
+      p.fwd = forward_.params;
+      p.fwd.cu_seqlens_kv = nullptr;
+      // The pools (pages, page_size, heads_kv, dim), whatever the queries' layout.
+      for (const auto& [which, view] : {std::pair{"k", &p.fwd.k}, std::pair{"v", &p.fwd.v}}) {
+        const std::vector<std::int64_t> strides = problem.expected(which).strides;
+        *view = SequenceView{nullptr, strides[0], strides[1], strides[2]};
+      }
+      const KvCacheDesc& pools = *problem.kv_cache();
+      p.max_pages = static_cast<int>(pools.max_pages);
+      p.page_size = static_cast<int>(pools.page_size);
+      p.pages = static_cast<int>(pools.pages);
+      p.splits = d.splits.splits;
+      p.keys_per_split = d.splits.keys_per_split;
+      p.tokens_q = static_cast<int>(problem.total_tokens_q());
+      const auto rows = static_cast<std::size_t>(d.splits.splits) *
+                        static_cast<std::size_t>(problem.heads_q()) *
+                        static_cast<std::size_t>(p.tokens_q);
+      d.partial_lse_bytes = rows * sizeof(float);
+      d.partial_o_bytes = d.partial_lse_bytes * static_cast<std::size_t>(problem.head_dim_v());
+    }
     if (lowering.unstaged_choice) {
       unstaged_ = std::make_unique<UnstagedForward>();
       unstaged_->choice = *lowering.unstaged_choice;
@@ -485,7 +557,8 @@ class CudaPlan final : public Plan {
   // The backward's scratch at most: delta and the second LSE, then a fixed-point accumulator for
   // every float tensor the modifier reads (run_backward takes those whose gradient is wanted).
   std::size_t workspace_bytes(Pass pass) const override {
-    if (pass == Pass::kForward || !backward_) return 0;
+    if (pass == Pass::kForward) return decode_ ? decode_->workspace_bytes() : 0;
+    if (!backward_) return 0;
     std::size_t bytes = 2 * align_scratch(backward_->delta_floats * sizeof(float));
     for (const std::string& name : bindings_.tensors) {
       const TensorDecl& decl = problem_.desc().tensors.at(name);
@@ -499,6 +572,10 @@ class CudaPlan final : public Plan {
 
  protected:
   void run_forward(const ForwardArgs& args) const override {
+    if (decode_) {
+      run_decode(args);
+      return;
+    }
     ForwardParams p = forward_.params;
     p.q.data = args.q.data;
     p.k.data = args.k.data;
@@ -624,6 +701,51 @@ class CudaPlan final : public Plan {
   }
 
  private:
+  // A paged-cache forward (DecodeState). The page table and the lengths stay on the device: a
+  // length or a used page id out of range makes that sequence's rows NaN (kernels/decode.cuh).
+  void run_decode(const ForwardArgs& args) const {
+    const DecodeState& d = *decode_;
+    DecodeParams p = d.params;
+    p.fwd.q.data = args.q.data;
+    p.fwd.k.data = args.k.data;
+    p.fwd.v.data = args.v.data;
+    p.fwd.o.data = args.out.data;
+    p.fwd.lse = static_cast<float*>(args.lse.data);
+    p.page_table = static_cast<const int*>(args.page_table.data);
+    p.cache_lens = static_cast<const int*>(args.cache_lens.data);
+    if (choice_.vector_loads) {
+      for (const auto& [name, view] : {std::pair{"k", &args.k}, std::pair{"v", &args.v}}) {
+        if (reinterpret_cast<std::uintptr_t>(view->data) % kChunkAlignment != 0) {
+          throw_invalid(fmt::format(
+              "cuda: argument {} ({}) is not 16-byte aligned; the paged-cache kernel reads the "
+              "pools 16 bytes at a time",
+              name, view->data));
+        }
+      }
+    }
+    bind_tensors(bindings_, args.tensors, p.fwd);
+    ContextScope scope(*driver_);
+    const auto stream = static_cast<CUstream>(args.stream);
+    const std::size_t bytes = d.workspace_bytes();
+    CallScratch scratch(*driver_, args.workspace, args.allocator, bytes, stream);
+    if (d.splits.splits > 1) {
+      p.partial_o = reinterpret_cast<float*>(scratch.address());
+      p.partial_lse = reinterpret_cast<float*>(scratch.address() + align_scratch(d.partial_o_bytes));
+    }
+    launch(forward_.function,
+           {d.splits.row_blocks * static_cast<unsigned>(d.splits.splits),
+            static_cast<unsigned>(problem_.heads_kv()), batch()},
+           choice_.threads(), choice_.shared_bytes, stream, &p, "paged-cache forward");
+    if (d.splits.splits > 1) {
+      const std::int64_t rows = problem_.heads_q() * static_cast<std::int64_t>(p.tokens_q);
+      launch(d.combine,
+             {static_cast<unsigned>(ceil_div(rows, flexattn_kernels::kDecodeCombineRows)),
+              static_cast<unsigned>(problem_.heads_kv()), 1},
+             flexattn_kernels::kDecodeCombineThreads, 0, stream, &p, "paged-cache combine");
+    }
+    scratch.release();
+  }
+
   unsigned heads_q() const { return static_cast<unsigned>(problem_.heads_q()); }
   unsigned batch() const { return static_cast<unsigned>(problem_.batch()); }
 
@@ -643,6 +765,7 @@ class CudaPlan final : public Plan {
   DeviceBuffer cu_seqlens_kv_;
   ForwardState forward_;
   std::optional<BackwardState> backward_;
+  std::optional<DecodeState> decode_;          // a paged-cache problem
   std::unique_ptr<UnstagedForward> unstaged_;  // with a staged tensor
 };
 
@@ -655,6 +778,8 @@ class CudaEngine final : public Engine {
 
   std::string_view name() const override { return kEngineName; }
   Device device() const override { return Device::kCuda; }
+  // Paged caches: the decode kernel (kernels/decode.cuh).
+  bool reads_kv_cache() const override { return true; }
   const DeviceMemory* memory() const override {
     return driver_->availability() ? &memory_ : nullptr;
   }
@@ -690,8 +815,10 @@ class CudaEngine final : public Engine {
         return result;
       }
     }
-    const TileList tiles =
-        classify_tiles(problem, lowering.choice.class_block_q, lowering.choice.block_n);
+    // The paged-cache kernel walks its keys without a tile list (the mask per element).
+    const bool decode = lowering.choice.kind == KernelKind::kDecode;
+    const TileList tiles = decode ? TileList{} : classify_tiles(problem, lowering.choice.class_block_q,
+                                                                lowering.choice.block_n);
     std::optional<TileList> backward_tiles;
     std::string backward_text;
     std::optional<TileList> dkdv_tiles;  // when the dK/dV kernel has its own blocks
@@ -720,13 +847,19 @@ class CudaEngine final : public Engine {
     }
     KernelLookup kernel = kernels_->get(lowering.source, functions, architecture_suffix(lowering));
 
+    std::string tile_text = fmt::format("{} of {} kv tiles visited ({} with the mask evaluated)",
+                                        tiles.tiles - tiles.skipped, tiles.tiles, tiles.mixed);
+    if (decode) {
+      const DecodeSplits splits =
+          decode_splits(problem, lowering.choice, driver_->multiprocessors());
+      tile_text = fmt::format("keys in {} split(s) of {}, {} row block(s) per kv head",
+                              splits.splits, splits.keys_per_split, splits.row_blocks);
+    }
     PlanInfo info;
     info.engine = std::string(kEngineName);
     info.description = fmt::format(
-        "{}; {} of {} kv tiles visited ({} with the mask evaluated){}; kernel {} on {} "
-        "(sm_{}{}), {} in {:.3f} s",
-        lowering.choice.describe(), tiles.tiles - tiles.skipped, tiles.tiles, tiles.mixed,
-        backward_text, kernel.key.substr(0, 16), driver_->device_name(),
+        "{}; {}{}; kernel {} on {} (sm_{}{}), {} in {:.3f} s", lowering.choice.describe(),
+        tile_text, backward_text, kernel.key.substr(0, 16), driver_->device_name(),
         driver_->compute_capability(), architecture_suffix(lowering), kernel.origin,
         kernel.seconds);
     const ProofHashes hashes = proof_hashes(problem, proof);

@@ -97,6 +97,9 @@ void Driver::initialise() {
     check(f.device_get_attribute(&max_shared_per_block_,
                                  CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN, device_),
           "cuDeviceGetAttribute");
+    check(f.device_get_attribute(&multiprocessors_, CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT,
+                                 device_),
+          "cuDeviceGetAttribute");
     check(f.driver_get_version(&driver_version_), "cuDriverGetVersion");
     std::array<char, kDeviceNameCapacity> name{};
     check(f.device_get_name(name.data(), static_cast<int>(name.size()), device_),

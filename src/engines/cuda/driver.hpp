@@ -71,6 +71,7 @@ class Driver {
   int driver_version() const { return driver_version_; }  // e.g. 13000
   const std::string& device_name() const { return device_name_; }
   int max_shared_memory_per_block() const { return max_shared_per_block_; }
+  int multiprocessors() const { return multiprocessors_; }
 
   // Throws Error(kCuda, "<call> failed: <NAME>: <description>") unless result is CUDA_SUCCESS.
   void check(CUresult result, std::string_view call) const;
@@ -87,6 +88,7 @@ class Driver {
   int compute_capability_ = 0;
   int driver_version_ = 0;
   int max_shared_per_block_ = 0;
+  int multiprocessors_ = 0;
   std::string device_name_;
 };
 

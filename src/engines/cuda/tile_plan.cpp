@@ -30,6 +30,9 @@ constexpr int kMmaStages = 2;
 // The fp32 kernel: 4 warps of 4 rows (each K element read from shared memory serves 4 rows).
 constexpr int kSimtWarps = 4;
 constexpr int kSimtRowsPerWarp = 4;
+// The paged-cache kernel (decode_choice): warps per block and query rows per block at most.
+constexpr int kDecodeWarps = 4;
+constexpr int kDecodeMaxRows = 8;
 // The fp32 kernel's rows per classified block: 4 of its blocks share one class row.
 constexpr int kSimtClassBlockQ = 64;
 // wgmma (kernels/forward_wgmma.cuh): two warpgroups of 64 rows; 128-key tiles (each S = Q K^T is
@@ -200,6 +203,40 @@ KernelChoice simt_choice(const Problem& problem) {
   return c;
 }
 
+// The paged-cache kernel (kernels/decode.cuh, DecodeConfig): block_m query rows per block (the
+// GQA group times the new tokens, a power of two up to 8), 4 warps over chunks of 32 keys.
+KernelChoice decode_choice(const Problem& problem) {
+  KernelChoice c;
+  c.kind = KernelKind::kDecode;
+  c.dtype = problem.dtype();
+  c.head_dim_qk = static_cast<int>(problem.head_dim_qk());
+  c.head_dim_v = static_cast<int>(problem.head_dim_v());
+  c.padded_qk = c.head_dim_qk;
+  c.padded_v = c.head_dim_v;
+  c.warps = kDecodeWarps;
+  const std::int64_t rows = problem.heads_q() / problem.heads_kv() * problem.seq_len_q();
+  c.block_m = 1;
+  while (c.block_m < kDecodeMaxRows && c.block_m < rows) c.block_m *= 2;
+  c.block_n = kWarpSize;
+  // 16-byte K loads: whole vectors per row, and every pool stride a whole number of them.
+  const int width = c.dtype == DType::kF32 ? 4 : 8;
+  bool vector = c.head_dim_qk % width == 0;
+  for (const char* which : {"k", "v"}) {
+    const TensorView view = problem.expected(which);
+    for (std::size_t i = 0; i + 1 < view.strides.size(); ++i) {
+      vector = vector && view.strides[i] % width == 0;
+    }
+  }
+  c.vector_loads = vector;
+  const int key_stride = c.head_dim_qk % 4 == 0 ? c.head_dim_qk + 4 : c.head_dim_qk + 1;
+  const int columns = (c.head_dim_v + kWarpSize - 1) / kWarpSize;
+  const int key_floats = c.warps * kWarpSize * key_stride;
+  const int merge_floats = c.warps * c.block_m * (columns * kWarpSize + 2);
+  c.shared_bytes = static_cast<int>((c.block_m * c.head_dim_qk + std::max(key_floats, merge_floats)) *
+                                    sizeof(float));
+  return c;
+}
+
 // What neither the forward nor the backward kernels serve (both hold the same dtypes and head
 // dims); empty when the problem is served.
 std::string unserved_reason(const Problem& problem) {
@@ -330,6 +367,10 @@ std::string KernelChoice::config_type() const {
                        element_tag(dtype), head_dim_qk, head_dim_v, block_n, stages, pipelined,
                        shared_bytes, tail);
   }
+  if (kind == KernelKind::kDecode) {
+    return fmt::format("flexattn_kernels::DecodeConfig<{}, {}, {}, {}, {}>", element_tag(dtype),
+                       head_dim_qk, head_dim_v, block_m, vector_loads);
+  }
   if (kind == KernelKind::kMma) {
     return fmt::format("flexattn_kernels::MmaConfig<{}, {}, {}, {}, {}, {}, {}, {}, {}, {}>",
                        element_tag(dtype), head_dim_qk, head_dim_v, padded_qk, padded_v,
@@ -347,6 +388,8 @@ std::string KernelChoice::kernel_template() const {
       return "forward_wgmma";
     case KernelKind::kSimt:
       return "forward_simt";
+    case KernelKind::kDecode:
+      return "forward_decode";
   }
   throw_internal("cuda: unknown kernel kind");
 }
@@ -372,6 +415,13 @@ std::string KernelChoice::describe() const {
         "and {} (padded {}), {} KB shared",
         to_string(dtype), block_m, block_n, warps, stages, head_dim_qk, padded_qk, head_dim_v,
         padded_v, shared_bytes / 1024);
+  }
+  if (kind == KernelKind::kDecode) {
+    return fmt::format(
+        "paged-cache decoding on the fp32 units {}, {} query rows per block, {} warps over "
+        "chunks of {} keys, head dims {} and {}, {} loads, {} KB shared",
+        to_string(dtype), block_m, warps, block_n, head_dim_qk, head_dim_v,
+        vector_loads ? "16-byte" : "element", shared_bytes / 1024);
   }
   return fmt::format("fp32 units {}, {}x{} tiles, {} warps, head dims {} and {}, {} KB shared",
                      to_string(dtype), block_m, block_n, warps, head_dim_qk, head_dim_v,
@@ -416,6 +466,10 @@ KernelSelection choose_kernel(const Problem& problem, int capability, bool allow
   KernelSelection selection;
   selection.reason = unserved_reason(problem);
   if (!selection.reason.empty()) return selection;
+  if (problem.kv_cache()) {
+    selection.choice = decode_choice(problem);
+    return selection;
+  }
   const DType dtype = problem.dtype();
   const bool sixteen_bit = dtype == DType::kBF16 || dtype == DType::kF16;
   const bool whole_chunks =

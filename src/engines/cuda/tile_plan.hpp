@@ -15,6 +15,7 @@ enum class KernelKind {
   kMma,    // tensor cores (mma.sync, sm_80+), bf16/fp16 storage (kernels/forward_mma.cuh)
   kWgmma,  // Hopper's warpgroup tensor cores (sm_90a), head dims 64 to 256 (forward_wgmma.cuh)
   kSimt,   // fp32 units: fp32 storage, or head dims the tensor-core kernel cannot take
+  kDecode,  // fp32 units, any storage: queries against a paged KV cache (kernels/decode.cuh)
 };
 
 // The kernels' element type tag of a storage dtype ("flexattn_kernels::BFloat16Tag").
@@ -40,6 +41,9 @@ struct KernelChoice {
   // wgmma: a third warpgroup copies K and V and hands the stages over through mbarriers (the
   // `warps` count only the two that compute; threads() adds its 128).
   bool producer = false;
+  // decode: the K rows and the lanes' V columns are read 16 bytes (or the columns' width) at a
+  // time; the views' strides allow it and the engine checks the addresses at each call.
+  bool vector_loads = false;
   int min_blocks = 0;      // mma: thread blocks per multiprocessor the registers must allow
   int shared_bytes = 0;
 

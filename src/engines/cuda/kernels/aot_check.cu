@@ -6,6 +6,7 @@
 #include "backward_mma.cuh"
 #include "backward_simt.cuh"
 #include "backward_wgmma.cuh"
+#include "decode.cuh"
 #include "forward_mma.cuh"
 #include "forward_simt.cuh"
 #include "forward_wgmma.cuh"
@@ -327,3 +328,22 @@ FLEXATTN_AOT_BACKWARD_WGMMA(aot_backward_wgmma_f16_d64, CausalSoftcapModifier, H
 
 FLEXATTN_AOT_REPAIR(aot_repair_bf16_d128_softcap, CausalSoftcapModifier, BFloat16Tag, 128, 128)
 FLEXATTN_AOT_REPAIR(aot_repair_f16_d192_v128, IdentityModifier, HalfTag, 192, 128)
+
+// The paged-cache decoding kernel and its combine (decode.cuh): GQA groups of 4 and 8 rows,
+// vector and element loads, a head dim that is no multiple of 32.
+#define FLEXATTN_AOT_DECODE(name, modifier, tag, qk, v, rows, vector)                            \
+  using name##_config = flexattn_kernels::DecodeConfig<tag, qk, v, rows, vector>;              \
+  extern "C" __global__ void __launch_bounds__(name##_config::kThreads)                        \
+      name(const flexattn_kernels::DecodeParams params) {                                      \
+    flexattn_kernels::forward_decode<name##_config, modifier>(params);                         \
+  }                                                                                            \
+  extern "C" __global__ void __launch_bounds__(flexattn_kernels::kDecodeCombineThreads)        \
+      name##_combine(const flexattn_kernels::DecodeParams params) {                            \
+    flexattn_kernels::decode_combine<tag, v>(params);                                          \
+  }
+
+FLEXATTN_AOT_DECODE(aot_decode_bf16_d128_softcap, CausalSoftcapModifier, BFloat16Tag, 128, 128, 4,
+                    true)
+FLEXATTN_AOT_DECODE(aot_decode_f32_d64, IdentityModifier, Float32Tag, 64, 64, 8, true)
+FLEXATTN_AOT_DECODE(aot_decode_f16_d80_v72, CausalSoftcapModifier, HalfTag, 80, 72, 2, false)
+FLEXATTN_AOT_DECODE(aot_decode_bf16_d256, IdentityModifier, BFloat16Tag, 256, 256, 8, true)

@@ -49,6 +49,34 @@ struct ForwardParams {
   float params[kMaxParams];
 };
 
+// ---- decoding against a paged KV cache (decode.cuh) -------------------------------------------
+
+// fwd.k and fwd.v address the page pools (pages, page_size, heads_kv, dim): key `slot` of page
+// `page` of kv head h is at page * batch_stride + slot * token_stride + h * head_stride. fwd's
+// query-side fields (q, o, lse, cu_seqlens_q, seq_len_q) are those of the queries; seq_len_kv
+// is the capacity.
+struct DecodeParams {
+  ForwardParams fwd;
+  const int* page_table;  // (batch, max_pages) int32
+  const int* cache_lens;  // (batch) int32
+  int max_pages;
+  int page_size;
+  int pages;
+  // Each sequence's keys in `splits` ranges of keys_per_split (a multiple of 32) keys, one block
+  // each (blockIdx.x % splits); with more than one, every block writes its rows' partial result
+  // (O normalised over its keys, and their LSE) and the combine kernel merges them by LSE.
+  int splits;
+  int keys_per_split;
+  int tokens_q;        // query tokens over all sequences (rows of the partial results)
+  float* partial_o;    // splits > 1: (splits, heads_q, tokens_q, head_dim_v)
+  float* partial_lse;  // splits > 1: (splits, heads_q, tokens_q)
+};
+
+// Launch geometry of the decode combine kernel: one warp per (head, query token), grid
+// (ceil(heads_q * tokens_q / kDecodeCombineRows)).
+constexpr int kDecodeCombineThreads = 128;
+constexpr int kDecodeCombineRows = kDecodeCombineThreads / 32;
+
 // ---- backward -------------------------------------------------------------------------------
 
 // Tensor gradients are summed in 64-bit fixed point (value * 2^32, rounded to nearest): integer
