@@ -505,6 +505,7 @@ class CudaPlan final : public Plan {
       p.pages = static_cast<int>(pools.pages);
       p.splits = d.splits.splits;
       p.keys_per_split = d.splits.keys_per_split;
+      p.heads_q = static_cast<int>(problem.heads_q());
       p.tokens_q = static_cast<int>(problem.total_tokens_q());
       const auto rows = static_cast<std::size_t>(d.splits.splits) *
                         static_cast<std::size_t>(problem.heads_q()) *
@@ -739,8 +740,7 @@ class CudaPlan final : public Plan {
     if (d.splits.splits > 1) {
       const std::int64_t rows = problem_.heads_q() * static_cast<std::int64_t>(p.tokens_q);
       launch(d.combine,
-             {static_cast<unsigned>(ceil_div(rows, flexattn_kernels::kDecodeCombineRows)),
-              static_cast<unsigned>(problem_.heads_kv()), 1},
+             {static_cast<unsigned>(ceil_div(rows, flexattn_kernels::kDecodeCombineRows)), 1, 1},
              flexattn_kernels::kDecodeCombineThreads, 0, stream, &p, "paged-cache combine");
     }
     scratch.release();

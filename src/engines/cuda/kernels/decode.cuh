@@ -437,7 +437,7 @@ __device__ __forceinline__ void forward_decode(const DecodeParams& d) {
     } else {
       const int flat = p.cu_seqlens_q != nullptr ? token : batch * p.seq_len_q + token;
       const long long partial_row =
-          (static_cast<long long>(split) * (p.heads_per_kv * gridDim.y) + head) * d.tokens_q + flat;
+          (static_cast<long long>(split) * d.heads_q + head) * d.tokens_q + flat;
 #pragma unroll
       for (int c = 0; c < kColumns; ++c) {
         const int column = value_column<Config>(lane, c);
@@ -459,7 +459,7 @@ __device__ __forceinline__ void decode_combine(const DecodeParams& d) {
   const int lane = static_cast<int>(threadIdx.x) % kWarpSize;
   const long long row_id = static_cast<long long>(blockIdx.x) * kDecodeCombineRows +
                            static_cast<int>(threadIdx.x) / kWarpSize;
-  const int heads_q = p.heads_per_kv * static_cast<int>(gridDim.y);
+  const int heads_q = d.heads_q;
   if (row_id >= static_cast<long long>(heads_q) * d.tokens_q) return;
   const int head = static_cast<int>(row_id / d.tokens_q);
   const int flat = static_cast<int>(row_id % d.tokens_q);

@@ -67,6 +67,7 @@ struct DecodeParams {
   // (O normalised over its keys, and their LSE) and the combine kernel merges them by LSE.
   int splits;
   int keys_per_split;
+  int heads_q;
   int tokens_q;        // query tokens over all sequences (rows of the partial results)
   float* partial_o;    // splits > 1: (splits, heads_q, tokens_q, head_dim_v)
   float* partial_lse;  // splits > 1: (splits, heads_q, tokens_q)
