@@ -309,7 +309,9 @@ TEST(CudaPagedCache, PagesDoNotChangeBitsAndInvalidTablesGiveNanRows) {
   const DeviceMemory& memory = *engine.memory();
   DeviceTensor dq(memory, q), dk(memory, k), dv(memory, v);
   const std::unique_ptr<Plan> plan = engine.plan(problem);
-  const auto run = [&](const std::vector<int>& table, const std::vector<int>& lengths) {
+  // One run on pools `k_pool` and `v_pool` with the given page table (3 x 4) and lengths.
+  const auto run = [&](const DeviceTensor& k_pool, const DeviceTensor& v_pool,
+                       const std::vector<int>& table, const std::vector<int>& lengths) {
     HostTensor page_table(DType::kI32, {3, 4});
     HostTensor cache_lens(DType::kI32, {3});
     for (std::int64_t i = 0; i < 12; ++i) page_table.set(i, table[static_cast<std::size_t>(i)]);
@@ -321,8 +323,8 @@ TEST(CudaPagedCache, PagesDoNotChangeBitsAndInvalidTablesGiveNanRows) {
     DeviceTensor lse(memory, HostTensor(expected_lse.dtype, expected_lse.shape), true);
     ForwardArgs args;
     args.q = dq.view();
-    args.k = dk.view();
-    args.v = dv.view();
+    args.k = k_pool.view();
+    args.v = v_pool.view();
     args.out = out.view();
     args.lse = lse.view();
     args.page_table = table_device.view();
@@ -332,7 +334,8 @@ TEST(CudaPagedCache, PagesDoNotChangeBitsAndInvalidTablesGiveNanRows) {
   };
   // Sequence 0 holds 40 tokens in pages 0, 1, 2 (in order) or 5, 2, 7 (scrambled, with the same
   // contents copied there first); sequences 1 and 2 are valid in the first run.
-  const DeviceOutputs ordered = run({0, 1, 2, -1, 3, 4, -1, -1, 6, -1, -1, -1}, {40, 20, 16});
+  const DeviceOutputs ordered =
+      run(dk, dv, {0, 1, 2, -1, 3, 4, -1, -1, 6, -1, -1, -1}, {40, 20, 16});
   // Copy pages 0, 1, 2 to 5, 2, 7 in the host pool, through a second pool on the device.
   HostTensor moved = k.to(DType::kBF16);
   HostTensor moved_v = v.to(DType::kBF16);
@@ -344,28 +347,10 @@ TEST(CudaPagedCache, PagesDoNotChangeBitsAndInvalidTablesGiveNanRows) {
     }
   }
   DeviceTensor dk_moved(memory, moved), dv_moved(memory, moved_v);
-  HostTensor page_table(DType::kI32, {3, 4});
-  const std::vector<int> scrambled = {5, 2, 7, -1, 3, 99, -1, -1, 6, -1, -1, -1};
-  HostTensor cache_lens(DType::kI32, {3});
-  for (std::int64_t i = 0; i < 12; ++i) page_table.set(i, scrambled[static_cast<std::size_t>(i)]);
-  const std::vector<int> lengths = {40, 20, 70};
-  for (std::int64_t i = 0; i < 3; ++i) cache_lens.set(i, lengths[static_cast<std::size_t>(i)]);
-  DeviceTensor table_device(memory, page_table), lens_device(memory, cache_lens);
-  const TensorView expected_out = problem.expected("o");
-  const TensorView expected_lse = problem.expected("lse");
-  DeviceTensor out(memory, HostTensor(expected_out.dtype, expected_out.shape), true);
-  DeviceTensor lse(memory, HostTensor(expected_lse.dtype, expected_lse.shape), true);
-  ForwardArgs args;
-  args.q = dq.view();
-  args.k = dk_moved.view();
-  args.v = dv_moved.view();
-  args.out = out.view();
-  args.lse = lse.view();
-  args.page_table = table_device.view();
-  args.cache_lens = lens_device.view();
-  plan->forward(args);
-  const HostTensor o = out.download();
-  const HostTensor l = lse.download();
+  const DeviceOutputs scrambled =
+      run(dk_moved, dv_moved, {5, 2, 7, -1, 3, 99, -1, -1, 6, -1, -1, -1}, {40, 20, 70});
+  const HostTensor& o = scrambled.out;
+  const HostTensor& l = scrambled.lse;
   // o: (batch 3, 1 token, 4 heads, 64); lse: (3, 4, 1).
   for (std::int64_t b = 0; b < 3; ++b) {
     for (std::int64_t h = 0; h < 4; ++h) {

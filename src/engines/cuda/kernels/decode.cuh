@@ -63,31 +63,19 @@ __device__ __forceinline__ long long key_offset(const DecodeParams& d, const Seq
 }
 
 // kCount consecutive storage values at `offset` (16-byte aligned), as float.
-template <int kCount>
-__device__ __forceinline__ void load_vector(BFloat16Tag, const void* base, long long offset,
+template <int kCount, class Tag>
+__device__ __forceinline__ void load_vector(Tag, const void* base, long long offset,
                                             float (&out)[kCount]) {
-  static_assert(kCount == 8, "16 bytes of bf16");
+  static_assert(kCount == 8, "16 bytes of bf16 or fp16");
   const uint4 raw = __ldg(reinterpret_cast<const uint4*>(static_cast<const unsigned short*>(base) +
                                                          offset));
-  const unsigned words[4] = {raw.x, raw.y, raw.z, raw.w};
+  const unsigned short halves[8] = {
+      static_cast<unsigned short>(raw.x & 0xffffu), static_cast<unsigned short>(raw.x >> 16),
+      static_cast<unsigned short>(raw.y & 0xffffu), static_cast<unsigned short>(raw.y >> 16),
+      static_cast<unsigned short>(raw.z & 0xffffu), static_cast<unsigned short>(raw.z >> 16),
+      static_cast<unsigned short>(raw.w & 0xffffu), static_cast<unsigned short>(raw.w >> 16)};
 #pragma unroll
-  for (int i = 0; i < 4; ++i) {
-    out[2 * i] = bf16_bits_to_float(static_cast<unsigned short>(words[i] & 0xffffu));
-    out[2 * i + 1] = bf16_bits_to_float(static_cast<unsigned short>(words[i] >> 16));
-  }
-}
-template <int kCount>
-__device__ __forceinline__ void load_vector(HalfTag, const void* base, long long offset,
-                                            float (&out)[kCount]) {
-  static_assert(kCount == 8, "16 bytes of fp16");
-  const uint4 raw = __ldg(reinterpret_cast<const uint4*>(static_cast<const unsigned short*>(base) +
-                                                         offset));
-  const unsigned words[4] = {raw.x, raw.y, raw.z, raw.w};
-#pragma unroll
-  for (int i = 0; i < 4; ++i) {
-    out[2 * i] = half_bits_to_float(static_cast<unsigned short>(words[i] & 0xffffu));
-    out[2 * i + 1] = half_bits_to_float(static_cast<unsigned short>(words[i] >> 16));
-  }
+  for (int i = 0; i < 8; ++i) out[i] = load_as_float(Tag{}, halves, i);
 }
 template <int kCount>
 __device__ __forceinline__ void load_vector(Float32Tag, const void* base, long long offset,
