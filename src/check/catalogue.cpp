@@ -186,7 +186,9 @@ namespace {
 
 // The non-finite tier: each planted value under masks that remove the planted key for some
 // queries (causal, sliding window, documents) and under a modifier that gives -inf instead of a
-// mask, in every storage dtype, forward and backward (dO only backward).
+// mask, in every storage dtype, forward and backward (dO only backward); and decoding against a
+// paged cache, with the planted key hidden from the new tokens by a sliding window or kept by
+// ALiBi alone.
 std::vector<Case> non_finite_cases() {
   const Shape shape{1, 4, 2, 100, 100, 64, 64};
   std::vector<Case> result;
@@ -215,6 +217,17 @@ std::vector<Case> non_finite_cases() {
                                to_string(planted), backward ? "_bwd" : "");
           result.push_back(std::move(c));
         }
+      }
+    }
+    const Shape decode{4, 8, 2, 1, 300, 64, 64};
+    for (const auto& [modifier, mask] :
+         std::vector<std::pair<const char*, const char*>>{{"softcap30", "window"},
+                                                          {"alibi", "none"}}) {
+      for (Planted planted : {Planted::kNanValue, Planted::kInfKey, Planted::kNanQuery}) {
+        Case c = paged_case(decode, Layout::kBSHD, dtype, modifier, mask, 16);
+        c.planted = planted;
+        c.name = fmt::format("{}/{}_{}_{}", shape_name(c), c.modifier, c.mask, to_string(planted));
+        result.push_back(std::move(c));
       }
     }
   }

@@ -125,16 +125,24 @@ HostTensor random_input(const TensorView& expected, DType dtype, std::uint64_t s
   return tensor;
 }
 
-// Case::planted: the value in every 7th element of one row (token, head) of a bshd tensor.
-void plant(HostTensor& tensor, std::int64_t token, std::int64_t head, double value) {
+// Case::planted: the value in every 7th element of one row (entry `batch`, token, head) of a
+// bshd tensor (a K/V pool: batch is the page, token the slot).
+void plant(HostTensor& tensor, std::int64_t batch, std::int64_t token, std::int64_t head,
+           double value) {
   constexpr std::int64_t kEvery = 7;
-  const TensorView view = tensor.view();  // (batch, seq, heads, dim), batch entry 0
+  const TensorView view = tensor.view();  // (batch, seq, heads, dim)
   for (std::int64_t d = 0; d < view.shape[3]; d += kEvery) {
-    view.store(token * view.strides[1] + head * view.strides[2] + d * view.strides[3], value);
+    view.store(batch * view.strides[0] + token * view.strides[1] + head * view.strides[2] +
+                   d * view.strides[3],
+               value);
   }
 }
 
-void plant_case(const Case& c, HostTensor& q, HostTensor& k, HostTensor& v, HostTensor& dout) {
+// Plants Case::planted in sequence 0: a query row, or key `2 kv / 5` (of a paged cache: through
+// the page table, in the full first sequence, where a sliding window hides it from the new
+// tokens).
+void plant_case(const Case& c, const Instance& instance, HostTensor& q, HostTensor& k,
+                HostTensor& v, HostTensor& dout) {
   if (c.planted == Planted::kNone) return;
   if (c.layout != Layout::kBSHD) {
     throw_internal(fmt::format("conformance case {}: values are planted in bshd only", c.name));
@@ -142,20 +150,25 @@ void plant_case(const Case& c, HostTensor& q, HostTensor& k, HostTensor& v, Host
   const double nan = std::numeric_limits<double>::quiet_NaN();
   const std::int64_t key = 2 * c.shape.seq_len_kv / 5, query = c.shape.seq_len_q / 10;
   const std::int64_t head_kv = c.shape.heads_kv - 1, head = c.shape.heads_q - 1;
+  std::int64_t key_entry = 0, key_token = key;
+  if (c.page_size > 0) {
+    key_entry = static_cast<std::int64_t>(instance.page_table.at(key / c.page_size));
+    key_token = key % c.page_size;
+  }
   switch (c.planted) {
     case Planted::kNone:
       break;
     case Planted::kNanValue:
-      plant(v, key, head_kv, nan);
+      plant(v, key_entry, key_token, head_kv, nan);
       break;
     case Planted::kInfKey:
-      plant(k, key, head_kv, std::numeric_limits<double>::infinity());
+      plant(k, key_entry, key_token, head_kv, std::numeric_limits<double>::infinity());
       break;
     case Planted::kNanQuery:
-      plant(q, query, head, nan);
+      plant(q, 0, query, head, nan);
       break;
     case Planted::kNanOutputGradient:
-      plant(dout, query, head, nan);
+      plant(dout, 0, query, head, nan);
       break;
   }
 }
@@ -220,7 +233,7 @@ Outcome run_case(const Engine& engine, const Case& test_case, std::uint64_t seed
                               instance.query_key_stddev);
   HostTensor v = random_input(problem.expected("v"), dtype, seed * 4 + 2);
   HostTensor dout = random_input(problem.expected("o"), dtype, seed * 4 + 3);
-  plant_case(test_case, q, k, v, dout);
+  plant_case(test_case, instance, q, k, v, dout);
 
   ProblemDesc reference_desc = instance.desc;
   reference_desc.dtype = DType::kF64;

@@ -340,10 +340,11 @@ Problem make_cache_problem(const GeneratedCase& c, std::int64_t heads_q, std::in
   return Problem(std::move(desc));
 }
 
-// The paged-cache module (kernels/decode.cuh): the decode kernel and its split combination, rows
-// per block from the GQA group and the new tokens, 16-byte loads where the head dim allows; the
-// plan proof holds for its Modifier and NVRTC compiles it for sm_90. A cache problem is never
-// given a training kernel.
+// The paged-cache module (kernels/decode.cuh): the decode kernel and its split combination. On
+// tensor cores (bf16/fp16, head dims multiples of 8, 16-byte pool strides): 16 packed rows per
+// block; else on the fp32 units, rows per block from the GQA group and the new tokens, 16-byte
+// loads where the head dim allows. The plan proof holds for its Modifier and NVRTC compiles it
+// for sm_90. A cache problem is never given a training kernel.
 TEST(CudaDecodeCompile, PagedCacheTranslationUnitsAreProvenAndCompile) {
   SKIP_WITHOUT_CUDA_ENGINE();
   constexpr int kCapability = 90;
@@ -353,18 +354,22 @@ TEST(CudaDecodeCompile, PagedCacheTranslationUnitsAreProvenAndCompile) {
     std::int64_t heads_q, heads_kv;
     int rows;
     bool vector;
+    bool tensor_cores;
   };
   const std::vector<DecodeCase> cases = {
       {{"decode_bf16_d128_softcap_window", DType::kBF16, 128, 128, "30 * tanh(score / 30)",
         "q - kv < 256", {}, {}, Layout::kBSHD, {}},
-       8, 2, 4, true},
+       8, 2, 16, true, true},
+      {{"decode_bf16_d64_alibi_head_thd", DType::kBF16, 64, 64,
+        "score - exp2(-8.0 * (h + 1) / 8) * abs(q - kv)", "q >= kv", {}, {}, Layout::kTHD, {}},
+       8, 1, 16, true, true},
       {{"decode_f32_d64_alibi_thd", DType::kF32, 64, 64, "score + slopes[h] * (kv - q)", "q >= kv",
         {{"slopes", slopes}}, {}, Layout::kTHD, {}},
-       8, 8, 8, true},
-      {{"decode_f16_d80_v72", DType::kF16, 80, 72, "", "", {}, {}, Layout::kBSHD, {}}, 2, 1, 2,
-       true},
+       8, 8, 8, true, false},
+      {{"decode_f16_d80_v72", DType::kF16, 80, 72, "", "", {}, {}, Layout::kBSHD, {}}, 2, 1, 16,
+       true, true},
       {{"decode_bf16_d36", DType::kBF16, 36, 36, "", "q >= kv", {}, {}, Layout::kBSHD, {}}, 1, 1,
-       1, false}};
+       1, false, false}};
   for (const DecodeCase& d : cases) {
     SCOPED_TRACE(d.c.name);
     const Problem problem = make_cache_problem(d.c, d.heads_q, d.heads_kv);
@@ -373,11 +378,15 @@ TEST(CudaDecodeCompile, PagedCacheTranslationUnitsAreProvenAndCompile) {
     ASSERT_EQ(selection.choice.kind, cuda::KernelKind::kDecode);
     EXPECT_EQ(selection.choice.block_m, d.rows);
     EXPECT_EQ(selection.choice.vector_loads, d.vector);
+    EXPECT_EQ(selection.choice.tensor_cores, d.tensor_cores);
     const cuda::BindingSelection bindings = cuda::bind_modifier(problem);
     ASSERT_TRUE(bindings.reason.empty()) << bindings.reason;
     const std::string source =
         cuda::generate_translation_unit(problem, bindings.bindings, selection.choice, nullptr);
-    EXPECT_NE(source.find(fmt::format("flexattn_kernels::forward_decode<FlexattnConfig")),
+    EXPECT_NE(source.find(fmt::format("flexattn_kernels::{}<FlexattnConfig",
+                                      d.tensor_cores ? "forward_decode_mma" : "forward_decode")),
+              std::string::npos);
+    EXPECT_NE(source.find(d.tensor_cores ? "DecodeMmaConfig<" : "DecodeConfig<"),
               std::string::npos);
     EXPECT_NE(source.find(fmt::format("void __launch_bounds__(flexattn_kernels::"
                                       "kDecodeCombineThreads) {}(",

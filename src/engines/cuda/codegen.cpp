@@ -244,13 +244,14 @@ std::string generate_modifier_source(const Problem& problem, const ModifierBindi
     text += fmt::format(
         "extern \"C\" __global__ void __launch_bounds__(FlexattnConfig::kThreads) {}(\n"
         "    const flexattn_kernels::DecodeParams params) {{\n"
-        "  flexattn_kernels::forward_decode<FlexattnConfig, flexattn_generated::Modifier>(params);\n"
+        "  flexattn_kernels::{}<FlexattnConfig, flexattn_generated::Modifier>(params);\n"
         "}}\n"
         "extern \"C\" __global__ void __launch_bounds__(flexattn_kernels::kDecodeCombineThreads) "
         "{}(\n"
         "    const flexattn_kernels::DecodeParams params) {{\n"
         "  flexattn_kernels::decode_combine<{}, {}>(params);\n}}\n",
-        kKernelName, kDecodeCombineName, element_tag(problem.dtype()), problem.head_dim_v());
+        kKernelName, choice.kernel_template(), kDecodeCombineName, element_tag(problem.dtype()),
+        problem.head_dim_v());
     return text;
   }
   const bool tensor_cores = choice.kind != KernelKind::kSimt;

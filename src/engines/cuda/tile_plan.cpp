@@ -33,6 +33,13 @@ constexpr int kSimtRowsPerWarp = 4;
 // The paged-cache kernel (decode_choice): warps per block and query rows per block at most.
 constexpr int kDecodeWarps = 4;
 constexpr int kDecodeMaxRows = 8;
+// Its tensor-core variant: packed query rows per block (one mma M), keys per tile, the bytes its
+// ring of K/V tiles aims at, and the rows of each fp32 kernel call that recomputes a block with
+// non-finite rows (DecodeMmaConfig::Fallback).
+constexpr int kDecodeMmaRows = 16;
+constexpr int kDecodeMmaBlockN = 64;
+constexpr int kDecodeRingBytes = 96 * 1024;
+constexpr int kDecodeFallbackRows = 8;
 // The fp32 kernel's rows per classified block: 4 of its blocks share one class row.
 constexpr int kSimtClassBlockQ = 64;
 // wgmma (kernels/forward_wgmma.cuh): two warpgroups of 64 rows; 128-key tiles (each S = Q K^T is
@@ -203,8 +210,13 @@ KernelChoice simt_choice(const Problem& problem) {
   return c;
 }
 
-// The paged-cache kernel (kernels/decode.cuh, DecodeConfig): block_m query rows per block (the
-// GQA group times the new tokens, a power of two up to 8), 4 warps over chunks of 32 keys.
+// The paged-cache kernels (kernels/decode.cuh). On tensor cores (DecodeMmaConfig: bf16/fp16, head
+// dims multiples of 8, pool strides whole 16-byte chunks): 16 packed query rows per block, tiles
+// of 64 keys in a ring of kDecodeRingBytes / tile bytes stages (2 to 4: at head dim 128, three
+// stages and two blocks per multiprocessor); its shared memory also holds the fp32 kernel that
+// recomputes a block with non-finite rows. Else on the fp32 units (DecodeConfig): block_m query
+// rows per block (the GQA group times the new tokens, a power of two up to 8), 4 warps over
+// chunks of 32 keys.
 KernelChoice decode_choice(const Problem& problem) {
   KernelChoice c;
   c.kind = KernelKind::kDecode;
@@ -231,9 +243,30 @@ KernelChoice decode_choice(const Problem& problem) {
   const int key_stride = c.head_dim_qk % 4 == 0 ? c.head_dim_qk + 4 : c.head_dim_qk + 1;
   const int columns = (c.head_dim_v + kWarpSize - 1) / kWarpSize;
   const int key_floats = c.warps * kWarpSize * key_stride;
-  const int merge_floats = c.warps * c.block_m * (columns * kWarpSize + 2);
-  c.shared_bytes = static_cast<int>((c.block_m * c.head_dim_qk + std::max(key_floats, merge_floats)) *
-                                    sizeof(float));
+  // DecodeConfig::kSharedBytes for `block_rows` query rows per block.
+  const auto simt_bytes = [&](int block_rows) {
+    const int merge_floats = c.warps * block_rows * (columns * kWarpSize + 2);
+    return static_cast<int>((block_rows * c.head_dim_qk + std::max(key_floats, merge_floats)) *
+                            sizeof(float));
+  };
+  c.shared_bytes = simt_bytes(c.block_m);
+  const bool sixteen_bit = c.dtype == DType::kBF16 || c.dtype == DType::kF16;
+  if (sixteen_bit && vector && c.head_dim_qk % kChunkElements == 0 &&
+      c.head_dim_v % kChunkElements == 0) {
+    c.tensor_cores = true;
+    c.block_m = kDecodeMmaRows;
+    c.block_n = kDecodeMmaBlockN;
+    c.padded_qk = (c.head_dim_qk + 63) / 64 * 64;
+    c.padded_v = (c.head_dim_v + 63) / 64 * 64;
+    const int tile_bytes = kDecodeMmaBlockN * (c.padded_qk + c.padded_v) * 2;
+    c.stages = std::clamp(kDecodeRingBytes / tile_bytes, 2, 4);
+    const int q_bytes = kDecodeMmaRows * c.padded_qk * 2;
+    const int steps_v = (c.head_dim_v + 15) / 16;
+    const int merge_bytes =
+        c.warps * kDecodeMmaRows * (2 * steps_v * 8 + 2) * static_cast<int>(sizeof(float));
+    c.shared_bytes = std::max({q_bytes + c.stages * tile_bytes, q_bytes + merge_bytes,
+                               simt_bytes(kDecodeFallbackRows)});
+  }
   return c;
 }
 
@@ -367,6 +400,10 @@ std::string KernelChoice::config_type() const {
                        element_tag(dtype), head_dim_qk, head_dim_v, block_n, stages, pipelined,
                        shared_bytes, tail);
   }
+  if (kind == KernelKind::kDecode && tensor_cores) {
+    return fmt::format("flexattn_kernels::DecodeMmaConfig<{}, {}, {}, {}, {}, {}>",
+                       element_tag(dtype), head_dim_qk, head_dim_v, padded_qk, padded_v, stages);
+  }
   if (kind == KernelKind::kDecode) {
     return fmt::format("flexattn_kernels::DecodeConfig<{}, {}, {}, {}, {}>", element_tag(dtype),
                        head_dim_qk, head_dim_v, block_m, vector_loads);
@@ -389,7 +426,7 @@ std::string KernelChoice::kernel_template() const {
     case KernelKind::kSimt:
       return "forward_simt";
     case KernelKind::kDecode:
-      return "forward_decode";
+      return tensor_cores ? "forward_decode_mma" : "forward_decode";
   }
   throw_internal("cuda: unknown kernel kind");
 }
@@ -414,6 +451,14 @@ std::string KernelChoice::describe() const {
         "tensor-core (mma.sync) {}, {}x{} tiles, {} warps, {} stages, head dims {} (padded {}) "
         "and {} (padded {}), {} KB shared",
         to_string(dtype), block_m, block_n, warps, stages, head_dim_qk, padded_qk, head_dim_v,
+        padded_v, shared_bytes / 1024);
+  }
+  if (kind == KernelKind::kDecode && tensor_cores) {
+    return fmt::format(
+        "paged-cache decoding on tensor cores (mma.sync) {}, {} packed query rows per block, "
+        "{}-key tiles, {} stages, {} warps, head dims {} (padded {}) and {} (padded {}), {} KB "
+        "shared",
+        to_string(dtype), block_m, block_n, stages, warps, head_dim_qk, padded_qk, head_dim_v,
         padded_v, shared_bytes / 1024);
   }
   if (kind == KernelKind::kDecode) {

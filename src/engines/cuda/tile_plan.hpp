@@ -15,7 +15,7 @@ enum class KernelKind {
   kMma,    // tensor cores (mma.sync, sm_80+), bf16/fp16 storage (kernels/forward_mma.cuh)
   kWgmma,  // Hopper's warpgroup tensor cores (sm_90a), head dims 64 to 256 (forward_wgmma.cuh)
   kSimt,   // fp32 units: fp32 storage, or head dims the tensor-core kernel cannot take
-  kDecode,  // fp32 units, any storage: queries against a paged KV cache (kernels/decode.cuh)
+  kDecode,  // queries against a paged KV cache (kernels/decode.cuh): tensor cores or fp32 units
 };
 
 // The kernels' element type tag of a storage dtype ("flexattn_kernels::BFloat16Tag").
@@ -44,6 +44,8 @@ struct KernelChoice {
   // decode: the K rows and the lanes' V columns are read 16 bytes (or the columns' width) at a
   // time; the views' strides allow it and the engine checks the addresses at each call.
   bool vector_loads = false;
+  // decode: the tensor-core variant (mma.sync over 16 packed query rows, DecodeMmaConfig).
+  bool tensor_cores = false;
   int min_blocks = 0;      // mma: thread blocks per multiprocessor the registers must allow
   int shared_bytes = 0;
 

@@ -347,3 +347,21 @@ FLEXATTN_AOT_DECODE(aot_decode_bf16_d128_softcap, CausalSoftcapModifier, BFloat1
 FLEXATTN_AOT_DECODE(aot_decode_f32_d64, IdentityModifier, Float32Tag, 64, 64, 8, true)
 FLEXATTN_AOT_DECODE(aot_decode_f16_d80_v72, CausalSoftcapModifier, HalfTag, 80, 72, 2, false)
 FLEXATTN_AOT_DECODE(aot_decode_bf16_d256, IdentityModifier, BFloat16Tag, 256, 256, 8, true)
+
+// Its tensor-core variant (DecodeMmaConfig): the stage counts decode_choice picks (head dim 128:
+// 3; 64: 4; 256: 2), padded head dims (80/72 padded to 128).
+#define FLEXATTN_AOT_DECODE_MMA(name, modifier, tag, qk, v, padded_qk, padded_v, stages)         \
+  using name##_config =                                                                        \
+      flexattn_kernels::DecodeMmaConfig<tag, qk, v, padded_qk, padded_v, stages>;             \
+  extern "C" __global__ void __launch_bounds__(name##_config::kThreads)                        \
+      name(const flexattn_kernels::DecodeParams params) {                                      \
+    flexattn_kernels::forward_decode_mma<name##_config, modifier>(params);                     \
+  }
+
+FLEXATTN_AOT_DECODE_MMA(aot_decode_mma_bf16_d128_softcap, CausalSoftcapModifier, BFloat16Tag, 128,
+                        128, 128, 128, 3)
+FLEXATTN_AOT_DECODE_MMA(aot_decode_mma_f16_d64, IdentityModifier, HalfTag, 64, 64, 64, 64, 4)
+FLEXATTN_AOT_DECODE_MMA(aot_decode_mma_bf16_d80_v72, CausalSoftcapModifier, BFloat16Tag, 80, 72,
+                        128, 128, 3)
+FLEXATTN_AOT_DECODE_MMA(aot_decode_mma_bf16_d256, IdentityModifier, BFloat16Tag, 256, 256, 256,
+                        256, 2)

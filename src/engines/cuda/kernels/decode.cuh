@@ -18,6 +18,7 @@
 #pragma once
 
 #include "forward_common.cuh"
+#include "forward_mma.cuh"
 #include "tile_ops.cuh"
 
 namespace flexattn_kernels {
@@ -241,8 +242,11 @@ __device__ __forceinline__ void load_value_columns(const void* data, long long o
 
 }  // namespace decode_detail
 
+// The rows [row_first, row_first + kRows) of the block's (batch = blockIdx.z, kv head =
+// blockIdx.y) over the keys of split `split`.
 template <class Config, class Modifier>
-__device__ __forceinline__ void forward_decode(const DecodeParams& d) {
+__device__ __forceinline__ void forward_decode_rows(const DecodeParams& d, int row_first,
+                                                    int split) {
   using Tag = typename Config::Tag;
   using namespace decode_detail;
   constexpr int kRows = Config::kRows;
@@ -260,8 +264,6 @@ __device__ __forceinline__ void forward_decode(const DecodeParams& d) {
   const int thread = static_cast<int>(threadIdx.x);
   const int warp = thread / kWarpSize;
   const int lane = thread % kWarpSize;
-  const int split = static_cast<int>(blockIdx.x) % d.splits;
-  const int row_block = static_cast<int>(blockIdx.x) / d.splits;
   const int head_kv = static_cast<int>(blockIdx.y);
   const int batch = static_cast<int>(blockIdx.z);
   int q_offset = 0;
@@ -272,7 +274,6 @@ __device__ __forceinline__ void forward_decode(const DecodeParams& d) {
   }
   const int group = p.heads_per_kv;
   const int rows_total = group * q_len;
-  const int row_first = row_block * kRows;
   if (row_first >= rows_total) return;
 
   const int cache_len = d.cache_lens[batch];
@@ -435,6 +436,375 @@ __device__ __forceinline__ void forward_decode(const DecodeParams& d) {
       }
       if (lane == 0) d.partial_lse[partial_row] = result.lse;
     }
+  }
+}
+
+template <class Config, class Modifier>
+__device__ __forceinline__ void forward_decode(const DecodeParams& d) {
+  const int row_block = static_cast<int>(blockIdx.x) / d.splits;
+  forward_decode_rows<Config, Modifier>(d, row_block * Config::kRows,
+                                        static_cast<int>(blockIdx.x) % d.splits);
+}
+
+// ---- the tensor-core variant (bf16/fp16, head dims multiples of 8) ------------------------------
+//
+// The block's kRows = 16 query rows (the GQA group's heads times the new tokens, packed into the
+// M dimension of mma.sync m16n8k16, rows past the sequence's zero) against one split's keys in
+// tiles of kBlockN = 64: all threads copy a tile's K and V rows through the page table into a
+// ring of kStages shared-memory buffers (cp.async, 16 bytes a copy, the ring kStages - 1 tiles
+// ahead), and warp w takes keys 16 w .. 16 w + 15 of each tile:
+//   S = Q K^T (Q's fragments kept in registers), the logits (scale, score_mod, mask, key bounds)
+//   per row with its own head's invariants, an online softmax per warp, O += P V.
+// The warps' rows are merged through shared memory as in the fp32 kernel. The products multiply
+// a removed key's weight 0 by its value, so a NaN or inf value at a masked position would poison
+// the rows; a block whose finite-input rows come out non-finite is computed again by the fp32
+// kernel (Fallback), which skips removed positions (docs/design.md, non-finite values).
+template <class ElementTag, int kHeadDimQk_, int kHeadDimV_, int kPaddedQk_, int kPaddedV_,
+          int kStages_>
+struct DecodeMmaConfig {
+  using Tag = ElementTag;
+  static constexpr int kHeadDimQk = kHeadDimQk_;
+  static constexpr int kHeadDimV = kHeadDimV_;
+  static constexpr int kWarps = 4;
+  static constexpr int kThreads = kWarps * kWarpSize;
+  static constexpr int kMinBlocks = 1;
+  static constexpr int kRows = 16;
+  static constexpr int kBlockN = 64;
+  static constexpr int kWarpKeys = kBlockN / kWarps;  // one 16-key mma step per warp
+  static constexpr int kStages = kStages_;
+  static constexpr int kChunksQk = kPaddedQk_ / kChunkElements;
+  static constexpr int kChunksV = kPaddedV_ / kChunkElements;
+  static constexpr int kRealChunksQk = kHeadDimQk / kChunkElements;
+  static constexpr int kRealChunksV = kHeadDimV / kChunkElements;
+  static constexpr int kStepsQk = (kHeadDimQk + 15) / 16;
+  static constexpr int kStepsV = (kHeadDimV + 15) / 16;
+  static constexpr int kLoadedChunksQk = 2 * kStepsQk;
+  static constexpr int kLoadedChunksV = 2 * kStepsV;
+  static constexpr int kOutputTiles = 2 * kStepsV;
+  static constexpr int kQBytes = kRows * kChunksQk * kChunkBytes;
+  static constexpr int kKBytes = kBlockN * kChunksQk * kChunkBytes;
+  static constexpr int kVBytes = kBlockN * kChunksV * kChunkBytes;
+  // The merge: each warp's 16 rows (max, sum, then the padded output columns).
+  static constexpr int kMergeRowFloats = 2 * kStepsV * 8 + 2;
+  static constexpr int kMergeBytes =
+      kWarps * kRows * kMergeRowFloats * static_cast<int>(sizeof(float));
+  static constexpr int kLoopBytes = kQBytes + kStages * (kKBytes + kVBytes);
+  using Fallback = DecodeConfig<Tag, kHeadDimQk, kHeadDimV, 8, true>;
+  static constexpr int kOwnBytes =
+      kLoopBytes > kQBytes + kMergeBytes ? kLoopBytes : kQBytes + kMergeBytes;
+  static constexpr int kSharedBytes =
+      kOwnBytes > Fallback::kSharedBytes ? kOwnBytes : Fallback::kSharedBytes;
+
+  static_assert(kHeadDimQk % kChunkElements == 0 && kHeadDimV % kChunkElements == 0,
+                "head dims of the tensor-core decode kernel are multiples of 8");
+  static_assert(kPaddedQk_ % 64 == 0 && kPaddedV_ % 64 == 0, "padded dims are multiples of 64");
+  static_assert(kStages >= 2, "at least double buffering");
+};
+
+namespace decode_detail {
+
+// Tile `first` .. `first + kBlockN - 1` of the keys: K and V rows through the page table into
+// the swizzled buffers, zeros for keys at or past `end` (never read) and for padding chunks.
+template <class Config>
+__device__ __forceinline__ void load_paged_tile_async(const DecodeParams& d, int batch,
+                                                      int head_kv, int first, int end,
+                                                      unsigned k_tile, unsigned v_tile,
+                                                      int thread) {
+  constexpr int kChunks = Config::kLoadedChunksQk > Config::kLoadedChunksV
+                              ? Config::kLoadedChunksQk
+                              : Config::kLoadedChunksV;
+  constexpr int kCopies = Config::kBlockN * kChunks;
+  const ForwardParams& p = d.fwd;
+  const auto* k_base = static_cast<const unsigned short*>(p.k.data);
+  const auto* v_base = static_cast<const unsigned short*>(p.v.data);
+#pragma unroll
+  for (int index = thread; index < kCopies; index += Config::kThreads) {
+    const int row = index / kChunks;
+    const int chunk = index % kChunks;
+    const int key = first + row;
+    const bool inside = key < end;
+    int page = 0;
+    int slot = 0;
+    if (inside) {
+      page = __ldg(d.page_table + static_cast<long long>(batch) * d.max_pages + key / d.page_size);
+      slot = key % d.page_size;
+    }
+    if (chunk < Config::kLoadedChunksQk) {
+      const bool valid = inside && chunk < Config::kRealChunksQk;
+      const long long offset = page * p.k.batch_stride + slot * p.k.token_stride +
+                               head_kv * p.k.head_stride + chunk * kChunkElements;
+      copy_chunk_async(k_tile + swizzled_offset<Config::kChunksQk>(row, chunk),
+                       valid ? k_base + offset : k_base, valid);
+    }
+    if (chunk < Config::kLoadedChunksV) {
+      const bool valid = inside && chunk < Config::kRealChunksV;
+      const long long offset = page * p.v.batch_stride + slot * p.v.token_stride +
+                               head_kv * p.v.head_stride + chunk * kChunkElements;
+      copy_chunk_async(v_tile + swizzled_offset<Config::kChunksV>(row, chunk),
+                       valid ? v_base + offset : v_base, valid);
+    }
+  }
+}
+
+}  // namespace decode_detail
+
+template <class Config, class Modifier>
+__device__ __forceinline__ void forward_decode_mma(const DecodeParams& d) {
+  using Tag = typename Config::Tag;
+  using namespace decode_detail;
+  constexpr int kRows = Config::kRows;
+  constexpr int kWarps = Config::kWarps;
+  constexpr int kThreads = Config::kThreads;
+  constexpr int kBlockN = Config::kBlockN;
+  constexpr int kStages = Config::kStages;
+  constexpr int kDimQk = Config::kHeadDimQk;
+  constexpr int kDimV = Config::kHeadDimV;
+  constexpr int kOutputTiles = Config::kOutputTiles;
+  extern __shared__ __align__(128) unsigned char shared[];
+
+  const ForwardParams& p = d.fwd;
+  const int thread = static_cast<int>(threadIdx.x);
+  const int warp = thread / kWarpSize;
+  const int lane = thread % kWarpSize;
+  const int group_row = lane / 4;  // accumulator row within an 8-row half
+  const int quad_lane = lane % 4;
+  const int split = static_cast<int>(blockIdx.x) % d.splits;
+  const int row_first = static_cast<int>(blockIdx.x) / d.splits * kRows;
+  const int head_kv = static_cast<int>(blockIdx.y);
+  const int batch = static_cast<int>(blockIdx.z);
+  int q_offset = 0;
+  int q_len = p.seq_len_q;
+  if (p.cu_seqlens_q != nullptr) {
+    q_offset = p.cu_seqlens_q[batch];
+    q_len = p.cu_seqlens_q[batch + 1] - q_offset;
+  }
+  const int group = p.heads_per_kv;
+  const int rows_total = group * q_len;
+  if (row_first >= rows_total) return;
+
+  const int cache_len = d.cache_lens[batch];
+  const int capacity = d.max_pages * d.page_size;
+  bool poisoned = !(cache_len == 0 || (cache_len >= q_len && cache_len <= capacity));
+  const int kv_begin = split * d.keys_per_split;
+  const int kv_end = poisoned ? kv_begin : ir_min(kv_begin + d.keys_per_split, cache_len);
+  if (kv_begin < kv_end) {
+    for (int entry = kv_begin / d.page_size + thread; entry <= (kv_end - 1) / d.page_size;
+         entry += kThreads) {
+      const int page = d.page_table[static_cast<long long>(batch) * d.max_pages + entry];
+      poisoned |= page < 0 || page >= d.pages;
+    }
+  }
+
+  const unsigned q_tile = shared_address(shared);
+  const unsigned k_tiles = q_tile + Config::kQBytes;
+  const unsigned v_tiles = k_tiles + kStages * Config::kKBytes;
+  // Q's 16 rows (as stored, any strides) into the swizzled tile, zeros past the rows and dims.
+  for (int index = thread; index < kRows * Config::kChunksQk * kChunkElements;
+       index += kThreads) {
+    const int r = index / (Config::kChunksQk * kChunkElements);
+    const int column = index % (Config::kChunksQk * kChunkElements);
+    const int row = row_first + r;
+    unsigned short bits = 0;
+    if (row < rows_total && column < kDimQk) {
+      bits = static_cast<const unsigned short*>(p.q.data)[row_index(
+                                                              p.q, batch, q_offset + row / group,
+                                                              head_kv * group + row % group) +
+                                                          column];
+    }
+    *reinterpret_cast<unsigned short*>(
+        shared + swizzled_offset<Config::kChunksQk>(r, column / kChunkElements) +
+        (column % kChunkElements) * 2) = bits;
+  }
+  // Also makes Q visible.
+  poisoned = barrier_any<-1>(poisoned, kThreads);
+  const int end = poisoned ? kv_begin : kv_end;
+  const int tiles = (end - kv_begin + kBlockN - 1) / kBlockN;
+
+#pragma unroll
+  for (int stage = 0; stage < kStages - 1; ++stage) {
+    if (stage < tiles) {
+      load_paged_tile_async<Config>(d, batch, head_kv, kv_begin + stage * kBlockN, end,
+                                    k_tiles + stage * Config::kKBytes,
+                                    v_tiles + stage * Config::kVBytes, thread);
+    }
+    commit_copies();
+  }
+
+  // This thread's rows group_row and group_row + 8: head, position, invariants.
+  int query[1][2];
+  Coordinates at[2];
+  typename Modifier::Invariants invariants[2];
+#pragma unroll
+  for (int half = 0; half < 2; ++half) {
+    const int row = ir_min(row_first + group_row + 8 * half, rows_total - 1);
+    at[half] = Coordinates{batch, head_kv * group + row % group, q_len, cache_len};
+    query[0][half] = cache_len - q_len + row / group;
+    invariants[half] = Modifier::prepare(p, at[half]);
+  }
+  unsigned q_fragment[Config::kStepsQk][4];
+  {
+    const LaneOffsets<Config::kChunksQk> q_lane(lane % 16, lane / 16);
+#pragma unroll
+    for (int step = 0; step < Config::kStepsQk; ++step) {
+      load_matrix_x4(q_fragment[step], q_tile + q_lane.at(step, 0));
+    }
+  }
+  const LaneOffsets<Config::kChunksQk> k_lane((lane / 16) * 8 + lane % 8, (lane / 8) % 2);
+  const LaneOffsets<Config::kChunksV> v_lane(lane % 8 + ((lane / 8) % 2) * 8, lane / 16);
+
+  float output[1][kOutputTiles][4];
+  float row_max[1][2];
+  float row_sum[1][2];
+#pragma unroll
+  for (int j = 0; j < kOutputTiles; ++j) {
+#pragma unroll
+    for (int e = 0; e < 4; ++e) output[0][j][e] = 0.0f;
+  }
+#pragma unroll
+  for (int half = 0; half < 2; ++half) {
+    row_max[0][half] = negative_infinity();
+    row_sum[0][half] = 0.0f;
+  }
+
+  for (int tile = 0; tile < tiles; ++tile) {
+    const int stage = tile % kStages;
+    wait_copies<kStages - 2>();
+    __syncthreads();  // tile `tile` visible; the buffer refilled below is no longer read
+    if (tile + kStages - 1 < tiles) {
+      const int next = (tile + kStages - 1) % kStages;
+      load_paged_tile_async<Config>(d, batch, head_kv, kv_begin + (tile + kStages - 1) * kBlockN,
+                                    end, k_tiles + next * Config::kKBytes,
+                                    v_tiles + next * Config::kVBytes, thread);
+    }
+    commit_copies();
+    const unsigned k_tile = k_tiles + stage * Config::kKBytes;
+    const unsigned v_tile = v_tiles + stage * Config::kVBytes;
+    const int warp_first = kv_begin + tile * kBlockN + warp * Config::kWarpKeys;
+
+    float score[1][2][4];
+#pragma unroll
+    for (int j = 0; j < 2; ++j) {
+#pragma unroll
+      for (int e = 0; e < 4; ++e) score[0][j][e] = 0.0f;
+    }
+#pragma unroll
+    for (int step = 0; step < Config::kStepsQk; ++step) {
+      unsigned k_fragment[4];
+      load_matrix_x4(k_fragment, k_tile + k_lane.at(step, warp * Config::kWarpKeys));
+      mma_16x8x16(Tag{}, score[0][0], q_fragment[step], k_fragment[0], k_fragment[1]);
+      mma_16x8x16(Tag{}, score[0][1], q_fragment[step], k_fragment[2], k_fragment[3]);
+    }
+    // Logits, each row with its own head; keys at or past `end` (the split's or the cache's)
+    // are removed.
+#pragma unroll
+    for (int j = 0; j < 2; ++j) {
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int kv = warp_first + j * 8 + 2 * quad_lane + e % 2;
+        const int half = e / 2;
+        const float logit = element_logit<Modifier, true, true, false, true>(
+            score[0][j][e], p, invariants[half], at[half], query[0][half], kv);
+        score[0][j][e] = kv < end ? logit : negative_infinity();
+      }
+    }
+    online_softmax(score, row_max, row_sum, output, Modifier::kForwardToLog2);
+    unsigned p_fragment[4];
+    p_fragment[0] = pack_pair(Tag{}, score[0][0][0], score[0][0][1]);
+    p_fragment[1] = pack_pair(Tag{}, score[0][0][2], score[0][0][3]);
+    p_fragment[2] = pack_pair(Tag{}, score[0][1][0], score[0][1][1]);
+    p_fragment[3] = pack_pair(Tag{}, score[0][1][2], score[0][1][3]);
+#pragma unroll
+    for (int pair = 0; pair < Config::kStepsV; ++pair) {
+      unsigned v_fragment[4];
+      load_matrix_x4_transposed(v_fragment, v_tile + v_lane.at(pair, warp * Config::kWarpKeys));
+      mma_16x8x16(Tag{}, output[0][2 * pair], p_fragment, v_fragment[0], v_fragment[1]);
+      mma_16x8x16(Tag{}, output[0][2 * pair + 1], p_fragment, v_fragment[2], v_fragment[3]);
+    }
+  }
+  wait_copies<0>();
+  __syncthreads();  // every warp is done with the tiles: the merge reuses them
+
+  // Each warp's rows: max (log2 units), sum, output columns.
+  constexpr int kRowFloats = Config::kMergeRowFloats;
+  float* merge = reinterpret_cast<float*>(shared + Config::kQBytes);
+#pragma unroll
+  for (int half = 0; half < 2; ++half) {
+    float* slot = merge + (warp * kRows + group_row + 8 * half) * kRowFloats;
+    const float sum = quad_sum(row_sum[0][half]);
+    if (quad_lane == 0) {
+      slot[0] = row_max[0][half] * Modifier::kForwardToLog2;  // -inf stays -inf
+      slot[1] = sum;
+    }
+#pragma unroll
+    for (int j = 0; j < kOutputTiles; ++j) {
+      slot[2 + j * 8 + 2 * quad_lane] = output[0][j][2 * half];
+      slot[2 + j * 8 + 2 * quad_lane + 1] = output[0][j][2 * half + 1];
+    }
+  }
+  __syncthreads();
+  // Row r = thread / 8 of the block, columns thread % 8, + 8, ...: merged, then stored.
+  constexpr int kLanesPerRow = kThreads / kRows;
+  constexpr int kColumns = (kDimV + kLanesPerRow - 1) / kLanesPerRow;
+  const int r = thread / kLanesPerRow;
+  const int part = thread % kLanesPerRow;
+  const int row = row_first + r;
+  float merged[kColumns];
+#pragma unroll
+  for (int c = 0; c < kColumns; ++c) merged[c] = 0.0f;
+  float merged_max = negative_infinity();
+#pragma unroll
+  for (int w = 0; w < kWarps; ++w) merged_max = fmaxf(merged_max, merge[(w * kRows + r) * kRowFloats]);
+  const float subtract = safe_max(merged_max);
+  float sum = 0.0f;
+#pragma unroll
+  for (int w = 0; w < kWarps; ++w) {
+    const float* slot = merge + (w * kRows + r) * kRowFloats;
+    if (slot[1] == 0.0f) continue;  // kept no key (output 0); a NaN sum is merged
+    const float factor = fast_exp2(slot[0] - subtract);
+    sum = fmaf(factor, slot[1], sum);
+#pragma unroll
+    for (int c = 0; c < kColumns; ++c) {
+      const int column = c * kLanesPerRow + part;
+      if (column < kDimV) merged[c] = fmaf(factor, slot[2 + column], merged[c]);
+    }
+  }
+  const RowResult result = finish_row_log2(merged_max, sum);
+  bool bad = false;
+  if (row < rows_total && !poisoned) {
+#pragma unroll
+    for (int c = 0; c < kColumns; ++c) bad |= non_finite(merged[c] * result.inverse_sum);
+  }
+  // A non-finite row: the whole block again on the fp32 units, which skip removed positions.
+  if (barrier_any<-1>(bad, kThreads)) {
+    forward_decode_rows<typename Config::Fallback, Modifier>(d, row_first, split);
+    __syncthreads();
+    forward_decode_rows<typename Config::Fallback, Modifier>(d, row_first + 8, split);
+    return;
+  }
+  if (row >= rows_total) return;
+  const float nan = __int_as_float(0x7fc00000);
+  const float lse = poisoned ? nan : result.lse;
+  const float scale = poisoned ? nan : result.inverse_sum;
+  const int token = q_offset + row / group;
+  const int head = head_kv * group + row % group;
+  if (d.splits == 1) {
+    const long long o_row = row_index(p.o, batch, token, head);
+#pragma unroll
+    for (int c = 0; c < kColumns; ++c) {
+      const int column = c * kLanesPerRow + part;
+      if (column < kDimV) store_from_float(Tag{}, p.o.data, o_row + column, merged[c] * scale);
+    }
+    if (p.lse != nullptr && part == 0) *lse_address(p, batch, head, token) = lse;
+  } else {
+    const int flat = p.cu_seqlens_q != nullptr ? token : batch * p.seq_len_q + token;
+    const long long partial_row =
+        (static_cast<long long>(split) * d.heads_q + head) * d.tokens_q + flat;
+#pragma unroll
+    for (int c = 0; c < kColumns; ++c) {
+      const int column = c * kLanesPerRow + part;
+      if (column < kDimV) d.partial_o[partial_row * kDimV + column] = merged[c] * scale;
+    }
+    if (part == 0) d.partial_lse[partial_row] = lse;
   }
 }
 
