@@ -106,9 +106,9 @@ std::vector<conformance::Case> forward_cases() {
   }
   // The reference fixed after a row's first tile (kStaticReference, softcap-like bounded
   // logits): every logit near the bottom of [-30, 30] (tanh near -0.96: about -41.7 in log2
-  // units), below the bound - 64 (-20.7), so each row's reference is that floor, not its max,
-  // and P is about 2^-21 for every key; causal, so the first rows see one key and the diagonal
-  // tiles are masked.
+  // units), far below the bound, where a reference raised to the bound - 64 (-20.7) once made P
+  // about 2^-21 for every key; causal, so the first rows see one key and the diagonal tiles are
+  // masked.
   for (const auto& [dtype, head_dim] : std::vector<std::pair<DType, std::int64_t>>{
            {DType::kBF16, 64}, {DType::kBF16, 128}, {DType::kBF16, 256}, {DType::kF32, 64}}) {
     conformance::Case c = conformance::custom_case(

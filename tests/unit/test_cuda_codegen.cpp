@@ -270,7 +270,7 @@ TEST(CudaCodegenBackward, UnservedProblemsAreRefusedWithAReason) {
 // ---- the forward's logit and its variants ----------------------------------------------------
 
 // kStaticReference (the forward's softmax subtracts a bound on every logit, no running max)
-// only where score_mod's interval is finite and at most 100 log2 units wide, and not for fp16
+// only where score_mod's interval is finite and at most 96 log2 units wide, and not for fp16
 // (whose P would underflow); the reference is the interval's top in log2 units.
 TEST(CudaCodegen, StaticReferenceOnlyForNarrowBoundedLogits) {
   SKIP_WITHOUT_CUDA_ENGINE();
@@ -286,6 +286,7 @@ TEST(CudaCodegen, StaticReferenceOnlyForNarrowBoundedLogits) {
       {"30 * tanh(score / 30)", DType::kF32, "kStaticReferenceLog2 = (0x1.5a3f2ep+5f)"},
       {"30 * tanh(score / 30)", DType::kF16, off},
       {"50 * tanh(score / 50)", DType::kBF16, off},  // 144 log2 units
+      {"34 * tanh(score / 34)", DType::kBF16, off},  // 98.1 log2 units
       {"where(score > 0, 3, -2)", DType::kBF16, "kStaticReferenceLog2 = (0x1.14ff58p+2f)"},
       {"", DType::kBF16, off},
       {"score + bias[h, q, kv]", DType::kBF16, off},

@@ -76,9 +76,10 @@ BindingSelection bind_modifier(const Problem& problem) {
 }
 
 // The widest logit range (log2 units) for which the forward's softmax fixes its reference after
-// a row's first tile: P = exp2(logit - reference) then stays a normal number of fp32's (and
-// bf16's) exponent range, far from the 2^-126 where ex2.approx.ftz flushes to 0.
-constexpr double kStaticReferenceSpan = 100.0;
+// a row's first tile (at a logit of the row): P = exp2(logit - reference) then stays a normal
+// number of fp32's (and bf16's) exponent range, far from the 2^-126 where ex2.approx.ftz flushes
+// to 0, and a row sum of 2^31 terms up to 2^96 stays below fp32's 2^128.
+constexpr double kStaticReferenceSpan = 96.0;
 
 // kStaticReference (forward_mma.cuh, bounded_softmax_probabilities): no running row max after a
 // row's first tile, when score_mod's interval over the problem (the score unbounded) is finite

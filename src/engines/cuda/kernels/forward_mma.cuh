@@ -246,18 +246,20 @@ __device__ __forceinline__ void to_log2_units(float (&row_max)[kTiles][2], float
 
 // The softmax with a reference fixed after a row's first tile (Modifier::kStaticReference):
 // when the code generator (codegen.cpp, static_reference_members) knows every logit lies in
-// [lo, hi] with hi - lo at most 100 log2 units (a softcap: 30 tanh(score / 30) lies in
-// [-30, 30]) and P's storage type has fp32's exponent range (bf16, fp32), a row's first tile
-// sets its reference to max(its max logit, hi - kStaticHeadroom) and no later tile moves it:
-// P = exp2(S - reference) stays a normal number in [2^-100, 2^kStaticHeadroom] (as precise as
-// under a running max: bf16's relative spacing does not depend on the magnitude), and the later
-// tiles need no row max, no cross-lane max and no rescaling of O. The first tile's largest P is
-// exactly 1, as under a running max, so a row whose keys all lie in its first tile (a short
+// [lo, hi] with hi - lo at most 96 log2 units (a softcap: 30 tanh(score / 30) lies in [-30, 30])
+// and P's storage type has fp32's exponent range (bf16, fp32), a row's first tile sets its
+// reference to its max logit and no later tile moves it: P = exp2(S - reference) stays a normal
+// number in [2^-96, 2^96] (a row sum of up to 2^31 such terms stays finite; bf16's relative
+// spacing does not depend on the magnitude, so P is as precise as under a running max), and the
+// later tiles need no row max, no cross-lane max and no rescaling of O. The first tile's largest
+// P is exactly 1, as under a running max, so a row whose keys all lie in its first tile (a short
 // row, a single key) gets its dominant term without a bf16 rounding its fp32 row sum does not
 // share. (A reference fixed at hi made such rows up to 2^-8 off: ten small softcap conformance
-// cases failed on the H200, 2026-12-03.) A row whose first tile keeps no key takes
-// hi - kStaticHeadroom. Nothing is ever rescaled: O and the row sum are 0 before the first tile,
-// and the reference does not move after it.
+// cases failed on the H200, 2026-12-03. A reference raised to at least hi - 64 did the same to
+// rows whose every logit lies below it: a one-key softcap row with score -20 failed its backward
+// on the H100, 2026-12-06.) A row whose first tile keeps no key takes hi - kStaticHeadroom.
+// Nothing is ever rescaled: O and the row sum are 0 before the first tile, and the reference
+// does not move after it.
 constexpr float kStaticHeadroom = 64.0f;
 
 template <bool kFirst, int kTiles, int kScoreTiles>
@@ -269,8 +271,10 @@ __device__ __forceinline__ void bounded_softmax_probabilities(
 #pragma unroll
     for (int half = 0; half < 2; ++half) {
       if constexpr (kFirst) {
-        row_max[i][half] =
-            fmaxf(row_tile_max(score[i], half), (bound_log2 - kStaticHeadroom) / to_log2);
+        const float tile_max = row_tile_max(score[i], half);
+        row_max[i][half] = tile_max == negative_infinity()
+                               ? (bound_log2 - kStaticHeadroom) / to_log2
+                               : tile_max;
       }
       row_sum[i][half] =
           exponentiate_row(score[i], half, row_max[i][half] * to_log2, to_log2, row_sum[i][half]);
