@@ -455,7 +455,10 @@ __device__ __forceinline__ void forward_decode(const DecodeParams& d) {
 // ahead), and warp w takes keys 16 w .. 16 w + 15 of each tile:
 //   S = Q K^T (Q's fragments kept in registers), the logits (scale, score_mod, mask, key bounds)
 //   per row with its own head's invariants, an online softmax per warp, O += P V.
-// The warps' rows are merged through shared memory as in the fp32 kernel. The products multiply
+// With a mask, each pass over up to kListCapacity tiles first lists the tiles where the mask keeps
+// some element of the block's rows (list_kept_tiles), and only those are loaded: a sliding
+// window reads its window, not the cache. The warps' rows are merged through shared memory as
+// in the fp32 kernel. The products multiply
 // a removed key's weight 0 by its value, so a NaN or inf value at a masked position would poison
 // the rows; a block whose finite-input rows come out non-finite is computed again by the fp32
 // kernel (Fallback), which skips removed positions (docs/design.md, non-finite values).
@@ -471,6 +474,7 @@ struct DecodeMmaConfig {
   static constexpr int kRows = 16;
   static constexpr int kBlockN = 64;
   static constexpr int kWarpKeys = kBlockN / kWarps;  // one 16-key mma step per warp
+  static constexpr int kListCapacity = 512;  // tiles per pass of the kept-tile list
   static constexpr int kStages = kStages_;
   static constexpr int kChunksQk = kPaddedQk_ / kChunkElements;
   static constexpr int kChunksV = kPaddedV_ / kChunkElements;
@@ -544,6 +548,57 @@ __device__ __forceinline__ void load_paged_tile_async(const DecodeParams& d, int
                        valid ? v_base + offset : v_base, valid);
     }
   }
+}
+
+// With a mask: lists the tiles of [first, first + count kBlockN) (keys before `end`) where the
+// mask keeps some element of the block's rows, in key order (indices from first's tile) in
+// `list`, and returns how many. One warp per tile, lane l evaluating row l % 16 over half the
+// tile's keys (stopping at the first kept one); warp 0 compacts the flags in order with ballots.
+// The mask sees only positions inside the sequence. Ends with a barrier.
+template <class Config, class Modifier>
+__device__ __forceinline__ int list_kept_tiles(const ForwardParams& p, int batch, int head_kv,
+                                               int group, int q_len, int cache_len, int row_first,
+                                               int rows_total, int first, int end, int count,
+                                               unsigned short* list) {
+  __shared__ unsigned char kept[Config::kListCapacity];
+  __shared__ int listed;
+  constexpr int kHalf = Config::kBlockN / 2;
+  const int thread = static_cast<int>(threadIdx.x);
+  const int warp = thread / kWarpSize;
+  const int lane = thread % kWarpSize;
+  const int row = row_first + lane % Config::kRows;
+  const int clamped = ir_min(row, rows_total - 1);
+  const Coordinates at{batch, head_kv * group + clamped % group, q_len, cache_len};
+  const typename Modifier::Invariants invariants = Modifier::prepare(p, at);
+  const int q = cache_len - q_len + clamped / group;
+  for (int t = warp; t < count; t += Config::kWarps) {
+    const int key0 = first + t * Config::kBlockN + (lane / Config::kRows) * kHalf;
+    bool keep = false;
+    if (row < rows_total) {
+      for (int j = 0; j < kHalf && !keep; ++j) {
+        const int kv = key0 + j;
+        keep = kv < end && Modifier::mask_mod(invariants, p, at, q, kv);
+      }
+    }
+    const bool any = __any_sync(0xffffffffu, keep) != 0;
+    if (lane == 0) kept[t] = any ? 1 : 0;
+  }
+  __syncthreads();
+  if (warp == 0) {
+    int total = 0;
+    for (int base = 0; base < count; base += kWarpSize) {
+      const int t = base + lane;
+      const bool mine = t < count && kept[t] != 0;
+      const unsigned ballot = __ballot_sync(0xffffffffu, mine);
+      if (mine) {
+        list[total + __popc(ballot & ((1u << lane) - 1u))] = static_cast<unsigned short>(t);
+      }
+      total += __popc(ballot);
+    }
+    if (lane == 0) listed = total;
+  }
+  __syncthreads();
+  return listed;
 }
 
 }  // namespace decode_detail
@@ -620,16 +675,6 @@ __device__ __forceinline__ void forward_decode_mma(const DecodeParams& d) {
   const int end = poisoned ? kv_begin : kv_end;
   const int tiles = (end - kv_begin + kBlockN - 1) / kBlockN;
 
-#pragma unroll
-  for (int stage = 0; stage < kStages - 1; ++stage) {
-    if (stage < tiles) {
-      load_paged_tile_async<Config>(d, batch, head_kv, kv_begin + stage * kBlockN, end,
-                                    k_tiles + stage * Config::kKBytes,
-                                    v_tiles + stage * Config::kVBytes, thread);
-    }
-    commit_copies();
-  }
-
   // This thread's rows group_row and group_row + 8: head, position, invariants.
   int query[1][2];
   Coordinates at[2];
@@ -666,63 +711,91 @@ __device__ __forceinline__ void forward_decode_mma(const DecodeParams& d) {
     row_sum[0][half] = 0.0f;
   }
 
-  for (int tile = 0; tile < tiles; ++tile) {
-    const int stage = tile % kStages;
-    wait_copies<kStages - 2>();
-    __syncthreads();  // tile `tile` visible; the buffer refilled below is no longer read
-    if (tile + kStages - 1 < tiles) {
-      const int next = (tile + kStages - 1) % kStages;
-      load_paged_tile_async<Config>(d, batch, head_kv, kv_begin + (tile + kStages - 1) * kBlockN,
-                                    end, k_tiles + next * Config::kKBytes,
-                                    v_tiles + next * Config::kVBytes, thread);
+  // The split's tiles in passes of up to kListCapacity: with a mask, first the list of the tiles
+  // where it keeps some element (a tile it removes entirely is never loaded), in key order.
+  constexpr int kListCapacity = Config::kListCapacity;
+  __shared__ unsigned short tile_list[kListCapacity];
+  for (int pass_first = 0; pass_first < tiles; pass_first += kListCapacity) {
+    const int pass_tiles = ir_min(kListCapacity, tiles - pass_first);
+    int listed = pass_tiles;
+    if constexpr (Modifier::kHasMask) {
+      listed = list_kept_tiles<Config, Modifier>(p, batch, head_kv, group, q_len, cache_len,
+                                                 row_first, rows_total,
+                                                 kv_begin + pass_first * kBlockN, end, pass_tiles,
+                                                 tile_list);
     }
-    commit_copies();
-    const unsigned k_tile = k_tiles + stage * Config::kKBytes;
-    const unsigned v_tile = v_tiles + stage * Config::kVBytes;
-    const int warp_first = kv_begin + tile * kBlockN + warp * Config::kWarpKeys;
-
-    float score[1][2][4];
+    // The key where listed tile i starts.
+    const auto tile_start = [&](int i) {
+      const int tile = Modifier::kHasMask ? static_cast<int>(tile_list[i]) : i;
+      return kv_begin + (pass_first + tile) * kBlockN;
+    };
 #pragma unroll
-    for (int j = 0; j < 2; ++j) {
-#pragma unroll
-      for (int e = 0; e < 4; ++e) score[0][j][e] = 0.0f;
+    for (int stage = 0; stage < kStages - 1; ++stage) {
+      if (stage < listed) {
+        load_paged_tile_async<Config>(d, batch, head_kv, tile_start(stage), end,
+                                      k_tiles + stage * Config::kKBytes,
+                                      v_tiles + stage * Config::kVBytes, thread);
+      }
+      commit_copies();
     }
+    for (int index = 0; index < listed; ++index) {
+      const int stage = index % kStages;
+      wait_copies<kStages - 2>();
+      __syncthreads();  // tile `index` visible; the buffer refilled below is no longer read
+      if (index + kStages - 1 < listed) {
+        const int next = (index + kStages - 1) % kStages;
+        load_paged_tile_async<Config>(d, batch, head_kv, tile_start(index + kStages - 1), end,
+                                      k_tiles + next * Config::kKBytes,
+                                      v_tiles + next * Config::kVBytes, thread);
+      }
+      commit_copies();
+      const unsigned k_tile = k_tiles + stage * Config::kKBytes;
+      const unsigned v_tile = v_tiles + stage * Config::kVBytes;
+      const int warp_first = tile_start(index) + warp * Config::kWarpKeys;
+      float score[1][2][4];
 #pragma unroll
-    for (int step = 0; step < Config::kStepsQk; ++step) {
-      unsigned k_fragment[4];
-      load_matrix_x4(k_fragment, k_tile + k_lane.at(step, warp * Config::kWarpKeys));
-      mma_16x8x16(Tag{}, score[0][0], q_fragment[step], k_fragment[0], k_fragment[1]);
-      mma_16x8x16(Tag{}, score[0][1], q_fragment[step], k_fragment[2], k_fragment[3]);
-    }
-    // Logits, each row with its own head; keys at or past `end` (the split's or the cache's)
-    // are removed.
+      for (int j = 0; j < 2; ++j) {
 #pragma unroll
-    for (int j = 0; j < 2; ++j) {
+        for (int e = 0; e < 4; ++e) score[0][j][e] = 0.0f;
+      }
 #pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        const int kv = warp_first + j * 8 + 2 * quad_lane + e % 2;
-        const int half = e / 2;
-        const float logit = element_logit<Modifier, true, true, false, true>(
-            score[0][j][e], p, invariants[half], at[half], query[0][half], kv);
-        score[0][j][e] = kv < end ? logit : negative_infinity();
+      for (int step = 0; step < Config::kStepsQk; ++step) {
+        unsigned k_fragment[4];
+        load_matrix_x4(k_fragment, k_tile + k_lane.at(step, warp * Config::kWarpKeys));
+        mma_16x8x16(Tag{}, score[0][0], q_fragment[step], k_fragment[0], k_fragment[1]);
+        mma_16x8x16(Tag{}, score[0][1], q_fragment[step], k_fragment[2], k_fragment[3]);
+      }
+      // Logits, each row with its own head; keys at or past `end` (the split's or the cache's)
+      // are removed.
+#pragma unroll
+      for (int j = 0; j < 2; ++j) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const int kv = warp_first + j * 8 + 2 * quad_lane + e % 2;
+          const int half = e / 2;
+          const float logit = element_logit<Modifier, true, true, false, true>(
+              score[0][j][e], p, invariants[half], at[half], query[0][half], kv);
+          score[0][j][e] = kv < end ? logit : negative_infinity();
+        }
+      }
+      online_softmax(score, row_max, row_sum, output, Modifier::kForwardToLog2);
+      unsigned p_fragment[4];
+      p_fragment[0] = pack_pair(Tag{}, score[0][0][0], score[0][0][1]);
+      p_fragment[1] = pack_pair(Tag{}, score[0][0][2], score[0][0][3]);
+      p_fragment[2] = pack_pair(Tag{}, score[0][1][0], score[0][1][1]);
+      p_fragment[3] = pack_pair(Tag{}, score[0][1][2], score[0][1][3]);
+#pragma unroll
+      for (int pair = 0; pair < Config::kStepsV; ++pair) {
+        unsigned v_fragment[4];
+        load_matrix_x4_transposed(v_fragment, v_tile + v_lane.at(pair, warp * Config::kWarpKeys));
+        mma_16x8x16(Tag{}, output[0][2 * pair], p_fragment, v_fragment[0], v_fragment[1]);
+        mma_16x8x16(Tag{}, output[0][2 * pair + 1], p_fragment, v_fragment[2], v_fragment[3]);
       }
     }
-    online_softmax(score, row_max, row_sum, output, Modifier::kForwardToLog2);
-    unsigned p_fragment[4];
-    p_fragment[0] = pack_pair(Tag{}, score[0][0][0], score[0][0][1]);
-    p_fragment[1] = pack_pair(Tag{}, score[0][0][2], score[0][0][3]);
-    p_fragment[2] = pack_pair(Tag{}, score[0][1][0], score[0][1][1]);
-    p_fragment[3] = pack_pair(Tag{}, score[0][1][2], score[0][1][3]);
-#pragma unroll
-    for (int pair = 0; pair < Config::kStepsV; ++pair) {
-      unsigned v_fragment[4];
-      load_matrix_x4_transposed(v_fragment, v_tile + v_lane.at(pair, warp * Config::kWarpKeys));
-      mma_16x8x16(Tag{}, output[0][2 * pair], p_fragment, v_fragment[0], v_fragment[1]);
-      mma_16x8x16(Tag{}, output[0][2 * pair + 1], p_fragment, v_fragment[2], v_fragment[3]);
-    }
+    wait_copies<0>();
+    __syncthreads();  // the pass's stages and list are no longer read
   }
-  wait_copies<0>();
-  __syncthreads();  // every warp is done with the tiles: the merge reuses them
+  // Every warp is done with the tiles (the last pass ended with a barrier): the merge reuses them.
 
   // Each warp's rows: max (log2 units), sum, output columns.
   constexpr int kRowFloats = Config::kMergeRowFloats;
