@@ -2,7 +2,8 @@
 # query token per sequence against a contiguous KV cache, PyTorch SDPA (cuDNN, flash and
 # efficient backends, GQA through enable_gqa), FlexAttention (torch.compile'd, without a modifier
 # and with softcap 30), and a device-to-device copy of the same K and V bytes (the bandwidth
-# ceiling). Rates are K and V bytes read per second (TB/s), medians of triton.testing.do_bench.
+# ceiling). Rates are K and V bytes read per second (TB/s), the copy's bytes read and written;
+# medians of triton.testing.do_bench.
 # Writes JSON to $OUT/peers_decode.json.
 #   python3 peers_decode.py [--batch 64] [--heads-q 32] [--heads-kv 8] [--cache 8192] [--dim 128]
 import argparse
@@ -38,7 +39,7 @@ def main():
     kv_bytes = 2 * k.numel() * k.element_size()
     rows = []
 
-    def record(name, function):
+    def record(name, function, moved=kv_bytes):
         try:
             function()
             torch.cuda.synchronize()
@@ -46,7 +47,7 @@ def main():
         except Exception as error:  # a backend this build or shape lacks: a skip line
             skip(name, error)
             return
-        rate = kv_bytes / (ms * 1e-3) / 1e12
+        rate = moved / (ms * 1e-3) / 1e12
         rows.append({"name": name, "ms": ms, "tb_per_s": rate})
         print(f"{name:24} {ms * 1e3:9.1f} us  {rate:6.2f} TB/s", flush=True)
 
@@ -67,7 +68,7 @@ def main():
     record("flex_softcap30", lambda: compiled(q, k, v, score_mod=softcap, enable_gqa=True))
     source = torch.cat([k, v])
     target = torch.empty_like(source)
-    record("copy_d2d", lambda: target.copy_(source))
+    record("copy_d2d", lambda: target.copy_(source), moved=2 * kv_bytes)  # read and written
 
     result = {"batch": b, "heads_q": hq, "heads_kv": hkv, "cache": s, "dim": d,
               "kv_bytes": kv_bytes, "torch": torch.__version__,
