@@ -285,8 +285,8 @@ ProblemDesc small_desc(const std::string& score_mod) {
 // scrambled, give the same bits (the kernel's arithmetic depends on positions, not pages); a used
 // page id outside the pool (sequence 1) and a length past the capacity (sequence 2) give NaN rows
 // without reading past the pool, and leave sequence 0's rows alone.
-TEST(CudaPagedCache, PagesDoNotChangeBitsAndInvalidTablesGiveNanRows) {
-  SKIP_WITHOUT_DEVICE();
+// In bf16 on tensor cores and in fp32 on the fp32 units (the two paged-cache kernels).
+void check_paged_cache_tables(DType dtype) {
   const Engine& engine = *device_engine();
   ProblemDesc desc;
   desc.batch = 3;
@@ -294,21 +294,24 @@ TEST(CudaPagedCache, PagesDoNotChangeBitsAndInvalidTablesGiveNanRows) {
   desc.heads_kv = 2;
   desc.seq_len_q = 1;
   desc.head_dim_qk = 64;
-  desc.dtype = DType::kBF16;
+  desc.dtype = dtype;
   desc.device = Device::kCuda;
   desc.kv_cache = KvCacheDesc{8, 16, 4};
   desc.score_mod = ir::parse("30 * tanh(score / 30)", desc.scope());
   desc.mask_mod = ir::parse("q - kv < 33", desc.scope());
   const Problem problem(desc);
-  HostTensor q(DType::kBF16, problem.expected("q").shape);
-  HostTensor k(DType::kBF16, problem.expected("k").shape);
-  HostTensor v(DType::kBF16, problem.expected("v").shape);
+  HostTensor q(dtype, problem.expected("q").shape);
+  HostTensor k(dtype, problem.expected("k").shape);
+  HostTensor v(dtype, problem.expected("v").shape);
   q.fill_normal(1);
   k.fill_normal(2);
   v.fill_normal(3);
   const DeviceMemory& memory = *engine.memory();
   DeviceTensor dq(memory, q), dk(memory, k), dv(memory, v);
   const std::unique_ptr<Plan> plan = engine.plan(problem);
+  EXPECT_NE(plan->info().description.find(dtype == DType::kF32 ? "fp32 units" : "tensor cores"),
+            std::string::npos)
+      << plan->info().description;
   // One run on pools `k_pool` and `v_pool` with the given page table (3 x 4) and lengths.
   const auto run = [&](const DeviceTensor& k_pool, const DeviceTensor& v_pool,
                        const std::vector<int>& table, const std::vector<int>& lengths) {
@@ -337,8 +340,8 @@ TEST(CudaPagedCache, PagesDoNotChangeBitsAndInvalidTablesGiveNanRows) {
   const DeviceOutputs ordered =
       run(dk, dv, {0, 1, 2, -1, 3, 4, -1, -1, 6, -1, -1, -1}, {40, 20, 16});
   // Copy pages 0, 1, 2 to 5, 2, 7 in the host pool, through a second pool on the device.
-  HostTensor moved = k.to(DType::kBF16);
-  HostTensor moved_v = v.to(DType::kBF16);
+  HostTensor moved = k.to(dtype);
+  HostTensor moved_v = v.to(dtype);
   const std::int64_t page_values = 16 * 2 * 64;
   for (const auto& [from, to] : std::vector<std::pair<int, int>>{{2, 7}, {1, 2}, {0, 5}}) {
     for (std::int64_t e = 0; e < page_values; ++e) {
@@ -371,6 +374,14 @@ TEST(CudaPagedCache, PagesDoNotChangeBitsAndInvalidTablesGiveNanRows) {
         }
       }
     }
+  }
+}
+
+TEST(CudaPagedCache, PagesDoNotChangeBitsAndInvalidTablesGiveNanRows) {
+  SKIP_WITHOUT_DEVICE();
+  for (const DType dtype : {DType::kBF16, DType::kF32}) {
+    SCOPED_TRACE(to_string(dtype));
+    check_paged_cache_tables(dtype);
   }
 }
 
