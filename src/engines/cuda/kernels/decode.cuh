@@ -240,6 +240,100 @@ __device__ __forceinline__ void load_value_columns(const void* data, long long o
   }
 }
 
+// What both paged-cache kernels know of their block's sequence (batch = blockIdx.z, kv head =
+// blockIdx.y): its queries (bshd or thd), their rows (the GQA group's heads times the new tokens)
+// and its cache length.
+struct DecodeSequence {
+  int batch;
+  int head_kv;
+  int q_offset;
+  int q_len;
+  int group;
+  int rows_total;
+  int cache_len;
+
+  __device__ __forceinline__ explicit DecodeSequence(const DecodeParams& d)
+      : batch(static_cast<int>(blockIdx.z)), head_kv(static_cast<int>(blockIdx.y)), q_offset(0),
+        q_len(d.fwd.seq_len_q), group(d.fwd.heads_per_kv), rows_total(0),
+        cache_len(d.cache_lens[blockIdx.z]) {
+    if (d.fwd.cu_seqlens_q != nullptr) {
+      q_offset = d.fwd.cu_seqlens_q[batch];
+      q_len = d.fwd.cu_seqlens_q[batch + 1] - q_offset;
+    }
+    rows_total = group * q_len;
+  }
+  // Row `row`'s query head, token (in the queries' view) and position in the sequence.
+  __device__ __forceinline__ int head(int row) const { return head_kv * group + row % group; }
+  __device__ __forceinline__ int token(int row) const { return q_offset + row / group; }
+  __device__ __forceinline__ int position(int row) const { return cache_len - q_len + row / group; }
+};
+
+// The keys [begin, end) of split `split`, and whether this thread found the sequence invalid: a
+// length outside {0} U [q_len, capacity], or a used page id outside the pool among the entries
+// it read (each used entry of the range is read by one of the block's kThreads threads; the
+// caller ORs `poisoned` over the block). An invalid sequence's range is empty: nothing of it is
+// ever read.
+struct DecodeKeyRange {
+  int begin;
+  int end;
+  bool poisoned;
+};
+template <int kThreads>
+__device__ __forceinline__ DecodeKeyRange decode_key_range(const DecodeParams& d,
+                                                           const DecodeSequence& sequence,
+                                                           int split, int thread) {
+  const int cache_len = sequence.cache_len;
+  const int capacity = d.max_pages * d.page_size;
+  DecodeKeyRange range;
+  range.poisoned = !(cache_len == 0 || (cache_len >= sequence.q_len && cache_len <= capacity));
+  range.begin = split * d.keys_per_split;
+  range.end = range.poisoned ? range.begin : ir_min(range.begin + d.keys_per_split, cache_len);
+  if (range.begin < range.end) {
+    for (int entry = range.begin / d.page_size + thread; entry <= (range.end - 1) / d.page_size;
+         entry += kThreads) {
+      const int page = d.page_table[static_cast<long long>(sequence.batch) * d.max_pages + entry];
+      range.poisoned |= page < 0 || page >= d.pages;
+    }
+  }
+  return range;
+}
+
+// Where a finished row goes: O and the LSE with one split, else the split's partial rows (fp32)
+// for the combine kernel.
+template <class Tag, int kDimV>
+struct DecodeRowStore {
+  const DecodeParams& d;
+  int batch;
+  int token;
+  int head;
+  long long index;  // O's row offset, or the partial row
+
+  __device__ __forceinline__ DecodeRowStore(const DecodeParams& params,
+                                            const DecodeSequence& sequence, int row, int split)
+      : d(params), batch(sequence.batch), token(sequence.token(row)), head(sequence.head(row)) {
+    if (d.splits == 1) {
+      index = row_index(d.fwd.o, batch, token, head);
+    } else {
+      const int flat = d.fwd.cu_seqlens_q != nullptr ? token : batch * d.fwd.seq_len_q + token;
+      index = (static_cast<long long>(split) * d.heads_q + head) * d.tokens_q + flat;
+    }
+  }
+  __device__ __forceinline__ void value(int column, float x) const {
+    if (d.splits == 1) {
+      store_from_float(Tag{}, d.fwd.o.data, index + column, x);
+    } else {
+      d.partial_o[index * kDimV + column] = x;
+    }
+  }
+  __device__ __forceinline__ void lse(float x) const {
+    if (d.splits > 1) {
+      d.partial_lse[index] = x;
+    } else if (d.fwd.lse != nullptr) {
+      *lse_address(d.fwd, batch, head, token) = x;
+    }
+  }
+};
+
 }  // namespace decode_detail
 
 // The rows [row_first, row_first + kRows) of the block's (batch = blockIdx.z, kv head =
@@ -264,31 +358,18 @@ __device__ __forceinline__ void forward_decode_rows(const DecodeParams& d, int r
   const int thread = static_cast<int>(threadIdx.x);
   const int warp = thread / kWarpSize;
   const int lane = thread % kWarpSize;
-  const int head_kv = static_cast<int>(blockIdx.y);
-  const int batch = static_cast<int>(blockIdx.z);
-  int q_offset = 0;
-  int q_len = p.seq_len_q;
-  if (p.cu_seqlens_q != nullptr) {
-    q_offset = p.cu_seqlens_q[batch];
-    q_len = p.cu_seqlens_q[batch + 1] - q_offset;
-  }
-  const int group = p.heads_per_kv;
-  const int rows_total = group * q_len;
+  const DecodeSequence sequence(d);
+  const int head_kv = sequence.head_kv;
+  const int batch = sequence.batch;
+  const int q_len = sequence.q_len;
+  const int rows_total = sequence.rows_total;
+  const int cache_len = sequence.cache_len;
   if (row_first >= rows_total) return;
-
-  const int cache_len = d.cache_lens[batch];
-  const int capacity = d.max_pages * d.page_size;
-  bool poisoned = !(cache_len == 0 || (cache_len >= q_len && cache_len <= capacity));
-  const int kv_begin = split * d.keys_per_split;
-  const int kv_end = poisoned ? kv_begin : ir_min(kv_begin + d.keys_per_split, cache_len);
   // The used page-table entries of this range, each read once per block before any key is.
-  if (kv_begin < kv_end) {
-    for (int entry = kv_begin / d.page_size + thread; entry <= (kv_end - 1) / d.page_size;
-         entry += kThreads) {
-      const int page = d.page_table[static_cast<long long>(batch) * d.max_pages + entry];
-      poisoned |= page < 0 || page >= d.pages;
-    }
-  }
+  const DecodeKeyRange range = decode_key_range<kThreads>(d, sequence, split, thread);
+  bool poisoned = range.poisoned;
+  const int kv_begin = range.begin;
+  const int kv_end = range.end;
 
   // The block's query rows, their heads, positions and invariants.
   int heads[kRows];
@@ -297,19 +378,18 @@ __device__ __forceinline__ void forward_decode_rows(const DecodeParams& d, int r
     const int r = index / kDimQk;
     const int row = row_first + r;
     queries[index] =
-        row < rows_total
-            ? load_as_float(Tag{}, p.q.data,
-                            row_index(p.q, batch, q_offset + row / group,
-                                      head_kv * group + row % group) +
-                                index % kDimQk)
-            : 0.0f;
+        row < rows_total ? load_as_float(Tag{}, p.q.data,
+                                         row_index(p.q, batch, sequence.token(row),
+                                                   sequence.head(row)) +
+                                             index % kDimQk)
+                         : 0.0f;
   }
   typename Modifier::Invariants invariants[kRows];
 #pragma unroll
   for (int r = 0; r < kRows; ++r) {
     const int row = ir_min(row_first + r, rows_total - 1);  // a row past the end repeats the last
-    heads[r] = head_kv * group + row % group;
-    positions[r] = cache_len - q_len + row / group;
+    heads[r] = sequence.head(row);
+    positions[r] = sequence.position(row);
     invariants[r] = Modifier::prepare(p, Coordinates{batch, heads[r], q_len, cache_len});
   }
   // Also makes the query rows visible.
@@ -411,31 +491,15 @@ __device__ __forceinline__ void forward_decode_rows(const DecodeParams& d, int r
     }
     RowResult result = finish_row_natural(merged_max, sum);
     if (poisoned) result = RowResult{__int_as_float(0x7fc00000), __int_as_float(0x7fc00000)};
-    const int token = q_offset + row / group;
-    const int head = head_kv * group + row % group;
-    if (d.splits == 1) {
-      const long long o_row = row_index(p.o, batch, token, head);
+    const DecodeRowStore<Tag, kDimV> store(d, sequence, row, split);
 #pragma unroll
-      for (int c = 0; c < kColumns; ++c) {
-        const int column = value_column<Config>(lane, c);
-        if (Config::kContiguousColumns || column < kDimV) {
-          store_from_float(Tag{}, p.o.data, o_row + column, merged[c] * result.inverse_sum);
-        }
+    for (int c = 0; c < kColumns; ++c) {
+      const int column = value_column<Config>(lane, c);
+      if (Config::kContiguousColumns || column < kDimV) {
+        store.value(column, merged[c] * result.inverse_sum);
       }
-      if (p.lse != nullptr && lane == 0) *lse_address(p, batch, head, token) = result.lse;
-    } else {
-      const int flat = p.cu_seqlens_q != nullptr ? token : batch * p.seq_len_q + token;
-      const long long partial_row =
-          (static_cast<long long>(split) * d.heads_q + head) * d.tokens_q + flat;
-#pragma unroll
-      for (int c = 0; c < kColumns; ++c) {
-        const int column = value_column<Config>(lane, c);
-        if (Config::kContiguousColumns || column < kDimV) {
-          d.partial_o[partial_row * kDimV + column] = merged[c] * result.inverse_sum;
-        }
-      }
-      if (lane == 0) d.partial_lse[partial_row] = result.lse;
     }
+    if (lane == 0) store.lse(result.lse);
   }
 }
 
@@ -556,9 +620,9 @@ __device__ __forceinline__ void load_paged_tile_async(const DecodeParams& d, int
 // tile's keys (stopping at the first kept one); warp 0 compacts the flags in order with ballots.
 // The mask sees only positions inside the sequence. Ends with a barrier.
 template <class Config, class Modifier>
-__device__ __forceinline__ int list_kept_tiles(const ForwardParams& p, int batch, int head_kv,
-                                               int group, int q_len, int cache_len, int row_first,
-                                               int rows_total, int first, int end, int count,
+__device__ __forceinline__ int list_kept_tiles(const ForwardParams& p,
+                                               const DecodeSequence& sequence, int row_first,
+                                               int first, int end, int count,
                                                unsigned short* list) {
   __shared__ unsigned char kept[Config::kListCapacity];
   __shared__ int listed;
@@ -567,14 +631,14 @@ __device__ __forceinline__ int list_kept_tiles(const ForwardParams& p, int batch
   const int warp = thread / kWarpSize;
   const int lane = thread % kWarpSize;
   const int row = row_first + lane % Config::kRows;
-  const int clamped = ir_min(row, rows_total - 1);
-  const Coordinates at{batch, head_kv * group + clamped % group, q_len, cache_len};
+  const int clamped = ir_min(row, sequence.rows_total - 1);
+  const Coordinates at{sequence.batch, sequence.head(clamped), sequence.q_len, sequence.cache_len};
   const typename Modifier::Invariants invariants = Modifier::prepare(p, at);
-  const int q = cache_len - q_len + clamped / group;
+  const int q = sequence.position(clamped);
   for (int t = warp; t < count; t += Config::kWarps) {
     const int key0 = first + t * Config::kBlockN + (lane / Config::kRows) * kHalf;
     bool keep = false;
-    if (row < rows_total) {
+    if (row < sequence.rows_total) {
       for (int j = 0; j < kHalf && !keep; ++j) {
         const int kv = key0 + j;
         keep = kv < end && Modifier::mask_mod(invariants, p, at, q, kv);
@@ -625,30 +689,17 @@ __device__ __forceinline__ void forward_decode_mma(const DecodeParams& d) {
   const int quad_lane = lane % 4;
   const int split = static_cast<int>(blockIdx.x) % d.splits;
   const int row_first = static_cast<int>(blockIdx.x) / d.splits * kRows;
-  const int head_kv = static_cast<int>(blockIdx.y);
-  const int batch = static_cast<int>(blockIdx.z);
-  int q_offset = 0;
-  int q_len = p.seq_len_q;
-  if (p.cu_seqlens_q != nullptr) {
-    q_offset = p.cu_seqlens_q[batch];
-    q_len = p.cu_seqlens_q[batch + 1] - q_offset;
-  }
-  const int group = p.heads_per_kv;
-  const int rows_total = group * q_len;
+  const DecodeSequence sequence(d);
+  const int head_kv = sequence.head_kv;
+  const int batch = sequence.batch;
+  const int q_len = sequence.q_len;
+  const int rows_total = sequence.rows_total;
+  const int cache_len = sequence.cache_len;
   if (row_first >= rows_total) return;
-
-  const int cache_len = d.cache_lens[batch];
-  const int capacity = d.max_pages * d.page_size;
-  bool poisoned = !(cache_len == 0 || (cache_len >= q_len && cache_len <= capacity));
-  const int kv_begin = split * d.keys_per_split;
-  const int kv_end = poisoned ? kv_begin : ir_min(kv_begin + d.keys_per_split, cache_len);
-  if (kv_begin < kv_end) {
-    for (int entry = kv_begin / d.page_size + thread; entry <= (kv_end - 1) / d.page_size;
-         entry += kThreads) {
-      const int page = d.page_table[static_cast<long long>(batch) * d.max_pages + entry];
-      poisoned |= page < 0 || page >= d.pages;
-    }
-  }
+  const DecodeKeyRange range = decode_key_range<kThreads>(d, sequence, split, thread);
+  bool poisoned = range.poisoned;
+  const int kv_begin = range.begin;
+  const int kv_end = range.end;
 
   const unsigned q_tile = shared_address(shared);
   const unsigned k_tiles = q_tile + Config::kQBytes;
@@ -661,10 +712,8 @@ __device__ __forceinline__ void forward_decode_mma(const DecodeParams& d) {
     const int row = row_first + r;
     unsigned short bits = 0;
     if (row < rows_total && column < kDimQk) {
-      bits = static_cast<const unsigned short*>(p.q.data)[row_index(
-                                                              p.q, batch, q_offset + row / group,
-                                                              head_kv * group + row % group) +
-                                                          column];
+      bits = static_cast<const unsigned short*>(
+          p.q.data)[row_index(p.q, batch, sequence.token(row), sequence.head(row)) + column];
     }
     *reinterpret_cast<unsigned short*>(
         shared + swizzled_offset<Config::kChunksQk>(r, column / kChunkElements) +
@@ -682,8 +731,8 @@ __device__ __forceinline__ void forward_decode_mma(const DecodeParams& d) {
 #pragma unroll
   for (int half = 0; half < 2; ++half) {
     const int row = ir_min(row_first + group_row + 8 * half, rows_total - 1);
-    at[half] = Coordinates{batch, head_kv * group + row % group, q_len, cache_len};
-    query[0][half] = cache_len - q_len + row / group;
+    at[half] = Coordinates{batch, sequence.head(row), q_len, cache_len};
+    query[0][half] = sequence.position(row);
     invariants[half] = Modifier::prepare(p, at[half]);
   }
   unsigned q_fragment[Config::kStepsQk][4];
@@ -719,8 +768,7 @@ __device__ __forceinline__ void forward_decode_mma(const DecodeParams& d) {
     const int pass_tiles = ir_min(kListCapacity, tiles - pass_first);
     int listed = pass_tiles;
     if constexpr (Modifier::kHasMask) {
-      listed = list_kept_tiles<Config, Modifier>(p, batch, head_kv, group, q_len, cache_len,
-                                                 row_first, rows_total,
+      listed = list_kept_tiles<Config, Modifier>(p, sequence, row_first,
                                                  kv_begin + pass_first * kBlockN, end, pass_tiles,
                                                  tile_list);
     }
@@ -826,7 +874,9 @@ __device__ __forceinline__ void forward_decode_mma(const DecodeParams& d) {
   for (int c = 0; c < kColumns; ++c) merged[c] = 0.0f;
   float merged_max = negative_infinity();
 #pragma unroll
-  for (int w = 0; w < kWarps; ++w) merged_max = fmaxf(merged_max, merge[(w * kRows + r) * kRowFloats]);
+  for (int w = 0; w < kWarps; ++w) {
+    merged_max = fmaxf(merged_max, merge[(w * kRows + r) * kRowFloats]);
+  }
   const float subtract = safe_max(merged_max);
   float sum = 0.0f;
 #pragma unroll
@@ -858,27 +908,13 @@ __device__ __forceinline__ void forward_decode_mma(const DecodeParams& d) {
   const float nan = __int_as_float(0x7fc00000);
   const float lse = poisoned ? nan : result.lse;
   const float scale = poisoned ? nan : result.inverse_sum;
-  const int token = q_offset + row / group;
-  const int head = head_kv * group + row % group;
-  if (d.splits == 1) {
-    const long long o_row = row_index(p.o, batch, token, head);
+  const DecodeRowStore<Tag, kDimV> store(d, sequence, row, split);
 #pragma unroll
-    for (int c = 0; c < kColumns; ++c) {
-      const int column = c * kLanesPerRow + part;
-      if (column < kDimV) store_from_float(Tag{}, p.o.data, o_row + column, merged[c] * scale);
-    }
-    if (p.lse != nullptr && part == 0) *lse_address(p, batch, head, token) = lse;
-  } else {
-    const int flat = p.cu_seqlens_q != nullptr ? token : batch * p.seq_len_q + token;
-    const long long partial_row =
-        (static_cast<long long>(split) * d.heads_q + head) * d.tokens_q + flat;
-#pragma unroll
-    for (int c = 0; c < kColumns; ++c) {
-      const int column = c * kLanesPerRow + part;
-      if (column < kDimV) d.partial_o[partial_row * kDimV + column] = merged[c] * scale;
-    }
-    if (part == 0) d.partial_lse[partial_row] = lse;
+  for (int c = 0; c < kColumns; ++c) {
+    const int column = c * kLanesPerRow + part;
+    if (column < kDimV) store.value(column, merged[c] * scale);
   }
+  if (part == 0) store.lse(lse);
 }
 
 // Merges the splits' partial rows (forward_decode with d.splits > 1): one warp per (head, query
