@@ -222,6 +222,22 @@ __device__ __forceinline__ void backward_finalize(const FinalizeParams& p) {
 // P = 0), from the stored LSE and delta. Tensor gradients are not recomputed: the scatter skips
 // removed positions itself (dq_gradient_elements).
 
+// Whether a problem of this storage is served by the fp32-unit kernels, whose dot products an
+// exact row reproduces (WarpRow::ordered_dot, for q . k and dO . v). P = exp(logit - LSE) must
+// use the logit that made the stored LSE: with another summation order, the logits of the
+// conformance matrix's softcap 30 case (scores of standard deviation 16) differ by up to 1e-5,
+// and so does each P relative to itself; dV rows computed wholly here then erred 2.5 to 4.6
+// times a plain fp32 implementation (emulated in numpy), where the tolerance allows 2. The
+// tensor-core kernels' order cannot be reproduced, nor need it be at 16-bit tolerances.
+template <class Tag>
+struct OrderedDot {
+  static constexpr bool kValue = false;
+};
+template <>
+struct OrderedDot<Float32Tag> {
+  static constexpr bool kValue = true;
+};
+
 // The contribution of element (q, kv) to the backward: P, and dS without the softmax scale. Both
 // 0 where the position is removed (`kept` false); the same in every lane.
 struct ExactElement {
@@ -229,7 +245,7 @@ struct ExactElement {
   float dscore;
   bool kept;
 };
-template <class Modifier, int kDimQk, int kDimV>
+template <class Tag, class Modifier, int kDimQk, int kDimV>
 __device__ __forceinline__ ExactElement
 exact_element(const BackwardParams& bp, const typename Modifier::Invariants& invariants,
               const Coordinates& at, const SequenceSpan& span, int batch, int head, int q, int kv,
@@ -239,7 +255,7 @@ exact_element(const BackwardParams& bp, const typename Modifier::Invariants& inv
   ExactElement result{0.0f, 0.0f, false};
   // In the natural domain with P and dlogit in double, as the fp32 kernels' precise path: a
   // recomputed row must meet the fp32 tolerance too.
-  const float dot = query.dot(key);
+  const float dot = OrderedDot<Tag>::kValue ? query.ordered_dot(key) : query.dot(key);
   const float logit = element_logit<Modifier, true, false>(dot, p, invariants, at, q, kv);
   if (logit == negative_infinity()) return result;
   // The LSE is -inf in a row that kept no key: P 0. A NaN row's NaN P is kept.
@@ -247,7 +263,8 @@ exact_element(const BackwardParams& bp, const typename Modifier::Invariants& inv
   if (lse == negative_infinity()) return result;
   const double probability = exp(static_cast<double>(logit) - static_cast<double>(lse));
   if (probability == 0.0) return result;
-  const float dp = output_gradient.dot(value);
+  const float dp =
+      OrderedDot<Tag>::kValue ? output_gradient.ordered_dot(value) : output_gradient.dot(value);
   const double delta = *delta_address(bp, batch, head, span.q_offset + q);
   const float dlogit = static_cast<float>(probability * (static_cast<double>(dp) - delta));
   const float dscore = score_gradient<Modifier>(dlogit, invariants, p, at, dot * p.scale, q, kv);
@@ -277,7 +294,7 @@ __device__ __forceinline__ void exact_dq_row(const BackwardParams& bp,
     key.load(Tag{}, p.k.data, row_index(p.k, batch, span.kv_offset + kv, head_kv), lane);
     WarpRow<kDimV> value;
     value.load(Tag{}, p.v.data, row_index(p.v, batch, span.kv_offset + kv, head_kv), lane);
-    const ExactElement element = exact_element<Modifier>(bp, invariants, at, span, batch, head, row,
+    const ExactElement element = exact_element<Tag, Modifier>(bp, invariants, at, span, batch, head, row,
                                                          kv, query, key, value, output_gradient);
     if (element.kept) dq.add(element.dscore, key);
   }
@@ -307,7 +324,7 @@ __device__ __forceinline__ void exact_dkdv_row(const BackwardParams& bp, const S
       WarpRow<kDimV> output_gradient;
       output_gradient.load(Tag{}, bp.dout.data, row_index(bp.dout, batch, span.q_offset + q, head),
                            lane);
-      const ExactElement element = exact_element<Modifier>(bp, invariants, at, span, batch, head, q,
+      const ExactElement element = exact_element<Tag, Modifier>(bp, invariants, at, span, batch, head, q,
                                                            kv, query, key, value, output_gradient);
       if (!element.kept) continue;
       if constexpr (kWantDv) dv.add(element.probability, output_gradient);

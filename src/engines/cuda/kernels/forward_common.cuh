@@ -275,6 +275,21 @@ struct WarpRow {
     for (int c = 0; c < kColumns; ++c) sum = fmaf(value[c], other.value[c], sum);
     return warp_sum(sum);
   }
+  // The dot product as the fp32-unit kernels compute it (forward_simt, dot_with_rows): one fma
+  // chain over the columns in order, from 0, so the logit is bit for bit theirs; the same in every
+  // lane. Two shuffles a column: for recomputed rows only.
+  __device__ __forceinline__ float ordered_dot(const WarpRow& other) const {
+    float sum = 0.0f;
+#pragma unroll
+    for (int c = 0; c < kColumns; ++c) {
+#pragma unroll 1
+      for (int source = 0; source < kWarpSize && c * kWarpSize + source < kDim; ++source) {
+        sum = fmaf(__shfl_sync(0xffffffffu, value[c], source),
+                   __shfl_sync(0xffffffffu, other.value[c], source), sum);
+      }
+    }
+    return sum;
+  }
   // this += weight * other
   __device__ __forceinline__ void add(float weight, const WarpRow& other) {
 #pragma unroll
