@@ -57,10 +57,13 @@ int main(int argc, char** argv) {
   const DType dtype = gpu ? DType::kBF16 : DType::kF32;
 
   // The GPU's memory, through the cuda engine (when asked for and usable).
+  // `cuda` owns the memory: it lives as long as the memory is used.
+  std::shared_ptr<const Engine> cuda;
   const DeviceMemory* memory = nullptr;
   if (gpu) {
     for (const std::shared_ptr<const Engine>& engine : builtin_engines()) {
       if (engine->name() != "cuda") continue;
+      cuda = engine;
       if (const Support available = engine->available(); !available) {
         std::fprintf(stderr, "error: the cuda engine is unavailable: %s\n",
                      available.reason().c_str());

@@ -154,7 +154,8 @@ class FLEXATTN_API Engine {
   virtual std::string_view name() const = 0;
   // Where the engine's plans expect their data (Problem::device() must match).
   virtual Device device() const { return Device::kCpu; }
-  // Non-null for engines whose device is not the CPU.
+  // Non-null for engines whose device is not the CPU; owned by the engine, so valid while the
+  // engine lives (keep the shared_ptr that builtin_engine(s) returned, not only this pointer).
   virtual const DeviceMemory* memory() const { return nullptr; }
   // Whether the engine can run on this machine at all ("no CUDA device", "libcudnn.so.9 not
   // found"). Checked before lower().

@@ -287,7 +287,8 @@ ProblemDesc small_desc(const std::string& score_mod) {
 // without reading past the pool, and leave sequence 0's rows alone.
 // In bf16 on tensor cores and in fp32 on the fp32 units (the two paged-cache kernels).
 void check_paged_cache_tables(DType dtype) {
-  const Engine& engine = *device_engine();
+  const std::shared_ptr<const Engine> owner = device_engine();  // outlives its memory and plan
+  const Engine& engine = *owner;
   ProblemDesc desc;
   desc.batch = 3;
   desc.heads_q = 4;

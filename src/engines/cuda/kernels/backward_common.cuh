@@ -222,22 +222,6 @@ __device__ __forceinline__ void backward_finalize(const FinalizeParams& p) {
 // P = 0), from the stored LSE and delta. Tensor gradients are not recomputed: the scatter skips
 // removed positions itself (dq_gradient_elements).
 
-// Whether a problem of this storage is served by the fp32-unit kernels, whose dot products an
-// exact row reproduces (WarpRow::ordered_dot, for q . k and dO . v). P = exp(logit - LSE) must
-// use the logit that made the stored LSE: with another summation order, the logits of the
-// conformance matrix's softcap 30 case (scores of standard deviation 16) differ by up to 1e-5,
-// and so does each P relative to itself; dV rows computed wholly here then erred 2.5 to 4.6
-// times a plain fp32 implementation (emulated in numpy), where the tolerance allows 2. The
-// tensor-core kernels' order cannot be reproduced, nor need it be at 16-bit tolerances.
-template <class Tag>
-struct OrderedDot {
-  static constexpr bool kValue = false;
-};
-template <>
-struct OrderedDot<Float32Tag> {
-  static constexpr bool kValue = true;
-};
-
 // The contribution of element (q, kv) to the backward: P, and dS without the softmax scale. Both
 // 0 where the position is removed (`kept` false); the same in every lane.
 struct ExactElement {

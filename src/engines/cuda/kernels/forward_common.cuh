@@ -308,9 +308,28 @@ __device__ __forceinline__ bool stored_row_non_finite(const void* data, long lon
   return __any_sync(0xffffffffu, bad) != 0;
 }
 
+// Whether a problem of this storage is served by the fp32-unit kernels (forward_simt,
+// backward_simt), whose logits the rows computed here reproduce bit for bit: q . k as one fma
+// chain over the columns in order (WarpRow::ordered_dot), the modifier in the natural domain.
+// The backward's P = exp(logit - LSE) must use the logit that made the stored LSE, whichever
+// kernel stored it: with another summation order, the logits of the conformance matrix's softcap
+// 30 case (scores of standard deviation 16) differ by up to 1e-5, and so does each P relative to
+// itself; dV then erred 2.5 to 4.6 times a plain fp32 implementation (emulated in numpy), where
+// the tolerance allows 2. The tensor-core kernels' order cannot be reproduced, nor need it be at
+// 16-bit tolerances.
+template <class Tag>
+struct OrderedDot {
+  static constexpr bool kValue = false;
+};
+template <>
+struct OrderedDot<Float32Tag> {
+  static constexpr bool kValue = true;
+};
+
 // Output row `row` (a position in the sequence) of head `head`, and its LSE, computed by one warp
 // in fp32 over every key of the sequence, the mask evaluated at every one, with online softmax
-// in the log2 domain; a removed position (mask, or a -inf modified score) is skipped.
+// in the log2 domain (the natural domain for fp32 storage, as forward_simt: OrderedDot); a
+// removed position (mask, or a -inf modified score) is skipped.
 template <class Tag, class Modifier, int kDimQk, int kDimV>
 __device__ __forceinline__ void exact_forward_row(const ForwardParams& p,
                                                   const typename Modifier::Invariants& invariants,
@@ -326,13 +345,18 @@ __device__ __forceinline__ void exact_forward_row(const ForwardParams& p,
   for (int kv = 0; kv < span.kv_len; ++kv) {
     WarpRow<kDimQk> key;
     key.load(Tag{}, p.k.data, row_index(p.k, batch, span.kv_offset + kv, head_kv), lane);
+    // fp32: the natural domain and dot order of forward_simt (OrderedDot); else log2.
+    constexpr bool kNatural = OrderedDot<Tag>::kValue;
     const float logit =
-        element_logit<Modifier, true, true>(query.dot(key), p, invariants, at, row, kv);
+        kNatural
+            ? element_logit<Modifier, true, false>(query.ordered_dot(key), p, invariants, at, row,
+                                                   kv)
+            : element_logit<Modifier, true, true>(query.dot(key), p, invariants, at, row, kv);
     if (logit == negative_infinity()) continue;
-    // fmaxf ignores a NaN logit; its weight exp2(NaN) makes the sum NaN.
+    // fmaxf ignores a NaN logit; its weight exp(NaN) makes the sum NaN.
     const float new_max = fmaxf(row_max, logit);
-    const float correction = exp2f(row_max - new_max);
-    const float weight = exp2f(logit - new_max);
+    const float correction = kNatural ? expf(row_max - new_max) : exp2f(row_max - new_max);
+    const float weight = kNatural ? expf(logit - new_max) : exp2f(logit - new_max);
     row_max = new_max;
     row_sum = row_sum * correction + weight;
 #pragma unroll
@@ -343,7 +367,8 @@ __device__ __forceinline__ void exact_forward_row(const ForwardParams& p,
       output.add(weight, value);
     }
   }
-  const RowResult result = finish_row_log2(row_max, row_sum);
+  const RowResult result = OrderedDot<Tag>::kValue ? finish_row_natural(row_max, row_sum)
+                                                   : finish_row_log2(row_max, row_sum);
   output.store(Tag{}, p.o.data, row_index(p.o, batch, span.q_offset + row, head), lane,
                result.inverse_sum);
   if (p.lse != nullptr && lane == 0) {
