@@ -47,7 +47,7 @@ class FLEXATTN_API HostTensor {
 
   const std::vector<std::int64_t>& shape() const { return shape_; }
   DType dtype() const { return dtype_; }
-  std::int64_t numel() const;
+  std::int64_t numel() const { return numel_; }
   std::size_t bytes() const { return static_cast<std::size_t>(numel()) * size_of(dtype_); }
   void* data() { return storage_.get(); }
   const void* data() const { return storage_.get(); }
@@ -67,6 +67,7 @@ class FLEXATTN_API HostTensor {
   };
   DType dtype_ = DType::kF32;
   std::vector<std::int64_t> shape_;
+  std::int64_t numel_ = 1;  // the product of shape_ (fixed at construction): at/set check it
   std::unique_ptr<std::byte[], FreeDeleter> storage_;
 };
 

@@ -181,6 +181,7 @@ HostTensor::HostTensor(DType dtype, std::vector<std::int64_t> shape)
       fmt::format("HostTensor {}[{}]", to_string(dtype_), fmt::join(shape_, ", "));
   const std::int64_t checked_bytes = checked_tensor_bytes(what, shape_, size_of(dtype_));
   require_host_memory(what, checked_bytes);
+  numel_ = product(shape_);
   // aligned_alloc needs a size that is a multiple of the alignment (and never 0 here); below
   // kMaxTensorBytes the rounding cannot overflow.
   const std::size_t size =
@@ -193,8 +194,6 @@ HostTensor::HostTensor(DType dtype, std::vector<std::int64_t> shape)
   std::memset(memory, 0, size);
   storage_.reset(memory);
 }
-
-std::int64_t HostTensor::numel() const { return product(shape_); }
 
 TensorView HostTensor::view() const {
   TensorView result;
