@@ -942,15 +942,24 @@ __device__ __forceinline__ void decode_combine(const DecodeParams& d) {
 #pragma unroll
   for (int c = 0; c < kColumns; ++c) merged[c] = 0.0f;
   float sum = 0.0f;
-  for (int s = 0; s < d.splits; ++s) {
-    const float weight = expf(d.partial_lse[s * stride + row_id] - subtract);
-    if (weight == 0.0f) continue;
-    sum += weight;
-    const float* row = d.partial_o + (s * stride + row_id) * kDimV;
+  // 32 splits' weights at a time, one per lane, then broadcast: the partial rows' loads do not
+  // wait on their weight's load (the same order of additions as one split after another).
+  for (int base = 0; base < d.splits; base += kWarpSize) {
+    const int own = base + lane;
+    const float own_weight =
+        own < d.splits ? expf(d.partial_lse[own * stride + row_id] - subtract) : 0.0f;
+    const int count = ir_min(kWarpSize, d.splits - base);
+#pragma unroll 4
+    for (int j = 0; j < count; ++j) {
+      const float weight = __shfl_sync(0xffffffffu, own_weight, j);
+      if (weight == 0.0f) continue;  // the same in every lane
+      sum += weight;
+      const float* row = d.partial_o + ((base + j) * stride + row_id) * kDimV;
 #pragma unroll
-    for (int c = 0; c < kColumns; ++c) {
-      const int column = c * kWarpSize + lane;
-      if (column < kDimV) merged[c] = fmaf(weight, row[column], merged[c]);
+      for (int c = 0; c < kColumns; ++c) {
+        const int column = c * kWarpSize + lane;
+        if (column < kDimV) merged[c] = fmaf(weight, row[column], merged[c]);
+      }
     }
   }
   const RowResult result = finish_row_natural(merged_max, sum);
