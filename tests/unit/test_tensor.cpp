@@ -11,6 +11,7 @@
 #include <fstream>
 #include <iterator>
 #include <limits>
+#include <numbers>
 #include <optional>
 #include <string>
 #include <thread>
@@ -244,6 +245,33 @@ TEST(HostTensor, RefusesSizesPastTheLimit) {
   TensorView view;
   view.shape = {std::int64_t{1} << 32, std::int64_t{1} << 32};
   EXPECT_THROW(view.numel(), Error);
+}
+
+// fill_normal's values are one SplitMix64 sequence through Box-Muller, whatever the size: the
+// parallel chunks (2^15 pairs each) continue the sequence exactly. The reference here is the
+// plain serial loop.
+TEST(HostTensor, FillNormalIsOneSequenceAcrossItsParallelChunks) {
+  constexpr std::int64_t kCount = 2 * 3 * 32768 + 5;  // three whole chunks and part of a fourth
+  constexpr std::uint64_t kSeed = 11;
+  HostTensor filled(DType::kF64, {kCount});
+  filled.fill_normal(kSeed, 2.0);
+  std::uint64_t state = kSeed;
+  const auto uniform = [&state] {
+    state += 0x9e3779b97f4a7c15ull;
+    std::uint64_t z = state;
+    z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
+    z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
+    z ^= z >> 31;
+    return (static_cast<double>(z >> 11) + 1.0) * 0x1p-53;
+  };
+  for (std::int64_t i = 0; i < kCount; i += 2) {
+    const double radius = std::sqrt(-2.0 * std::log(uniform()));
+    const double angle = 2.0 * std::numbers::pi * uniform();
+    ASSERT_EQ(filled.at(i), 2.0 * radius * std::cos(angle)) << "element " << i;
+    if (i + 1 < kCount) {
+      ASSERT_EQ(filled.at(i + 1), 2.0 * radius * std::sin(angle)) << "element " << i + 1;
+    }
+  }
 }
 
 TEST(HostTensor, FillNormalIsDeterministicAndNormal) {
