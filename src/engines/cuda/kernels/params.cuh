@@ -62,10 +62,10 @@ struct DecodeParams {
   int max_pages;
   int page_size;
   int pages;
-  // Each sequence's keys in `splits` ranges of keys_per_split (a multiple of the kernel's key
-  // tile: 32 on the fp32 units, 64 on tensor cores) keys, one block
-  // each (blockIdx.x % splits); with more than one, every block writes its rows' partial result
-  // (O normalised over its keys, and their LSE) and the combine kernel merges them by LSE.
+  // Each sequence's keys in `splits` ranges of keys_per_split keys (a multiple of the kernel's
+  // key tile: 32 on the fp32 units, 64 on tensor cores), one block each (blockIdx.x % splits);
+  // with more than one, every block writes its rows' partial result (O normalised over its keys,
+  // and their LSE) and the combine kernel merges them by LSE.
   int splits;
   int keys_per_split;
   int heads_q;
