@@ -278,8 +278,8 @@ __device__ __forceinline__ void exact_dq_row(const BackwardParams& bp,
     key.load(Tag{}, p.k.data, row_index(p.k, batch, span.kv_offset + kv, head_kv), lane);
     WarpRow<kDimV> value;
     value.load(Tag{}, p.v.data, row_index(p.v, batch, span.kv_offset + kv, head_kv), lane);
-    const ExactElement element = exact_element<Tag, Modifier>(bp, invariants, at, span, batch, head, row,
-                                                         kv, query, key, value, output_gradient);
+    const ExactElement element = exact_element<Tag, Modifier>(
+        bp, invariants, at, span, batch, head, row, kv, query, key, value, output_gradient);
     if (element.kept) dq.add(element.dscore, key);
   }
   dq.store(Tag{}, bp.dq.data, row_index(bp.dq, batch, span.q_offset + row, head), lane, p.scale);
@@ -308,8 +308,8 @@ __device__ __forceinline__ void exact_dkdv_row(const BackwardParams& bp, const S
       WarpRow<kDimV> output_gradient;
       output_gradient.load(Tag{}, bp.dout.data, row_index(bp.dout, batch, span.q_offset + q, head),
                            lane);
-      const ExactElement element = exact_element<Tag, Modifier>(bp, invariants, at, span, batch, head, q,
-                                                           kv, query, key, value, output_gradient);
+      const ExactElement element = exact_element<Tag, Modifier>(
+          bp, invariants, at, span, batch, head, q, kv, query, key, value, output_gradient);
       if (!element.kept) continue;
       if constexpr (kWantDv) dv.add(element.probability, output_gradient);
       if constexpr (kWantDk) dk.add(element.dscore, query);

@@ -348,10 +348,9 @@ __device__ __forceinline__ void exact_forward_row(const ForwardParams& p,
     // fp32: the natural domain and dot order of forward_simt (OrderedDot); else log2.
     constexpr bool kNatural = OrderedDot<Tag>::kValue;
     const float logit =
-        kNatural
-            ? element_logit<Modifier, true, false>(query.ordered_dot(key), p, invariants, at, row,
-                                                   kv)
-            : element_logit<Modifier, true, true>(query.dot(key), p, invariants, at, row, kv);
+        kNatural ? element_logit<Modifier, true, false>(query.ordered_dot(key), p, invariants, at,
+                                                        row, kv)
+                 : element_logit<Modifier, true, true>(query.dot(key), p, invariants, at, row, kv);
     if (logit == negative_infinity()) continue;
     // fmaxf ignores a NaN logit; its weight exp(NaN) makes the sum NaN.
     const float new_max = fmaxf(row_max, logit);
