@@ -9,9 +9,10 @@
 # before FlexAttention's in one process got FlexAttention at 5-25 TFLOP/s (an uncompiled
 # fallback) for the rest of that process. A missing torch feature is a skip line, not a crash.
 # Writes JSON to $OUT/peers_forward.json.
-#   python3 peers_forward.py [--quick | --sweep | --dims] [--pass fwd|fwdbwd|both]
+#   python3 peers_forward.py [--quick | --sweep | --dims [--head-dims 256,...]]
+#                            [--pass fwd|fwdbwd|both]
 # (--sweep: the forward sequence sweep alone, as bench_cuda_forward --sweep; --dims: the other
-# head dims alone, as bench_cuda_forward --dims.)
+# head dims alone, as bench_cuda_forward --dims; --head-dims keeps only those q/k head dims.)
 import argparse
 import json
 import os
@@ -52,14 +53,16 @@ def flops(b, h, s, d, causal, pass_):
     return forward * (1.0 + BACKWARD_FLOPS_RATIO if pass_ == "fwdbwd" else 1.0)
 
 
-def configs(quick, passes, sweep_only=False, dims=False):
-    """(group, B, H, S, D, causal, pass, variants) as bench_cuda_forward times them."""
+def configs(quick, passes, sweep_only=False, dims=False, only_dims=None):
+    """(group, B, H, S, D, causal, pass, variants) as bench_cuda_forward times them (--dims:
+    only the q/k head dims in only_dims, when given)."""
     result = []
     if sweep_only:
         return [c for c in configs(False, ["fwd"]) if c[0] == "sweep"]
     if dims:
         return [("dims", 4, 16, 4096, d, causal, pass_, ["none", "softcap"])
-                for d in OTHER_HEAD_DIMS for causal in (False, True) for pass_ in passes]
+                for d in OTHER_HEAD_DIMS if not only_dims or d[0] in only_dims
+                for causal in (False, True) for pass_ in passes]
     for d in (128, 64):
         for causal in (False, True):
             if "fwd" in passes:
@@ -107,7 +110,7 @@ class Timer:
         return sorted(times)[len(times) // 2]
 
 
-def run_part(part, quick, passes, json_path, sweep_only=False, dims=False):
+def run_part(part, quick, passes, json_path, sweep_only=False, dims=False, only_dims=None):
     rows = []
     info = {}
     try:
@@ -163,7 +166,8 @@ def run_part(part, quick, passes, json_path, sweep_only=False, dims=False):
                     backends.append((getattr(SDPBackend, attribute), name))
                 else:
                     skip(f"{name} (no SDPBackend.{attribute} in torch {torch.__version__})")
-        for group, b, h, s, d, causal, pass_, variants in configs(quick, passes, sweep_only, dims):
+        for group, b, h, s, d, causal, pass_, variants in configs(quick, passes, sweep_only, dims,
+                                                                  only_dims):
             if "none" not in variants:
                 continue
             grad = pass_ == "fwdbwd"
@@ -188,7 +192,8 @@ def run_part(part, quick, passes, json_path, sweep_only=False, dims=False):
                                    ("suppress_errors", False)]:
                 if hasattr(torch._dynamo.config, setting):  # names differ between releases
                     setattr(torch._dynamo.config, setting, value)
-        for group, b, h, s, d, causal, pass_, variants in configs(quick, passes, sweep_only, dims):
+        for group, b, h, s, d, causal, pass_, variants in configs(quick, passes, sweep_only, dims,
+                                                                  only_dims):
             if flex_attention is None:
                 break
             grad = pass_ == "fwdbwd"
@@ -228,13 +233,15 @@ def main():
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--sweep", action="store_true", help="the forward sequence sweep alone")
     parser.add_argument("--dims", action="store_true", help="head dims 256, 192/128, 96, 80, 32 alone")
+    parser.add_argument("--head-dims", type=lambda text: [int(d) for d in text.split(",")],
+                        help="with --dims: only these q/k head dims (e.g. 256 or 256,192)")
     parser.add_argument("--pass", dest="passes", choices=["fwd", "fwdbwd", "both"], default="both")
     parser.add_argument("--part", choices=["sdpa", "flex"], help=argparse.SUPPRESS)
     parser.add_argument("--json", help=argparse.SUPPRESS)
     args = parser.parse_args()
     passes = ["fwd", "fwdbwd"] if args.passes == "both" else [args.passes]
     if args.part is not None:
-        run_part(args.part, args.quick, passes, args.json, args.sweep, args.dims)
+        run_part(args.part, args.quick, passes, args.json, args.sweep, args.dims, args.head_dims)
         return
     rows, info = [], {}
     for part in ("sdpa", "flex"):
@@ -243,7 +250,8 @@ def main():
             os.remove(path)
         command = [sys.executable, os.path.abspath(__file__), "--part", part, "--json", path,
                    "--pass", args.passes] + (["--quick"] if args.quick else []) \
-            + (["--sweep"] if args.sweep else []) + (["--dims"] if args.dims else [])
+            + (["--sweep"] if args.sweep else []) + (["--dims"] if args.dims else []) \
+            + (["--head-dims", ",".join(map(str, args.head_dims))] if args.head_dims else [])
         status = subprocess.call(command)
         if status != 0:
             skip(f"{part} peers", f"the child process exited with status {status}")

@@ -113,15 +113,17 @@ std::string backward_entry_points(const Problem& problem, const BackwardChoice& 
       "    const flexattn_kernels::BackwardParams params) {{\n"
       "  flexattn_kernels::backward_delta<{}, {}>(params);\n}}\n",
       kBackwardDeltaName, element_tag(problem.dtype()), problem.head_dim_v());
-  // On wgmma both kernels take the wgmma configuration and its block of threads.
-  if (choice.wgmma) {
+  // On wgmma both kernels take the wgmma configuration and its block of threads; with the wide
+  // wgmma dK/dV kernel only that one does (the dQ kernel stays on mma.sync).
+  if (choice.wgmma || choice.wgmma_wide_dkdv) {
     text += fmt::format("using FlexattnWgmmaConfig = {};\n", choice.wgmma_config_type());
   }
-  const std::string config = choice.wgmma ? "FlexattnWgmmaConfig" : "FlexattnBackwardConfig";
-  for (const auto& [name, function, threads] :
-       {std::tuple{kBackwardDkdvName, choice.dkdv_template(), choice.dkdv_threads},
-        std::tuple{kBackwardDqName, choice.dq_template(), choice.dq_threads}}) {
-    const std::string bounds = choice.wgmma ? fmt::format("{}, 1", threads) : launch_bounds;
+  for (const auto& [name, function, threads, wgmma] :
+       {std::tuple{kBackwardDkdvName, choice.dkdv_template(), choice.dkdv_threads,
+                   choice.wgmma || choice.wgmma_wide_dkdv},
+        std::tuple{kBackwardDqName, choice.dq_template(), choice.dq_threads, choice.wgmma}}) {
+    const std::string bounds = wgmma ? fmt::format("{}, 1", threads) : launch_bounds;
+    const std::string config = wgmma ? "FlexattnWgmmaConfig" : "FlexattnBackwardConfig";
     text += fmt::format(
         "extern \"C\" __global__ void __launch_bounds__({}) {}(\n"
         "    const flexattn_kernels::BackwardParams params) {{\n"

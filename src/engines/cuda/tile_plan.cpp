@@ -103,6 +103,10 @@ constexpr int kBackwardSimtBlock = 32;
 constexpr int kBackwardWgmmaBlock = 128;
 constexpr int kBackwardWgmmaThreads = 256;
 constexpr int kBackwardWgmmaStages = 3;
+// The wide dK/dV kernel (head dim 256, BackwardWgmmaWideConfig): 64 keys resident, 64-row q
+// blocks of Q, dO, LSE and delta in two stages, and the P^T and dS^T exchange tiles (64 x 64).
+constexpr int kBackwardWideHeadDim = 256;
+constexpr int kBackwardWideStages = 2;
 
 int round_up(int value, int multiple) { return (value + multiple - 1) / multiple * multiple; }
 
@@ -331,6 +335,21 @@ void use_wgmma(BackwardChoice& c) {
   c.shared_wgmma_dq = resident + streamed;
 }
 
+// The wide wgmma dK/dV kernel on top of the mma.sync choice `c` (head dim 256, sm_90).
+void use_wgmma_wide_dkdv(BackwardChoice& c) {
+  c.wgmma_wide_dkdv = true;
+  c.dkdv_parts = 1;
+  c.dkdv_threads = kBackwardWgmmaThreads;
+  constexpr int kBytes = 2;  // bf16 / fp16
+  const int dims = c.head_dim_qk + c.head_dim_v;
+  const int resident = kWgmmaAlignment + kBackwardMmaBlock * dims * kBytes;
+  const int streamed = kBackwardWideStages * kBackwardMmaBlock * dims * kBytes;
+  const int exchange = 2 * kBackwardMmaBlock * kBackwardMmaBlock * kBytes;
+  c.shared_wgmma_dkdv = resident + streamed + exchange +
+                        kBackwardWideStages * kBackwardRowStatistics * kBackwardMmaBlock *
+                            static_cast<int>(sizeof(float));
+}
+
 BackwardChoice backward_simt_choice(const Problem& problem, std::string why) {
   BackwardChoice c;
   c.kind = KernelKind::kSimt;
@@ -533,24 +552,33 @@ KernelSelection choose_kernel(const Problem& problem, int capability, bool allow
 
 std::string BackwardChoice::config_type() const {
   if (kind == KernelKind::kMma) {
+    // The mma.sync dK/dV kernel's parts (the wide wgmma kernel, when it replaces it, has one).
+    const int mma_parts = padded_qk + padded_v > kBackwardMmaAccumulatorColumns ? 2 : 1;
     return fmt::format("flexattn_kernels::BackwardMmaConfig<{}, {}, {}, {}, {}, {}, {}, {}>",
                        element_tag(dtype), head_dim_qk, head_dim_v, padded_qk, padded_v,
-                       shared_dkdv, shared_dq, dkdv_parts);
+                       shared_dkdv, shared_dq, mma_parts);
   }
   return fmt::format("flexattn_kernels::BackwardSimtConfig<{}, {}, {}, {}, {}>", element_tag(dtype),
                      head_dim_qk, head_dim_v, shared_dkdv, shared_dq);
 }
 
 std::string BackwardChoice::wgmma_config_type() const {
+  if (wgmma_wide_dkdv) {
+    return fmt::format("flexattn_kernels::BackwardWgmmaWideConfig<{}, {}, {}, {}>",
+                       element_tag(dtype), head_dim_qk, head_dim_v, shared_wgmma_dkdv);
+  }
   return fmt::format("flexattn_kernels::BackwardWgmmaConfig<{}, {}, {}, {}, {}>",
                      element_tag(dtype), head_dim_qk, head_dim_v, shared_wgmma_dkdv,
                      shared_wgmma_dq);
 }
 
-std::string BackwardChoice::architecture_suffix() const { return wgmma ? "a" : ""; }
+std::string BackwardChoice::architecture_suffix() const {
+  return wgmma || wgmma_wide_dkdv ? "a" : "";
+}
 
 std::string BackwardChoice::dkdv_template() const {
   if (wgmma) return "backward_dkdv_wgmma";
+  if (wgmma_wide_dkdv) return "backward_dkdv_wgmma_wide";
   return kind == KernelKind::kMma ? "backward_dkdv_mma" : "backward_dkdv_simt";
 }
 
@@ -566,6 +594,14 @@ std::string BackwardChoice::describe() const {
         "{} and {}, {} KB shared (dK/dV) and {} KB (dQ)",
         to_string(dtype), block_q, dkdv_block_kv, dq_block_q, block_kv, dkdv_threads, head_dim_qk,
         head_dim_v, shared_wgmma_dkdv / 1024, shared_wgmma_dq / 1024);
+  }
+  if (wgmma_wide_dkdv) {
+    return fmt::format(
+        "tensor-core {}: dK/dV on wgmma (sm_90a), {}x{} tiles, {} threads, the warpgroups "
+        "splitting the columns, {} KB shared; dQ on mma.sync, {}x{} tiles, {} threads, {} KB "
+        "shared; head dims {} and {}",
+        to_string(dtype), block_q, dkdv_block_kv, dkdv_threads, shared_wgmma_dkdv / 1024,
+        dq_block_q, block_kv, dq_threads, shared_dq / 1024, head_dim_qk, head_dim_v);
   }
   if (kind == KernelKind::kMma) {
     return fmt::format(
@@ -599,9 +635,12 @@ BackwardSelection choose_backward_kernel(const Problem& problem, int capability,
         fmt::format("a stride of q, k, v or o is not a multiple of {} elements", kChunkElements));
   } else {
     selection.choice = backward_mma_choice(problem);
-    if (allow_wgmma && capability == kWgmmaCapability && wgmma_head_dim(problem.head_dim_qk()) &&
-        wgmma_head_dim(problem.head_dim_v())) {
+    const bool hopper = allow_wgmma && capability == kWgmmaCapability;
+    if (hopper && wgmma_head_dim(problem.head_dim_qk()) && wgmma_head_dim(problem.head_dim_v())) {
       use_wgmma(selection.choice);
+    } else if (hopper && problem.head_dim_qk() == kBackwardWideHeadDim &&
+               problem.head_dim_v() == kBackwardWideHeadDim) {
+      use_wgmma_wide_dkdv(selection.choice);
     }
   }
   return selection;

@@ -138,14 +138,21 @@ struct BackwardChoice {
   int dq_threads = 0;
   int shared_wgmma_dkdv = 0;  // the wgmma kernels' dynamic shared memory, bytes
   int shared_wgmma_dq = 0;
+  // Head dim 256 on sm_90: the dK/dV kernel on wgmma with the two warpgroups splitting the
+  // columns (backward_dkdv_wgmma_wide, kernels/backward_wgmma.cuh; 64 keys per block, one part,
+  // dkdv_threads threads, shared_wgmma_dkdv bytes); the dQ kernel stays the mma.sync one.
+  bool wgmma_wide_dkdv = false;
 
   // The dynamic shared memory each kernel is launched with (wgmma or not).
-  int dkdv_shared_bytes() const { return wgmma ? shared_wgmma_dkdv : shared_dkdv; }
+  int dkdv_shared_bytes() const {
+    return wgmma || wgmma_wide_dkdv ? shared_wgmma_dkdv : shared_dkdv;
+  }
   int dq_shared_bytes() const { return wgmma ? shared_wgmma_dq : shared_dq; }
 
   // The C++ type of the kernel configuration ("flexattn_kernels::BackwardMmaConfig<...>").
   std::string config_type() const;
-  // The wgmma kernels' ("flexattn_kernels::BackwardWgmmaConfig<...>"; only with `wgmma`).
+  // The wgmma kernels' ("flexattn_kernels::BackwardWgmmaConfig<...>"; with `wgmma`), or the
+  // wide dK/dV kernel's ("flexattn_kernels::BackwardWgmmaWideConfig<...>"; with wgmma_wide_dkdv).
   std::string wgmma_config_type() const;
   // "a" when the kernels need sm_90a (wgmma).
   std::string architecture_suffix() const;

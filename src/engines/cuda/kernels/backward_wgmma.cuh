@@ -589,4 +589,292 @@ __device__ __forceinline__ void backward_dq_wgmma(const BackwardParams& bp) {
   }
 }
 
+// ---- the dK/dV kernel at head dim 256 ---------------------------------------------------------
+//
+// At head dim 256 a warpgroup cannot hold 64 keys' dK and dV (256 accumulators a thread), so the
+// two warpgroups of a block share its 64 keys and split the work the other way:
+//   S^T, dP^T   warpgroup w computes the block's 64 keys against queries 32 w .. 32 w + 31 of the
+//               q block (wgmma m64 n32 k16 over the 256 dims; K, V as A, Q and dO as B, all
+//               K-major from shared memory), and runs the element pipeline on them;
+//   exchange    both write their P^T and dS^T columns to shared memory (one 64 x 64 tile each,
+//               the storage type, K-major panels), then a block barrier;
+//   dV, dK      warpgroup w accumulates columns 128 w .. 128 w + 127 of dV += P^T dO and
+//               dK += dS^T Q over all 64 queries (A = P^T or dS^T, B = dO or Q MN-major, both
+//               from shared memory): 64 + 64 accumulators a thread.
+// K and V (32 KB each) stay resident; Q, dO, LSE and delta of the q blocks stream through two
+// stages (the next q block loads while one is computed).
+template <class ElementTag, int kHeadDimQk_, int kHeadDimV_, int kSharedBytes_>
+struct BackwardWgmmaWideConfig {
+  using Tag = ElementTag;
+  static constexpr int kHeadDimQk = kHeadDimQk_;
+  static constexpr int kHeadDimV = kHeadDimV_;
+  static constexpr int kWarpgroups = 2;
+  static constexpr int kWarps = 4 * kWarpgroups;
+  static constexpr int kThreads = kWarps * kWarpSize;
+  static constexpr int kBlockKv = 64;
+  static constexpr int kBlockQ = 64;
+  static constexpr int kSliceQ = kBlockQ / kWarpgroups;  // a warpgroup's queries of S^T
+  static constexpr int kStages = 2;
+  static constexpr int kChunksQk = kHeadDimQk / kChunkElements;
+  static constexpr int kChunksV = kHeadDimV / kChunkElements;
+  static constexpr int kChunksQ = kBlockQ / kChunkElements;  // a P^T / dS^T row: 64 queries
+  static constexpr int kStepsQk = kHeadDimQk / 16;
+  static constexpr int kStepsV = kHeadDimV / 16;
+  static constexpr int kStepsQ = kBlockQ / 16;           // k-steps of dV and dK
+  static constexpr int kTilesSlice = kSliceQ / 8;        // 8-column tiles of S^T and dP^T
+  static constexpr int kSliceQk = kHeadDimQk / kWarpgroups;  // a warpgroup's dK columns
+  static constexpr int kSliceV = kHeadDimV / kWarpgroups;    // and dV columns
+  static constexpr int kTilesQk = kSliceQk / 8;
+  static constexpr int kTilesV = kSliceV / 8;
+  using KLayout = SwizzledPanels<kBlockKv, kChunksQk>;
+  using VLayout = SwizzledPanels<kBlockKv, kChunksV>;
+  using QLayout = SwizzledPanels<kBlockQ, kChunksQk>;
+  using DoLayout = SwizzledPanels<kBlockQ, kChunksV>;
+  using ExchangeLayout = SwizzledPanels<kBlockKv, kChunksQ>;
+  static constexpr int kKBytes = kBlockKv * kChunksQk * kChunkBytes;
+  static constexpr int kVBytes = kBlockKv * kChunksV * kChunkBytes;
+  static constexpr int kQBytes = kBlockQ * kChunksQk * kChunkBytes;
+  static constexpr int kDoBytes = kBlockQ * kChunksV * kChunkBytes;
+  static constexpr int kExchangeBytes = kBlockKv * kChunksQ * kChunkBytes;  // P^T, then dS^T
+  static constexpr int kRowStageBytes = 2 * kBlockQ * static_cast<int>(sizeof(float));
+  static constexpr int kAlignment = 1024;
+  static constexpr int kStreamBytes = kStages * (kQBytes + kDoBytes);
+  static constexpr int kSharedBytes = kAlignment + kKBytes + kVBytes + kStreamBytes +
+                                      2 * kExchangeBytes + kStages * kRowStageBytes;
+
+  static_assert(kHeadDimQk == 256 && kHeadDimV == 256,
+                "the wide wgmma dK/dV kernel takes head dim 256 (two 128-column halves)");
+  static_assert(kSliceQk == 128 && kSliceV == 128, "a half is one m64n128 product");
+  static_assert(kStreamBytes >= kBlockKv * (kChunksQk + kChunksV) * kChunkBytes,
+                "dK and dV fit the streaming stages");
+  static_assert(kSharedBytes == kSharedBytes_, "the host's shared-memory size (tile_plan.cpp)");
+};
+
+// Stages a warp's 16 accumulator rows (storage type, times `factor`) at rows row0.. and chunks
+// chunk0.. of a tile laid out as `Layout`.
+template <class Tag, class Layout, int kTiles>
+__device__ __forceinline__ void stage_columns(unsigned char* tile, const float (&acc)[kTiles][4],
+                                              int row0, int chunk0, int group, int quad_lane,
+                                              float factor) {
+#pragma unroll
+  for (int half = 0; half < 2; ++half) {
+    const int row = row0 + group + half * 8;
+#pragma unroll
+    for (int j = 0; j < kTiles; ++j) {
+      const unsigned packed =
+          pack_pair(Tag{}, acc[j][2 * half] * factor, acc[j][2 * half + 1] * factor);
+      *reinterpret_cast<unsigned*>(tile + Layout::offset(row, chunk0 + j) +
+                                   quad_lane * sizeof(unsigned)) = packed;
+    }
+  }
+}
+
+template <class Config, class Modifier>
+__device__ __forceinline__ void backward_dkdv_wgmma_wide(const BackwardParams& bp) {
+  using Tag = typename Config::Tag;
+  constexpr int kThreads = Config::kThreads;
+  constexpr int kBlockQ = Config::kBlockQ;
+  constexpr int kSliceQ = Config::kSliceQ;
+  constexpr int kTilesSlice = Config::kTilesSlice;
+  constexpr int kPanelRowBytes = kSwizzleRows * kChunkBytes;      // 128
+  constexpr int kCoreGroupBytes = kSwizzleRows * kPanelRowBytes;  // 8 rows: a descriptor stride
+  const ForwardParams& p = bp.fwd;
+  const AlignedShared aligned = aligned_shared_memory<Config::kAlignment>();
+  const unsigned aligned_start = aligned.address;
+  unsigned char* shared = aligned.pointer;
+
+  const int thread = threadIdx.x;
+  const int warp = thread / kWarpSize;
+  const int lane = thread % kWarpSize;
+  const int group = lane / 4;
+  const int quad_lane = lane % 4;
+  const int warpgroup = __shfl_sync(0xffffffffu, warp / 4, 0);  // uniform (see above)
+  const int warp_in_group = warp % 4;
+  const int kv_tile = blockIdx.x;
+  const int head_kv = blockIdx.y;
+  const int batch = blockIdx.z;
+  const SequenceSpan span = sequence_span(p, batch);
+  const int kv_start = kv_tile * Config::kBlockKv;
+  if (kv_start >= span.kv_len) return;
+
+  const unsigned k_tile = aligned_start;
+  const unsigned v_tile = k_tile + Config::kKBytes;
+  const unsigned q_tiles = v_tile + Config::kVBytes;
+  const unsigned do_tiles = q_tiles + Config::kStages * Config::kQBytes;
+  const unsigned pt_tile = do_tiles + Config::kStages * Config::kDoBytes;
+  const unsigned dst_tile = pt_tile + Config::kExchangeBytes;
+  const unsigned row_tiles = dst_tile + Config::kExchangeBytes;
+  unsigned char* stream_area = shared + Config::kKBytes + Config::kVBytes;
+  unsigned char* pt_area = stream_area + Config::kStreamBytes;
+  unsigned char* dst_area = pt_area + Config::kExchangeBytes;
+  const float* row_floats =
+      reinterpret_cast<const float*>(dst_area + Config::kExchangeBytes);
+
+  load_rows_async<Config::kBlockKv, typename Config::KLayout, Config::kChunksQk, kThreads>(
+      k_tile, view_row<const unsigned short>(p.k, batch, span.kv_offset + kv_start, head_kv),
+      p.k.token_stride, span.kv_len - kv_start, Config::kChunksQk, thread);
+  load_rows_async<Config::kBlockKv, typename Config::VLayout, Config::kChunksV, kThreads>(
+      v_tile, view_row<const unsigned short>(p.v, batch, span.kv_offset + kv_start, head_kv),
+      p.v.token_stride, span.kv_len - kv_start, Config::kChunksV, thread);
+  commit_copies();
+
+  // The q blocks visiting this tile, without those past this sequence's queries (thd).
+  int begin = bp.kv_tile_offsets[kv_tile];
+  int end = bp.kv_tile_offsets[kv_tile + 1];
+  while (end > begin && (bp.kv_tile_entries[end - 1] >> 1) * kBlockQ >= span.q_len) --end;
+  const int per_head = end - begin;
+  const int total = per_head * p.heads_per_kv;
+
+  auto load_queries = [&](int iteration, int stage) {
+    const int head = head_kv * p.heads_per_kv + iteration / per_head;
+    const int q_start = (bp.kv_tile_entries[begin + iteration % per_head] >> 1) * kBlockQ;
+    const int rows_valid = span.q_len - q_start;
+    load_rows_async<kBlockQ, typename Config::QLayout, Config::kChunksQk, kThreads>(
+        q_tiles + stage * Config::kQBytes,
+        view_row<const unsigned short>(p.q, batch, span.q_offset + q_start, head), p.q.token_stride,
+        rows_valid, Config::kChunksQk, thread);
+    load_rows_async<kBlockQ, typename Config::DoLayout, Config::kChunksV, kThreads>(
+        do_tiles + stage * Config::kDoBytes,
+        view_row<const unsigned short>(bp.dout, batch, span.q_offset + q_start, head),
+        bp.dout.token_stride, rows_valid, Config::kChunksV, thread);
+    if (thread < 2 * kBlockQ) {  // lse2, then delta: one float per thread
+      const int row = thread % kBlockQ;
+      const bool lse = thread < kBlockQ;
+      const float* source = lse ? lse2_address(bp, batch, head, span.q_offset + q_start)
+                                : delta_address(bp, batch, head, span.q_offset + q_start);
+      stage_row_float(row_tiles + stage * Config::kRowStageBytes + thread * sizeof(float),
+                      source + row, row < rows_valid, lse ? positive_infinity() : 0.0f);
+    }
+  };
+  if (total > 0) load_queries(0, 0);
+  commit_copies();
+
+  float dk[Config::kTilesQk][4];
+  float dv[Config::kTilesV][4];
+  zero_accumulators(dk);
+  zero_accumulators(dv);
+  float(&dk_flat)[Config::kTilesQk * 4] = reinterpret_cast<float(&)[Config::kTilesQk * 4]>(dk);
+  float(&dv_flat)[Config::kTilesV * 4] = reinterpret_cast<float(&)[Config::kTilesV * 4]>(dv);
+
+  int kv_row[2];  // this thread's keys (accumulator rows)
+  kv_row[0] = kv_start + warp_in_group * 16 + group;
+  kv_row[1] = kv_row[0] + 8;
+  const bool kv_boundary = kv_start + Config::kBlockKv > span.kv_len;
+  // The block's 64 keys of K and V as K-major A operands (both warpgroups use all of them).
+  const unsigned long long k_descriptor = matrix_descriptor(k_tile, 16, kCoreGroupBytes);
+  const unsigned long long v_descriptor = matrix_descriptor(v_tile, 16, kCoreGroupBytes);
+  // P^T and dS^T (keys x the q block's 64 queries) as K-major A operands.
+  const unsigned long long pt_descriptor = matrix_descriptor(pt_tile, 16, kCoreGroupBytes);
+  const unsigned long long dst_descriptor = matrix_descriptor(dst_tile, 16, kCoreGroupBytes);
+  // This warpgroup's query slice within a Q or dO stage (rows kSliceQ w ..), and its column
+  // half within one (panels 2 w, 2 w + 1).
+  const unsigned slice_rows = warpgroup * kSliceQ * kPanelRowBytes;
+  const unsigned q_half = warpgroup * (Config::kSliceQk / 64) * Config::QLayout::kPanelBytes;
+  const unsigned do_half = warpgroup * (Config::kSliceV / 64) * Config::DoLayout::kPanelBytes;
+
+  int prepared_head = -1;
+  typename Modifier::Invariants invariants{};
+  float st[kTilesSlice][4];
+  float dpt[kTilesSlice][4];
+  float(&st_flat)[kTilesSlice * 4] = reinterpret_cast<float(&)[kTilesSlice * 4]>(st);
+  float(&dpt_flat)[kTilesSlice * 4] = reinterpret_cast<float(&)[kTilesSlice * 4]>(dpt);
+
+  // q block i: its stage became visible at the first barrier (block i - 1's products, which
+  // read the other stage and the exchange tiles, were waited for before it), so block i + 1
+  // loads into the other stage meanwhile.
+  for (int iteration = 0; iteration < total; ++iteration) {
+    const int stage = iteration % Config::kStages;
+    wait_copies<0>();
+    fence_async_shared();  // this thread's copies, visible to the wgmma reads after the barrier
+    __syncthreads();
+    if (iteration + 1 < total) load_queries(iteration + 1, (iteration + 1) % Config::kStages);
+    commit_copies();
+
+    const unsigned q_stage = q_tiles + stage * Config::kQBytes;
+    const unsigned do_stage = do_tiles + stage * Config::kDoBytes;
+    fence_operands(st_flat);
+    fence_operands(dpt_flat);
+    wgmma_group([&]() {
+      wgmma_k_major<Config::kStepsQk, Config::KLayout::kPanelBytes, Config::QLayout::kPanelBytes>(
+          Tag{}, st_flat, k_descriptor,
+          matrix_descriptor(q_stage + slice_rows, 16, kCoreGroupBytes));
+      wgmma_k_major<Config::kStepsV, Config::VLayout::kPanelBytes, Config::DoLayout::kPanelBytes>(
+          Tag{}, dpt_flat, v_descriptor,
+          matrix_descriptor(do_stage + slice_rows, 16, kCoreGroupBytes));
+    });
+    fence_operands(st_flat);
+    fence_operands(dpt_flat);
+
+    const int head = head_kv * p.heads_per_kv + iteration / per_head;
+    const int entry = bp.kv_tile_entries[begin + iteration % per_head];
+    const Coordinates at{batch, head, span.q_len, span.kv_len};
+    if (head != prepared_head) {
+      invariants = Modifier::prepare(p, at);
+      prepared_head = head;
+    }
+    const float* lse2_stage = row_floats + stage * 2 * kBlockQ;
+    const int q_start = (entry >> 1) * kBlockQ;
+    const bool q_boundary = q_start + kBlockQ > span.q_len;
+    const int slice = warpgroup * kSliceQ;
+    dkdv_elements<Modifier, true>(st, dpt, p, invariants, at, span, kv_row, q_start + slice,
+                                  entry_is_mixed(entry) || kv_boundary || q_boundary,
+                                  lse2_stage + slice, lse2_stage + kBlockQ + slice, quad_lane);
+    const int chunk0 = warpgroup * (kSliceQ / kChunkElements);
+    stage_columns<Tag, typename Config::ExchangeLayout>(pt_area, st, warp_in_group * 16, chunk0,
+                                                        group, quad_lane, 1.0f);
+    stage_columns<Tag, typename Config::ExchangeLayout>(dst_area, dpt, warp_in_group * 16,
+                                                        chunk0, group, quad_lane, 1.0f);
+    fence_async_shared();  // the exchange tiles, visible to both warpgroups' wgmma reads
+    __syncthreads();
+
+    fence_operands(dk_flat);
+    fence_operands(dv_flat);
+    wgmma_group([&]() {
+      const unsigned long long do_values =
+          matrix_descriptor(do_stage + do_half, Config::DoLayout::kPanelBytes, kCoreGroupBytes);
+      const unsigned long long q_values =
+          matrix_descriptor(q_stage + q_half, Config::QLayout::kPanelBytes, kCoreGroupBytes);
+#pragma unroll
+      for (int step = 0; step < Config::kStepsQ; ++step) {
+        wgmma_from_shared_mn(Tag{}, dv_flat, advance_descriptor(pt_descriptor, step * 32),
+                             advance_descriptor(do_values, step * 16 * kPanelRowBytes), 1);
+      }
+#pragma unroll
+      for (int step = 0; step < Config::kStepsQ; ++step) {
+        wgmma_from_shared_mn(Tag{}, dk_flat, advance_descriptor(dst_descriptor, step * 32),
+                             advance_descriptor(q_values, step * 16 * kPanelRowBytes), 1);
+      }
+    });
+    fence_operands(dk_flat);
+    fence_operands(dv_flat);
+  }
+  wait_copies<0>();
+  __syncthreads();  // every warp is done with the stages: they now stage dK and dV
+
+  unsigned char* dk_stage = stream_area;
+  unsigned char* dv_stage = dk_stage + Config::kBlockKv * Config::kChunksQk * kChunkBytes;
+  using DkStage = SwizzledRows<Config::kChunksQk>;
+  using DvStage = SwizzledRows<Config::kChunksV>;
+  stage_columns<Tag, DkStage>(dk_stage, dk, warp_in_group * 16,
+                              warpgroup * (Config::kSliceQk / kChunkElements), group, quad_lane,
+                              p.scale);
+  stage_columns<Tag, DvStage>(dv_stage, dv, warp_in_group * 16,
+                              warpgroup * (Config::kSliceV / kChunkElements), group, quad_lane,
+                              1.0f);
+  // see repair_dkdv_rows
+  const bool flagged = barrier_any<-1>(any_non_finite(dk) || any_non_finite(dv), kThreads);
+  const int rows_valid = span.kv_len - kv_start;
+  store_staged<Config::kChunksQk, Config::kChunksQk, kThreads, Config::kBlockKv>(
+      dk_stage, view_row<unsigned short>(bp.dk, batch, span.kv_offset + kv_start, head_kv),
+      bp.dk.token_stride, rows_valid, thread);
+  store_staged<Config::kChunksV, Config::kChunksV, kThreads, Config::kBlockKv>(
+      dv_stage, view_row<unsigned short>(bp.dv, batch, span.kv_offset + kv_start, head_kv),
+      bp.dv.token_stride, rows_valid, thread);
+  if (flagged) {
+    __syncthreads();  // the stores are visible to the warps that read them back
+    repair_dkdv_rows<Tag, Modifier, Config::kHeadDimQk, Config::kHeadDimV, true, true>(
+        bp, span, batch, head_kv, kv_start, Config::kBlockKv, warp, Config::kWarps);
+  }
+}
+
 }  // namespace flexattn_kernels

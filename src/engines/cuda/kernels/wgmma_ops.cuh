@@ -131,7 +131,10 @@ __device__ __forceinline__ void claim_registers() {
 #endif
 }
 
-// Operand lists: the 32, 64 or 128 accumulators as "%0, ..." placeholders and "+f" operands.
+// Operand lists: the 16, 32, 64 or 128 accumulators as "%0, ..." placeholders and "+f" operands.
+#define FLEXATTN_WGMMA_D16                 \
+  "%0, %1, %2, %3, %4, %5, %6, %7, "       \
+  "%8, %9, %10, %11, %12, %13, %14, %15"
 #define FLEXATTN_WGMMA_D32                   \
   "%0, %1, %2, %3, %4, %5, %6, %7, "         \
   "%8, %9, %10, %11, %12, %13, %14, %15, "   \
@@ -166,6 +169,7 @@ __device__ __forceinline__ void claim_registers() {
 #define FLEXATTN_WGMMA_ACC8(i)                                                                \
   "+f"(d[i]), "+f"(d[i + 1]), "+f"(d[i + 2]), "+f"(d[i + 3]), "+f"(d[i + 4]), "+f"(d[i + 5]), \
       "+f"(d[i + 6]), "+f"(d[i + 7])
+#define FLEXATTN_WGMMA_ACC16 FLEXATTN_WGMMA_ACC8(0), FLEXATTN_WGMMA_ACC8(8)
 #define FLEXATTN_WGMMA_ACC32 \
   FLEXATTN_WGMMA_ACC8(0), FLEXATTN_WGMMA_ACC8(8), FLEXATTN_WGMMA_ACC8(16), FLEXATTN_WGMMA_ACC8(24)
 #define FLEXATTN_WGMMA_ACC64                                                                       \
@@ -177,7 +181,8 @@ __device__ __forceinline__ void claim_registers() {
       FLEXATTN_WGMMA_ACC8(112), FLEXATTN_WGMMA_ACC8(120)
 
 // d (64 x N) = A B (+ d when accumulate != 0), A and B in shared memory (descriptors), both
-// K-major: wgmma_ss_n<N> (TRANSPOSE: the operands' transpose flags). A from registers (m16n8k16 A
+// K-major: wgmma_ss_n<N>; A K-major and B MN-major: wgmma_ss_mn_n<N> (TRANSPOSE: the operands'
+// transpose flags). A from registers (m16n8k16 A
 // layout), B MN-major in shared memory: wgmma_rs_n<N>. ACC is the accumulator count (N / 2); A, B
 // and SCALE name the operands that follow the accumulators.
 #if FLEXATTN_WGMMA_AVAILABLE
@@ -214,6 +219,14 @@ __device__ __forceinline__ void claim_registers() {
   }
 #endif
 
+FLEXATTN_WGMMA_SS(wgmma_ss, "0, 0", BFloat16Tag, "bf16", 32, 16, FLEXATTN_WGMMA_D16,
+                  FLEXATTN_WGMMA_ACC16, "%16", "%17", "%18")
+FLEXATTN_WGMMA_SS(wgmma_ss, "0, 0", HalfTag, "f16", 32, 16, FLEXATTN_WGMMA_D16,
+                  FLEXATTN_WGMMA_ACC16, "%16", "%17", "%18")
+FLEXATTN_WGMMA_SS(wgmma_ss_mn, "0, 1", BFloat16Tag, "bf16", 128, 64, FLEXATTN_WGMMA_D64,
+                  FLEXATTN_WGMMA_ACC64, "%64", "%65", "%66")
+FLEXATTN_WGMMA_SS(wgmma_ss_mn, "0, 1", HalfTag, "f16", 128, 64, FLEXATTN_WGMMA_D64,
+                  FLEXATTN_WGMMA_ACC64, "%64", "%65", "%66")
 FLEXATTN_WGMMA_SS(wgmma_ss, "0, 0", BFloat16Tag, "bf16", 64, 32, FLEXATTN_WGMMA_D32,
                   FLEXATTN_WGMMA_ACC32, "%32", "%33", "%34")
 FLEXATTN_WGMMA_SS(wgmma_ss, "0, 0", HalfTag, "f16", 64, 32, FLEXATTN_WGMMA_D32,
@@ -241,21 +254,31 @@ FLEXATTN_WGMMA_RS(HalfTag, "f16", 256, 128, FLEXATTN_WGMMA_D128, FLEXATTN_WGMMA_
 #undef FLEXATTN_WGMMA_ACC128
 #undef FLEXATTN_WGMMA_ACC64
 #undef FLEXATTN_WGMMA_ACC32
+#undef FLEXATTN_WGMMA_ACC16
 #undef FLEXATTN_WGMMA_ACC8
 #undef FLEXATTN_WGMMA_D128
 #undef FLEXATTN_WGMMA_D64
 #undef FLEXATTN_WGMMA_D32
+#undef FLEXATTN_WGMMA_D16
 
 // The N-generic entry points the kernels call: d (64 x N) from two descriptors, or from register A.
 template <class Tag, int kCount>
 __device__ __forceinline__ void wgmma_from_shared(Tag tag, float (&d)[kCount], unsigned long long a,
                                                   unsigned long long b, int accumulate) {
-  static_assert(kCount == 32 || kCount == 64, "wgmma widths 64 and 128");
-  if constexpr (kCount == 32) {
+  static_assert(kCount == 16 || kCount == 32 || kCount == 64, "wgmma widths 32, 64 and 128");
+  if constexpr (kCount == 16) {
+    wgmma_ss_n32(tag, d, a, b, accumulate);
+  } else if constexpr (kCount == 32) {
     wgmma_ss_n64(tag, d, a, b, accumulate);
   } else {
     wgmma_ss_n128(tag, d, a, b, accumulate);
   }
+}
+// d (64 x 128) from an A in shared memory (K-major) and an MN-major B (as wgmma_from_registers').
+template <class Tag>
+__device__ __forceinline__ void wgmma_from_shared_mn(Tag tag, float (&d)[64], unsigned long long a,
+                                                     unsigned long long b, int accumulate) {
+  wgmma_ss_mn_n128(tag, d, a, b, accumulate);
 }
 template <class Tag, int kCount>
 __device__ __forceinline__ void wgmma_from_registers(Tag tag, float (&d)[kCount],
