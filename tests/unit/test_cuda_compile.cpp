@@ -101,7 +101,7 @@ TEST(CudaForwardCompile, WgmmaTranslationUnitsCompileForSm90a) {
 
 // The wgmma forward at the wide head dims (256, and MLA's 192/128): 64-key tiles, O += P V as
 // one m64n256k16 per 16 keys at 256. Forward and backward in one module: the backward at 256 is
-// the wide wgmma dK/dV kernel and the mma.sync dQ kernel, compiled for sm_90a with the forward.
+// the wide wgmma kernels, compiled for sm_90a with the forward.
 TEST(CudaForwardCompile, WideHeadDimWgmmaTranslationUnitsCompileForSm90a) {
   SKIP_WITHOUT_CUDA_ENGINE();
   constexpr int kCapability = 90;
@@ -146,7 +146,7 @@ TEST(CudaForwardCompile, WideHeadDimWgmmaTranslationUnitsCompileForSm90a) {
     if (backward) {
       const cuda::BackwardChoice choice = cuda::choose_backward_kernel(problem, kCapability).choice;
       EXPECT_FALSE(choice.wgmma);
-      EXPECT_TRUE(choice.wgmma_wide_dkdv);
+      EXPECT_TRUE(choice.wgmma_wide);
       EXPECT_EQ(choice.kind, cuda::KernelKind::kMma);
       backward_code = cuda::backward_code(problem, choice);
     }
@@ -160,7 +160,7 @@ TEST(CudaForwardCompile, WideHeadDimWgmmaTranslationUnitsCompileForSm90a) {
     if (backward) {
       EXPECT_NE(source.find("flexattn_kernels::backward_dkdv_wgmma_wide<FlexattnWgmmaConfig"),
                 std::string::npos);
-      EXPECT_NE(source.find("flexattn_kernels::backward_dq_mma<FlexattnBackwardConfig"),
+      EXPECT_NE(source.find("flexattn_kernels::backward_dq_wgmma_wide<FlexattnWgmmaConfig"),
                 std::string::npos);
     }
     expect_compiles(source, c.name + ".cu", kCapability, selection.choice.architecture_suffix());

@@ -113,15 +113,16 @@ std::string backward_entry_points(const Problem& problem, const BackwardChoice& 
       "    const flexattn_kernels::BackwardParams params) {{\n"
       "  flexattn_kernels::backward_delta<{}, {}>(params);\n}}\n",
       kBackwardDeltaName, element_tag(problem.dtype()), problem.head_dim_v());
-  // On wgmma both kernels take the wgmma configuration and its block of threads; with the wide
-  // wgmma dK/dV kernel only that one does (the dQ kernel stays on mma.sync).
-  if (choice.wgmma || choice.wgmma_wide_dkdv) {
+  // On wgmma (or the wide wgmma kernels) both kernels take that configuration and its block of
+  // threads.
+  if (choice.wgmma || choice.wgmma_wide) {
     text += fmt::format("using FlexattnWgmmaConfig = {};\n", choice.wgmma_config_type());
   }
   for (const auto& [name, function, threads, wgmma] :
        {std::tuple{kBackwardDkdvName, choice.dkdv_template(), choice.dkdv_threads,
-                   choice.wgmma || choice.wgmma_wide_dkdv},
-        std::tuple{kBackwardDqName, choice.dq_template(), choice.dq_threads, choice.wgmma}}) {
+                   choice.wgmma || choice.wgmma_wide},
+        std::tuple{kBackwardDqName, choice.dq_template(), choice.dq_threads,
+                   choice.wgmma || choice.wgmma_wide}}) {
     const std::string bounds = wgmma ? fmt::format("{}, 1", threads) : launch_bounds;
     const std::string config = wgmma ? "FlexattnWgmmaConfig" : "FlexattnBackwardConfig";
     text += fmt::format(

@@ -103,8 +103,11 @@ constexpr int kBackwardSimtBlock = 32;
 constexpr int kBackwardWgmmaBlock = 128;
 constexpr int kBackwardWgmmaThreads = 256;
 constexpr int kBackwardWgmmaStages = 3;
-// The wide dK/dV kernel (head dim 256, BackwardWgmmaWideConfig): 64 keys resident, 64-row q
-// blocks of Q, dO, LSE and delta in two stages, and the P^T and dS^T exchange tiles (64 x 64).
+// The wide kernels (head dim 256, BackwardWgmmaWideConfig): dK/dV with 64 keys resident and
+// 64-row q blocks of Q, dO, LSE and delta in two stages; dQ with 64 rows of Q and dO resident and
+// 64-key tiles of K and V in two stages; each with a 64 x 64 exchange tile per product it passes
+// between the warpgroups (P^T and dS^T; dS), and dQ with the warpgroups' row sums (two floats a
+// row each).
 constexpr int kBackwardWideHeadDim = 256;
 constexpr int kBackwardWideStages = 2;
 
@@ -335,19 +338,21 @@ void use_wgmma(BackwardChoice& c) {
   c.shared_wgmma_dq = resident + streamed;
 }
 
-// The wide wgmma dK/dV kernel on top of the mma.sync choice `c` (head dim 256, sm_90).
-void use_wgmma_wide_dkdv(BackwardChoice& c) {
-  c.wgmma_wide_dkdv = true;
+// The wide wgmma kernels on top of the mma.sync choice `c` (head dim 256, sm_90).
+void use_wgmma_wide(BackwardChoice& c) {
+  c.wgmma_wide = true;
   c.dkdv_parts = 1;
   c.dkdv_threads = kBackwardWgmmaThreads;
+  c.dq_threads = kBackwardWgmmaThreads;
   constexpr int kBytes = 2;  // bf16 / fp16
-  const int dims = c.head_dim_qk + c.head_dim_v;
-  const int resident = kWgmmaAlignment + kBackwardMmaBlock * dims * kBytes;
-  const int streamed = kBackwardWideStages * kBackwardMmaBlock * dims * kBytes;
-  const int exchange = 2 * kBackwardMmaBlock * kBackwardMmaBlock * kBytes;
-  c.shared_wgmma_dkdv = resident + streamed + exchange +
-                        kBackwardWideStages * kBackwardRowStatistics * kBackwardMmaBlock *
-                            static_cast<int>(sizeof(float));
+  constexpr int kExchange = kBackwardMmaBlock * kBackwardMmaBlock * kBytes;
+  constexpr int kRowFloats =
+      kBackwardRowStatistics * kBackwardMmaBlock * static_cast<int>(sizeof(float));
+  const int pair = kBackwardMmaBlock * (c.head_dim_qk + c.head_dim_v) * kBytes;
+  const int resident = kWgmmaAlignment + pair;
+  const int streamed = kBackwardWideStages * pair;
+  c.shared_wgmma_dkdv = resident + streamed + 2 * kExchange + kBackwardWideStages * kRowFloats;
+  c.shared_wgmma_dq = resident + streamed + kExchange + 2 * kRowFloats;  // two warpgroups' sums
 }
 
 BackwardChoice backward_simt_choice(const Problem& problem, std::string why) {
@@ -563,9 +568,10 @@ std::string BackwardChoice::config_type() const {
 }
 
 std::string BackwardChoice::wgmma_config_type() const {
-  if (wgmma_wide_dkdv) {
-    return fmt::format("flexattn_kernels::BackwardWgmmaWideConfig<{}, {}, {}, {}>",
-                       element_tag(dtype), head_dim_qk, head_dim_v, shared_wgmma_dkdv);
+  if (wgmma_wide) {
+    return fmt::format("flexattn_kernels::BackwardWgmmaWideConfig<{}, {}, {}, {}, {}>",
+                       element_tag(dtype), head_dim_qk, head_dim_v, shared_wgmma_dkdv,
+                       shared_wgmma_dq);
   }
   return fmt::format("flexattn_kernels::BackwardWgmmaConfig<{}, {}, {}, {}, {}>",
                      element_tag(dtype), head_dim_qk, head_dim_v, shared_wgmma_dkdv,
@@ -573,17 +579,18 @@ std::string BackwardChoice::wgmma_config_type() const {
 }
 
 std::string BackwardChoice::architecture_suffix() const {
-  return wgmma || wgmma_wide_dkdv ? "a" : "";
+  return wgmma || wgmma_wide ? "a" : "";
 }
 
 std::string BackwardChoice::dkdv_template() const {
   if (wgmma) return "backward_dkdv_wgmma";
-  if (wgmma_wide_dkdv) return "backward_dkdv_wgmma_wide";
+  if (wgmma_wide) return "backward_dkdv_wgmma_wide";
   return kind == KernelKind::kMma ? "backward_dkdv_mma" : "backward_dkdv_simt";
 }
 
 std::string BackwardChoice::dq_template() const {
   if (wgmma) return "backward_dq_wgmma";
+  if (wgmma_wide) return "backward_dq_wgmma_wide";
   return kind == KernelKind::kMma ? "backward_dq_mma" : "backward_dq_simt";
 }
 
@@ -595,13 +602,13 @@ std::string BackwardChoice::describe() const {
         to_string(dtype), block_q, dkdv_block_kv, dq_block_q, block_kv, dkdv_threads, head_dim_qk,
         head_dim_v, shared_wgmma_dkdv / 1024, shared_wgmma_dq / 1024);
   }
-  if (wgmma_wide_dkdv) {
+  if (wgmma_wide) {
     return fmt::format(
-        "tensor-core {}: dK/dV on wgmma (sm_90a), {}x{} tiles, {} threads, the warpgroups "
-        "splitting the columns, {} KB shared; dQ on mma.sync, {}x{} tiles, {} threads, {} KB "
-        "shared; head dims {} and {}",
-        to_string(dtype), block_q, dkdv_block_kv, dkdv_threads, shared_wgmma_dkdv / 1024,
-        dq_block_q, block_kv, dq_threads, shared_dq / 1024, head_dim_qk, head_dim_v);
+        "tensor-core (wgmma, sm_90a) {}, dK/dV {}x{} tiles, dQ {}x{} tiles, {} threads, the "
+        "warpgroups splitting the columns, head dims {} and {}, {} KB shared (dK/dV) and {} KB "
+        "(dQ)",
+        to_string(dtype), block_q, dkdv_block_kv, dq_block_q, block_kv, dkdv_threads, head_dim_qk,
+        head_dim_v, shared_wgmma_dkdv / 1024, shared_wgmma_dq / 1024);
   }
   if (kind == KernelKind::kMma) {
     return fmt::format(
@@ -640,7 +647,7 @@ BackwardSelection choose_backward_kernel(const Problem& problem, int capability,
       use_wgmma(selection.choice);
     } else if (hopper && problem.head_dim_qk() == kBackwardWideHeadDim &&
                problem.head_dim_v() == kBackwardWideHeadDim) {
-      use_wgmma_wide_dkdv(selection.choice);
+      use_wgmma_wide(selection.choice);
     }
   }
   return selection;

@@ -138,21 +138,22 @@ struct BackwardChoice {
   int dq_threads = 0;
   int shared_wgmma_dkdv = 0;  // the wgmma kernels' dynamic shared memory, bytes
   int shared_wgmma_dq = 0;
-  // Head dim 256 on sm_90: the dK/dV kernel on wgmma with the two warpgroups splitting the
-  // columns (backward_dkdv_wgmma_wide, kernels/backward_wgmma.cuh; 64 keys per block, one part,
-  // dkdv_threads threads, shared_wgmma_dkdv bytes); the dQ kernel stays the mma.sync one.
-  bool wgmma_wide_dkdv = false;
+  // Head dim 256 on sm_90: both kernels on wgmma with the two warpgroups of a block splitting the
+  // columns (kernels/backward_wgmma.cuh, "the dK/dV kernel at head dim 256"): 64 keys per dK/dV
+  // block, 64 rows per dQ block (the mma.sync tile lists), one part, 256 threads each,
+  // shared_wgmma_dkdv and shared_wgmma_dq bytes.
+  bool wgmma_wide = false;
 
   // The dynamic shared memory each kernel is launched with (wgmma or not).
   int dkdv_shared_bytes() const {
-    return wgmma || wgmma_wide_dkdv ? shared_wgmma_dkdv : shared_dkdv;
+    return wgmma || wgmma_wide ? shared_wgmma_dkdv : shared_dkdv;
   }
-  int dq_shared_bytes() const { return wgmma ? shared_wgmma_dq : shared_dq; }
+  int dq_shared_bytes() const { return wgmma || wgmma_wide ? shared_wgmma_dq : shared_dq; }
 
   // The C++ type of the kernel configuration ("flexattn_kernels::BackwardMmaConfig<...>").
   std::string config_type() const;
   // The wgmma kernels' ("flexattn_kernels::BackwardWgmmaConfig<...>"; with `wgmma`), or the
-  // wide dK/dV kernel's ("flexattn_kernels::BackwardWgmmaWideConfig<...>"; with wgmma_wide_dkdv).
+  // wide ones' ("flexattn_kernels::BackwardWgmmaWideConfig<...>"; with wgmma_wide).
   std::string wgmma_config_type() const;
   // "a" when the kernels need sm_90a (wgmma).
   std::string architecture_suffix() const;

@@ -603,7 +603,14 @@ __device__ __forceinline__ void backward_dq_wgmma(const BackwardParams& bp) {
 //               from shared memory): 64 + 64 accumulators a thread.
 // K and V (32 KB each) stay resident; Q, dO, LSE and delta of the q blocks stream through two
 // stages (the next q block loads while one is computed).
-template <class ElementTag, int kHeadDimQk_, int kHeadDimV_, int kSharedBytes_>
+//
+// backward_dq_wgmma_wide, the same split for dQ: a block owns 64 query rows of one head (Q and
+// dO resident) and walks the q-major tile list, K and V in two stages; warpgroup w computes S and
+// dP for keys 32 w .. 32 w + 31 of each tile (m64n32), writes its dS columns to shared memory,
+// and after a block barrier accumulates columns 128 w .. of dQ += dS K over all 64 keys. With
+// tensor gradients, the exact-delta pass's row sums of the two warpgroups are added through
+// shared memory in a fixed order.
+template <class ElementTag, int kHeadDimQk_, int kHeadDimV_, int kSharedBytes_, int kSharedDq_>
 struct BackwardWgmmaWideConfig {
   using Tag = ElementTag;
   static constexpr int kHeadDimQk = kHeadDimQk_;
@@ -643,11 +650,21 @@ struct BackwardWgmmaWideConfig {
                                       2 * kExchangeBytes + kStages * kRowStageBytes;
 
   static_assert(kHeadDimQk == 256 && kHeadDimV == 256,
-                "the wide wgmma dK/dV kernel takes head dim 256 (two 128-column halves)");
+                "the wide wgmma backward takes head dim 256 (two 128-column halves)");
   static_assert(kSliceQk == 128 && kSliceV == 128, "a half is one m64n128 product");
   static_assert(kStreamBytes >= kBlockKv * (kChunksQk + kChunksV) * kChunkBytes,
                 "dK and dV fit the streaming stages");
   static_assert(kSharedBytes == kSharedBytes_, "the host's shared-memory size (tile_plan.cpp)");
+
+  // The dQ kernel: Q and dO resident (64 rows), K and V (64 keys) in kStages stages, the dS
+  // exchange tile, and the two warpgroups' row sums of the exact-delta pass (sum P dP, sum P).
+  static constexpr int kDqSlicesKv = kBlockKv / kWarpgroups;  // a warpgroup's keys of S and dP
+  static constexpr int kDqKvStreamBytes = kStages * (kKBytes + kVBytes);
+  static constexpr int kRowSumBytes = kWarpgroups * kBlockQ * 2 * static_cast<int>(sizeof(float));
+  static constexpr int kSharedDq =
+      kAlignment + kQBytes + kDoBytes + kDqKvStreamBytes + kExchangeBytes + kRowSumBytes;
+  static_assert(kDqKvStreamBytes >= kBlockQ * kChunksQk * kChunkBytes, "dQ fits the K/V stages");
+  static_assert(kSharedDq == kSharedDq_, "the host's dQ shared-memory size (tile_plan.cpp)");
 };
 
 // Stages a warp's 16 accumulator rows (storage type, times `factor`) at rows row0.. and chunks
@@ -874,6 +891,221 @@ __device__ __forceinline__ void backward_dkdv_wgmma_wide(const BackwardParams& b
     __syncthreads();  // the stores are visible to the warps that read them back
     repair_dkdv_rows<Tag, Modifier, Config::kHeadDimQk, Config::kHeadDimV, true, true>(
         bp, span, batch, head_kv, kv_start, Config::kBlockKv, warp, Config::kWarps);
+  }
+}
+
+template <class Config, class Modifier>
+__device__ __forceinline__ void backward_dq_wgmma_wide(const BackwardParams& bp) {
+  using Tag = typename Config::Tag;
+  constexpr int kThreads = Config::kThreads;
+  constexpr int kBlockQ = Config::kBlockQ;
+  constexpr int kBlockKv = Config::kBlockKv;
+  constexpr int kSliceKv = Config::kDqSlicesKv;
+  constexpr int kTilesSlice = kSliceKv / 8;
+  constexpr int kPanelRowBytes = kSwizzleRows * kChunkBytes;      // 128
+  constexpr int kCoreGroupBytes = kSwizzleRows * kPanelRowBytes;  // 8 rows: a descriptor stride
+  const ForwardParams& p = bp.fwd;
+  const AlignedShared aligned = aligned_shared_memory<Config::kAlignment>();
+  const unsigned aligned_start = aligned.address;
+  unsigned char* shared = aligned.pointer;
+
+  const int thread = threadIdx.x;
+  const int warp = thread / kWarpSize;
+  const int lane = thread % kWarpSize;
+  const int group = lane / 4;
+  const int quad_lane = lane % 4;
+  const int warpgroup = __shfl_sync(0xffffffffu, warp / 4, 0);  // uniform (see above)
+  const int warp_in_group = warp % 4;
+  const int q_block = gridDim.x - 1 - blockIdx.x;  // the longest lists (causal) start first
+  const int head = blockIdx.y;
+  const int batch = blockIdx.z;
+  const SequenceSpan span = sequence_span(p, batch);
+  const int q_start = q_block * kBlockQ;
+  if (q_start >= span.q_len) return;
+  const int head_kv = head / p.heads_per_kv;
+  const Coordinates at{batch, head, span.q_len, span.kv_len};
+
+  const unsigned q_tile = aligned_start;
+  const unsigned do_tile = q_tile + Config::kQBytes;
+  const unsigned k_tiles = do_tile + Config::kDoBytes;
+  const unsigned v_tiles = k_tiles + Config::kStages * Config::kKBytes;
+  const unsigned ds_tile = v_tiles + Config::kStages * Config::kVBytes;
+  unsigned char* kv_area = shared + Config::kQBytes + Config::kDoBytes;
+  unsigned char* ds_area = kv_area + Config::kDqKvStreamBytes;
+  float* row_sums = reinterpret_cast<float*>(ds_area + Config::kExchangeBytes);
+  const unsigned short* k_source =
+      view_row<const unsigned short>(p.k, batch, span.kv_offset, head_kv);
+  const unsigned short* v_source =
+      view_row<const unsigned short>(p.v, batch, span.kv_offset, head_kv);
+
+  const EntryRange entries = visited_tiles(p, q_start, kBlockKv, span.kv_len);
+  const int q_rows_valid = span.q_len - q_start;
+  const bool q_boundary = q_rows_valid < kBlockQ;  // every tile masks the padding rows
+  load_rows_async<kBlockQ, typename Config::QLayout, Config::kChunksQk, kThreads>(
+      q_tile, view_row<const unsigned short>(p.q, batch, span.q_offset + q_start, head),
+      p.q.token_stride, q_rows_valid, Config::kChunksQk, thread);
+  load_rows_async<kBlockQ, typename Config::DoLayout, Config::kChunksV, kThreads>(
+      do_tile, view_row<const unsigned short>(bp.dout, batch, span.q_offset + q_start, head),
+      bp.dout.token_stride, q_rows_valid, Config::kChunksV, thread);
+  commit_copies();
+
+  auto load_keys_and_values = [&](int entry_index, int stage) {
+    const int kv_start = entry_kv_tile(p.tile_entries[entry_index]) * kBlockKv;
+    const int rows_valid = span.kv_len - kv_start;
+    load_rows_async<kBlockKv, typename Config::KLayout, Config::kChunksQk, kThreads>(
+        k_tiles + stage * Config::kKBytes, k_source + kv_start * p.k.token_stride,
+        p.k.token_stride, rows_valid, Config::kChunksQk, thread);
+    load_rows_async<kBlockKv, typename Config::VLayout, Config::kChunksV, kThreads>(
+        v_tiles + stage * Config::kVBytes, v_source + kv_start * p.v.token_stride,
+        p.v.token_stride, rows_valid, Config::kChunksV, thread);
+  };
+  const int count = entries.end - entries.begin;
+  if (count > 0) load_keys_and_values(entries.begin, 0);
+  commit_copies();
+
+  // This thread's two rows: position (clamped), validity, LSE (log2 domain) and delta.
+  int query[2];
+  bool row_valid[2];
+  float lse2[2];
+  float delta[2];
+  const int first_row = warp_in_group * 16 + group;
+  dq_rows(bp, batch, head, span, q_start + first_row, query, row_valid, lse2, delta);
+  const typename Modifier::Invariants invariants = Modifier::prepare(p, at);
+  GradSum local[Modifier::kLocalGradSlots];
+#pragma unroll
+  for (int k = 0; k < Modifier::kLocalGradSlots; ++k) local[k] = GradSum{};
+
+  float dq[Config::kTilesQk][4];
+  zero_accumulators(dq);
+  float(&dq_flat)[Config::kTilesQk * 4] = reinterpret_cast<float(&)[Config::kTilesQk * 4]>(dq);
+  // The block's 64 rows of Q and dO as K-major A operands; dS (queries x the tile's 64 keys) as
+  // K-major A; this warpgroup's key slice of a K or V stage, and its column half of K.
+  const unsigned long long q_descriptor = matrix_descriptor(q_tile, 16, kCoreGroupBytes);
+  const unsigned long long do_descriptor = matrix_descriptor(do_tile, 16, kCoreGroupBytes);
+  const unsigned long long ds_descriptor = matrix_descriptor(ds_tile, 16, kCoreGroupBytes);
+  const unsigned slice_rows = warpgroup * kSliceKv * kPanelRowBytes;
+  const unsigned k_half = warpgroup * (Config::kSliceQk / 64) * Config::KLayout::kPanelBytes;
+  const int slice = warpgroup * kSliceKv;
+
+  // With tensor gradients, a first pass recomputes delta as rowsum(P * dP) and renormalises P by
+  // its own row sum (see exact_delta_rows in backward_common.cuh); the second pass computes the
+  // gradients.
+  const bool tensor_grads = Modifier::kHasTensorGrads && bp.tensor_grads_wanted != 0;
+  const int first_pass = tensor_grads ? 0 : 1;
+  float row_pdp[2] = {0.0f, 0.0f};
+  float row_p[2] = {0.0f, 0.0f};
+  float s[kTilesSlice][4];
+  float dp[kTilesSlice][4];
+  float(&s_flat)[kTilesSlice * 4] = reinterpret_cast<float(&)[kTilesSlice * 4]>(s);
+  float(&dp_flat)[kTilesSlice * 4] = reinterpret_cast<float(&)[kTilesSlice * 4]>(dp);
+  for (int pass = first_pass; pass < 2; ++pass) {
+    const bool delta_pass = pass == 0;
+    if (pass == 1 && first_pass == 0) {
+      wait_copies<0>();
+      // Each warpgroup saw half of every tile's keys: the row sums of both, added in warpgroup
+      // order, renormalise the rows (as renormalise_dq_rows).
+#pragma unroll
+      for (int half = 0; half < 2; ++half) {
+        const float sum_pdp = quad_sum(row_pdp[half]);
+        const float sum_p = quad_sum(row_p[half]);
+        if (quad_lane == 0) {
+          float* sums = row_sums + (warpgroup * kBlockQ + first_row + half * 8) * 2;
+          sums[0] = sum_pdp;
+          sums[1] = sum_p;
+        }
+      }
+      __syncthreads();  // the sums are visible; every warp is done with the last K/V stages
+#pragma unroll
+      for (int half = 0; half < 2; ++half) {
+        const float* first = row_sums + (first_row + half * 8) * 2;
+        const float* second = first + kBlockQ * 2;
+        const float sum_pdp = first[0] + second[0];
+        const float sum_p = first[1] + second[1];
+        if (row_valid[half] && sum_p > 0.0f) {
+          lse2[half] += log2f(sum_p);
+          delta[half] = sum_pdp / sum_p;
+        }
+      }
+      if (count > 0) load_keys_and_values(entries.begin, 0);
+      commit_copies();
+    }
+    for (int iteration = 0; iteration < count; ++iteration) {
+      const int stage = iteration % Config::kStages;
+      wait_copies<0>();
+      fence_async_shared();  // this thread's copies, visible to the wgmma reads after the barrier
+      __syncthreads();       // tile `iteration` visible; the other stage and dS no longer read
+      if (iteration + 1 < count) {
+        load_keys_and_values(entries.begin + iteration + 1, (iteration + 1) % Config::kStages);
+      }
+      commit_copies();
+
+      const unsigned k_stage = k_tiles + stage * Config::kKBytes;
+      const unsigned v_stage = v_tiles + stage * Config::kVBytes;
+      fence_operands(s_flat);
+      fence_operands(dp_flat);
+      wgmma_group([&]() {
+        wgmma_k_major<Config::kStepsQk, Config::QLayout::kPanelBytes, Config::KLayout::kPanelBytes>(
+            Tag{}, s_flat, q_descriptor,
+            matrix_descriptor(k_stage + slice_rows, 16, kCoreGroupBytes));
+        wgmma_k_major<Config::kStepsV, Config::DoLayout::kPanelBytes, Config::VLayout::kPanelBytes>(
+            Tag{}, dp_flat, do_descriptor,
+            matrix_descriptor(v_stage + slice_rows, 16, kCoreGroupBytes));
+      });
+      fence_operands(s_flat);
+      fence_operands(dp_flat);
+
+      const int entry = p.tile_entries[entries.begin + iteration];
+      const int kv_start = entry_kv_tile(entry) * kBlockKv;
+      const bool check = entry_is_mixed(entry) || kv_start + kBlockKv > span.kv_len || q_boundary;
+      if (delta_pass) {
+        dq_delta_elements<Modifier>(s, dp, p, invariants, at, span, query, lse2, kv_start + slice,
+                                    check, quad_lane, row_pdp, row_p);
+        continue;
+      }
+      if (tensor_grads) {
+        dq_gradient_elements<Modifier, true>(s, dp, bp, invariants, at, span, query, lse2, delta,
+                                             kv_start + slice, check, quad_lane, local);
+      } else {
+        dq_gradient_elements<Modifier, false>(s, dp, bp, invariants, at, span, query, lse2, delta,
+                                              kv_start + slice, check, quad_lane, local);
+      }
+      stage_columns<Tag, typename Config::ExchangeLayout>(
+          ds_area, dp, warp_in_group * 16, warpgroup * (kSliceKv / kChunkElements), group,
+          quad_lane, 1.0f);
+      fence_async_shared();  // dS, visible to both warpgroups' wgmma reads
+      __syncthreads();
+
+      fence_operands(dq_flat);
+      wgmma_group([&]() {
+        const unsigned long long k_values =
+            matrix_descriptor(k_stage + k_half, Config::KLayout::kPanelBytes, kCoreGroupBytes);
+#pragma unroll
+        for (int step = 0; step < Config::kStepsQ; ++step) {
+          wgmma_from_shared_mn(Tag{}, dq_flat, advance_descriptor(ds_descriptor, step * 32),
+                               advance_descriptor(k_values, step * 16 * kPanelRowBytes), 1);
+        }
+      });
+      fence_operands(dq_flat);
+    }
+  }  // passes
+  if constexpr (Modifier::kHasTensorGrads) {
+    if (tensor_grads) Modifier::flush_tensor_grads(invariants, bp, at, local);
+  }
+  wait_copies<0>();
+  __syncthreads();  // every warp is done with K and V: their stages now stage dQ
+
+  using DqStage = SwizzledRows<Config::kChunksQk>;
+  stage_columns<Tag, DqStage>(kv_area, dq, warp_in_group * 16,
+                              warpgroup * (Config::kSliceQk / kChunkElements), group, quad_lane,
+                              p.scale);
+  const bool flagged = barrier_any<-1>(any_non_finite(dq), kThreads);  // see repair_dq_rows
+  store_staged<Config::kChunksQk, Config::kChunksQk, kThreads, kBlockQ>(
+      kv_area, view_row<unsigned short>(bp.dq, batch, span.q_offset + q_start, head),
+      bp.dq.token_stride, q_rows_valid, thread);
+  if (flagged) {
+    __syncthreads();  // the stores are visible to the warps that read them back
+    repair_dq_rows<Tag, Modifier, Config::kHeadDimQk, Config::kHeadDimV>(
+        bp, span, batch, head, q_start, kBlockQ, warp, Config::kWarps);
   }
 }
 
