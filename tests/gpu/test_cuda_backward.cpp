@@ -508,6 +508,11 @@ std::vector<DeterminismParam> determinism_params() {
   // Head dim 128: five kv tiles of 128 keys visit each 64-row q block (the wgmma backward's
   // tiles on sm_90).
   params.push_back({"softcap_bf16_d128", "30 * tanh(score / 30)", DType::kBF16, 128});
+  // Head dim 256 (the wide wgmma kernels on sm_90): the two warpgroups' exact-delta row sums
+  // are added in a fixed order (the bias's and the slopes' gradients take that pass).
+  params.push_back({"softcap_bf16_d256", "30 * tanh(score / 30)", DType::kBF16, 256});
+  params.push_back({"bias_bf16_d256", "score + bias[h, q, kv]", DType::kBF16, 256});
+  params.push_back({"alibi_bf16_d256", "score + slopes[h] * (kv - q)", DType::kBF16, 256});
   return params;
 }
 

@@ -1,5 +1,6 @@
 // The backward's dK/dV kernel on Hopper's warpgroup tensor cores (wgmma, sm_90a; bf16/fp16,
-// head dims 64 and 128; docs/engines.md, "Backward on sm_90"): backward_dkdv_mma's pipeline with
+// head dims 64 and 128, and 256 with the wide kernels at the end of this file; docs/engines.md,
+// "Backward on sm_90"): backward_dkdv_mma's pipeline with
 // its four products per tile on wgmma, in the layouts the forward proved (forward_wgmma.cuh).
 //
 // A block owns kBlockKv = 128 keys of one kv head (two warpgroups of 64; warp w holds keys
@@ -652,6 +653,13 @@ struct BackwardWgmmaWideConfig {
   static_assert(kHeadDimQk == 256 && kHeadDimV == 256,
                 "the wide wgmma backward takes head dim 256 (two 128-column halves)");
   static_assert(kSliceQk == 128 && kSliceV == 128, "a half is one m64n128 product");
+  // Every tile a descriptor reads starts on the swizzle's 1024 bytes, as does a warpgroup's
+  // 32-row slice of one.
+  static_assert(kKBytes % kAlignment == 0 && kVBytes % kAlignment == 0 &&
+                    kQBytes % kAlignment == 0 && kDoBytes % kAlignment == 0 &&
+                    kExchangeBytes % kAlignment == 0 &&
+                    kSliceQ * kSwizzleRows * kChunkBytes % kAlignment == 0,
+                "tiles stay aligned");
   static_assert(kStreamBytes >= kBlockKv * (kChunksQk + kChunksV) * kChunkBytes,
                 "dK and dV fit the streaming stages");
   static_assert(kSharedBytes == kSharedBytes_, "the host's shared-memory size (tile_plan.cpp)");
