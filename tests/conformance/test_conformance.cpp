@@ -179,8 +179,10 @@ TEST(Catalogue, QuickTierCoversEveryFeature) {
 TEST(Catalogue, NonFiniteTierPlantsEveryKindForwardAndBackward) {
   std::set<std::pair<std::string, bool>> planted;
   std::set<std::string> masks;
+  bool wide_backward = false;
   for (const Case& c : cases(Tier::kNonFinite)) {
     EXPECT_NE(c.planted, Planted::kNone) << c.name;
+    wide_backward = wide_backward || (c.backward && c.shape.head_dim_qk == 256);
     planted.emplace(std::string(to_string(c.planted)), c.backward);
     masks.insert(c.mask);
     if (c.modifier == "custom") {
@@ -189,6 +191,7 @@ TEST(Catalogue, NonFiniteTierPlantsEveryKindForwardAndBackward) {
   }
   EXPECT_EQ(planted.size(), 7u);
   EXPECT_TRUE(planted.count({"nando", true}));
+  EXPECT_TRUE(wide_backward);  // head dim 256 (the GPU's wide backward kernels)
   EXPECT_GE(masks.size(), 4u);  // causal, window, document, and none with the -inf modifier
 }
 

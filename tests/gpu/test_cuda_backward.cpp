@@ -308,6 +308,19 @@ std::vector<conformance::Case> backward_cases() {
       }
     }
   }
+  // Head dim 256 over many q blocks per kv tile (17 blocks x 4 heads of GQA 4:1): the wide
+  // kernels' two-stage rings turn over many times.
+  {
+    conformance::Case c;
+    c.modifier = "softcap30";
+    c.mask = "none";
+    c.shape = conformance::Shape{1, 4, 1, 1030, 1030, 256, 256};
+    c.layout = Layout::kBSHD;
+    c.dtype = DType::kBF16;
+    c.backward = true;
+    c.name = "wide_long_bf16_bshd_d256_dv256/softcap30_none_bwd";
+    result.push_back(c);
+  }
   // Both tanh forms in one launch, and the switch between them (test_support.hpp).
   for (const conformance::Case& c : mixed_tanh_tile_cases(true)) result.push_back(c);
   return result;
