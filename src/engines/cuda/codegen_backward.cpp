@@ -115,16 +115,13 @@ std::string backward_entry_points(const Problem& problem, const BackwardChoice& 
       kBackwardDeltaName, element_tag(problem.dtype()), problem.head_dim_v());
   // On wgmma (or the wide wgmma kernels) both kernels take that configuration and its block of
   // threads.
-  if (choice.wgmma || choice.wgmma_wide) {
-    text += fmt::format("using FlexattnWgmmaConfig = {};\n", choice.wgmma_config_type());
-  }
-  for (const auto& [name, function, threads, wgmma] :
-       {std::tuple{kBackwardDkdvName, choice.dkdv_template(), choice.dkdv_threads,
-                   choice.wgmma || choice.wgmma_wide},
-        std::tuple{kBackwardDqName, choice.dq_template(), choice.dq_threads,
-                   choice.wgmma || choice.wgmma_wide}}) {
+  const bool wgmma = choice.wgmma || choice.wgmma_wide;
+  if (wgmma) text += fmt::format("using FlexattnWgmmaConfig = {};\n", choice.wgmma_config_type());
+  const std::string config = wgmma ? "FlexattnWgmmaConfig" : "FlexattnBackwardConfig";
+  for (const auto& [name, function, threads] :
+       {std::tuple{kBackwardDkdvName, choice.dkdv_template(), choice.dkdv_threads},
+        std::tuple{kBackwardDqName, choice.dq_template(), choice.dq_threads}}) {
     const std::string bounds = wgmma ? fmt::format("{}, 1", threads) : launch_bounds;
-    const std::string config = wgmma ? "FlexattnWgmmaConfig" : "FlexattnBackwardConfig";
     text += fmt::format(
         "extern \"C\" __global__ void __launch_bounds__({}) {}(\n"
         "    const flexattn_kernels::BackwardParams params) {{\n"

@@ -590,7 +590,7 @@ __device__ __forceinline__ void backward_dq_wgmma(const BackwardParams& bp) {
   }
 }
 
-// ---- the dK/dV kernel at head dim 256 ---------------------------------------------------------
+// ---- the kernels at head dim 256 -------------------------------------------------------------
 //
 // At head dim 256 a warpgroup cannot hold 64 keys' dK and dV (256 accumulators a thread), so the
 // two warpgroups of a block share its 64 keys and split the work the other way:
