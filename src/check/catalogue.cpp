@@ -221,12 +221,13 @@ std::vector<Case> non_finite_cases() {
       }
     }
     const Shape wide{1, 4, 2, 100, 100, 256, 256};
-    for (Planted planted : {Planted::kNanValue, Planted::kInfKey, Planted::kNanQuery,
-                            Planted::kNanOutputGradient}) {
+    for (Planted planted :
+         {Planted::kNanValue, Planted::kInfKey, Planted::kNanQuery, Planted::kNanOutputGradient}) {
       Case c = make_case(wide, Layout::kBSHD, dtype, "softcap30", "causal", false);
       c.backward = true;
       c.planted = planted;
-      c.name = fmt::format("{}/{}_{}_{}_bwd", shape_name(c), c.modifier, c.mask, to_string(planted));
+      c.name =
+          fmt::format("{}/{}_{}_{}_bwd", shape_name(c), c.modifier, c.mask, to_string(planted));
       result.push_back(std::move(c));
     }
     const Shape decode{4, 8, 2, 1, 300, 64, 64};

@@ -191,7 +191,7 @@ TEST(Catalogue, NonFiniteTierPlantsEveryKindForwardAndBackward) {
   }
   EXPECT_EQ(planted.size(), 7u);
   EXPECT_TRUE(planted.count({"nando", true}));
-  EXPECT_TRUE(wide_backward);  // head dim 256 (the GPU's wide backward kernels)
+  EXPECT_TRUE(wide_backward);   // head dim 256 (the GPU's wide backward kernels)
   EXPECT_GE(masks.size(), 4u);  // causal, window, document, and none with the -inf modifier
 }
 

@@ -578,9 +578,7 @@ std::string BackwardChoice::wgmma_config_type() const {
                      shared_wgmma_dq);
 }
 
-std::string BackwardChoice::architecture_suffix() const {
-  return wgmma || wgmma_wide ? "a" : "";
-}
+std::string BackwardChoice::architecture_suffix() const { return wgmma || wgmma_wide ? "a" : ""; }
 
 std::string BackwardChoice::dkdv_template() const {
   if (wgmma) return "backward_dkdv_wgmma";

@@ -145,9 +145,7 @@ struct BackwardChoice {
   bool wgmma_wide = false;
 
   // The dynamic shared memory each kernel is launched with (wgmma or not).
-  int dkdv_shared_bytes() const {
-    return wgmma || wgmma_wide ? shared_wgmma_dkdv : shared_dkdv;
-  }
+  int dkdv_shared_bytes() const { return wgmma || wgmma_wide ? shared_wgmma_dkdv : shared_dkdv; }
   int dq_shared_bytes() const { return wgmma || wgmma_wide ? shared_wgmma_dq : shared_dq; }
 
   // The C++ type of the kernel configuration ("flexattn_kernels::BackwardMmaConfig<...>").

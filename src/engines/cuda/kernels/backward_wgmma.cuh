@@ -628,8 +628,8 @@ struct BackwardWgmmaWideConfig {
   static constexpr int kChunksQ = kBlockQ / kChunkElements;  // a P^T / dS^T row: 64 queries
   static constexpr int kStepsQk = kHeadDimQk / 16;
   static constexpr int kStepsV = kHeadDimV / 16;
-  static constexpr int kStepsQ = kBlockQ / 16;           // k-steps of dV and dK
-  static constexpr int kTilesSlice = kSliceQ / 8;        // 8-column tiles of S^T and dP^T
+  static constexpr int kStepsQ = kBlockQ / 16;               // k-steps of dV and dK
+  static constexpr int kTilesSlice = kSliceQ / 8;            // 8-column tiles of S^T and dP^T
   static constexpr int kSliceQk = kHeadDimQk / kWarpgroups;  // a warpgroup's dK columns
   static constexpr int kSliceV = kHeadDimV / kWarpgroups;    // and dV columns
   static constexpr int kTilesQk = kSliceQk / 8;
@@ -647,8 +647,8 @@ struct BackwardWgmmaWideConfig {
   static constexpr int kRowStageBytes = 2 * kBlockQ * static_cast<int>(sizeof(float));
   static constexpr int kAlignment = 1024;
   static constexpr int kStreamBytes = kStages * (kQBytes + kDoBytes);
-  static constexpr int kSharedBytes = kAlignment + kKBytes + kVBytes + kStreamBytes +
-                                      2 * kExchangeBytes + kStages * kRowStageBytes;
+  static constexpr int kSharedBytes =
+      kAlignment + kKBytes + kVBytes + kStreamBytes + 2 * kExchangeBytes + kStages * kRowStageBytes;
 
   static_assert(kHeadDimQk == 256 && kHeadDimV == 256,
                 "the wide wgmma backward takes head dim 256 (two 128-column halves)");
@@ -732,8 +732,7 @@ __device__ __forceinline__ void backward_dkdv_wgmma_wide(const BackwardParams& b
   unsigned char* stream_area = shared + Config::kKBytes + Config::kVBytes;
   unsigned char* pt_area = stream_area + Config::kStreamBytes;
   unsigned char* dst_area = pt_area + Config::kExchangeBytes;
-  const float* row_floats =
-      reinterpret_cast<const float*>(dst_area + Config::kExchangeBytes);
+  const float* row_floats = reinterpret_cast<const float*>(dst_area + Config::kExchangeBytes);
 
   load_rows_async<Config::kBlockKv, typename Config::KLayout, Config::kChunksQk, kThreads>(
       k_tile, view_row<const unsigned short>(p.k, batch, span.kv_offset + kv_start, head_kv),
@@ -847,8 +846,8 @@ __device__ __forceinline__ void backward_dkdv_wgmma_wide(const BackwardParams& b
     const int chunk0 = warpgroup * (kSliceQ / kChunkElements);
     stage_columns<Tag, typename Config::ExchangeLayout>(pt_area, st, warp_in_group * 16, chunk0,
                                                         group, quad_lane, 1.0f);
-    stage_columns<Tag, typename Config::ExchangeLayout>(dst_area, dpt, warp_in_group * 16,
-                                                        chunk0, group, quad_lane, 1.0f);
+    stage_columns<Tag, typename Config::ExchangeLayout>(dst_area, dpt, warp_in_group * 16, chunk0,
+                                                        group, quad_lane, 1.0f);
     fence_async_shared();  // the exchange tiles, visible to both warpgroups' wgmma reads
     __syncthreads();
 
@@ -961,11 +960,11 @@ __device__ __forceinline__ void backward_dq_wgmma_wide(const BackwardParams& bp)
     const int kv_start = entry_kv_tile(p.tile_entries[entry_index]) * kBlockKv;
     const int rows_valid = span.kv_len - kv_start;
     load_rows_async<kBlockKv, typename Config::KLayout, Config::kChunksQk, kThreads>(
-        k_tiles + stage * Config::kKBytes, k_source + kv_start * p.k.token_stride,
-        p.k.token_stride, rows_valid, Config::kChunksQk, thread);
+        k_tiles + stage * Config::kKBytes, k_source + kv_start * p.k.token_stride, p.k.token_stride,
+        rows_valid, Config::kChunksQk, thread);
     load_rows_async<kBlockKv, typename Config::VLayout, Config::kChunksV, kThreads>(
-        v_tiles + stage * Config::kVBytes, v_source + kv_start * p.v.token_stride,
-        p.v.token_stride, rows_valid, Config::kChunksV, thread);
+        v_tiles + stage * Config::kVBytes, v_source + kv_start * p.v.token_stride, p.v.token_stride,
+        rows_valid, Config::kChunksV, thread);
   };
   const int count = entries.end - entries.begin;
   if (count > 0) load_keys_and_values(entries.begin, 0);
@@ -1077,9 +1076,9 @@ __device__ __forceinline__ void backward_dq_wgmma_wide(const BackwardParams& bp)
         dq_gradient_elements<Modifier, false>(s, dp, bp, invariants, at, span, query, lse2, delta,
                                               kv_start + slice, check, quad_lane, local);
       }
-      stage_columns<Tag, typename Config::ExchangeLayout>(
-          ds_area, dp, warp_in_group * 16, warpgroup * (kSliceKv / kChunkElements), group,
-          quad_lane, 1.0f);
+      stage_columns<Tag, typename Config::ExchangeLayout>(ds_area, dp, warp_in_group * 16,
+                                                          warpgroup * (kSliceKv / kChunkElements),
+                                                          group, quad_lane, 1.0f);
       fence_async_shared();  // dS, visible to both warpgroups' wgmma reads
       __syncthreads();
 

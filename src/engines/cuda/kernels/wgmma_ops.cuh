@@ -132,8 +132,8 @@ __device__ __forceinline__ void claim_registers() {
 }
 
 // Operand lists: the 16, 32, 64 or 128 accumulators as "%0, ..." placeholders and "+f" operands.
-#define FLEXATTN_WGMMA_D16                 \
-  "%0, %1, %2, %3, %4, %5, %6, %7, "       \
+#define FLEXATTN_WGMMA_D16           \
+  "%0, %1, %2, %3, %4, %5, %6, %7, " \
   "%8, %9, %10, %11, %12, %13, %14, %15"
 #define FLEXATTN_WGMMA_D32                   \
   "%0, %1, %2, %3, %4, %5, %6, %7, "         \
