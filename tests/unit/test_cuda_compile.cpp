@@ -100,8 +100,8 @@ TEST(CudaForwardCompile, WgmmaTranslationUnitsCompileForSm90a) {
 }
 
 // The wgmma forward at the wide head dims (256, and MLA's 192/128): 64-key tiles, O += P V as
-// one m64n256k16 per 16 keys at 256. Forward and backward in one module: the backward at 256 is
-// the wide wgmma kernels, compiled for sm_90a with the forward.
+// one m64n256k16 per 16 keys at 256. Forward and backward in one module: the backward at these
+// head dims is the wide wgmma kernels', compiled for sm_90a with the forward.
 TEST(CudaForwardCompile, WideHeadDimWgmmaTranslationUnitsCompileForSm90a) {
   SKIP_WITHOUT_CUDA_ENGINE();
   constexpr int kCapability = 90;
@@ -132,7 +132,7 @@ TEST(CudaForwardCompile, WideHeadDimWgmmaTranslationUnitsCompileForSm90a) {
         std::pair{
             GeneratedCase{
                 "wgmma_bf16_d192_v128", DType::kBF16, 192, 128, "", "", {}, {}, Layout::kBSHD, {}},
-            false}}) {
+            true}}) {
     SCOPED_TRACE(c.name);
     const Problem problem = backward ? make_backward_problem(c) : make_problem(c);
     const cuda::KernelSelection selection = cuda::choose_kernel(problem, kCapability);

@@ -73,9 +73,9 @@ TEST(CudaBackwardChoice, TensorCoresUpToHeadDim256WithDkAndDvInSeparateBlocks) {
         EXPECT_EQ(c.dkdv_parts, 1);
         continue;
       }
-      if (c.wgmma_wide) {  // WideWgmmaDkdvOnSm90ForHeadDim256
+      if (c.wgmma_wide) {  // WideWgmmaOnSm90ForHeadDims256And192
         EXPECT_EQ(capability, 90);
-        EXPECT_EQ(e.head_dim_qk, 256);
+        EXPECT_TRUE(e.head_dim_qk == 256 || (e.head_dim_qk == 192 && e.head_dim_v == 128));
         EXPECT_EQ(c.dkdv_parts, 1);
         EXPECT_LE(c.dkdv_shared_bytes(), 227 * 1024);
         continue;
@@ -130,7 +130,8 @@ TEST(CudaBackwardChoice, WgmmaOnSm90ForHeadDims64And128) {
         // The wgmma forward takes these; the wgmma backward does not (256: see below).
         cuda::choose_backward_kernel(backward_problem_with(DType::kBF16, 256, 256), 80),
         cuda::choose_backward_kernel(backward_problem_with(DType::kBF16, 256, 256), 90, false),
-        cuda::choose_backward_kernel(backward_problem_with(DType::kBF16, 192, 128), 90)}) {
+        cuda::choose_backward_kernel(backward_problem_with(DType::kBF16, 192, 128), 80),
+        cuda::choose_backward_kernel(backward_problem_with(DType::kBF16, 160, 160), 90)}) {
     EXPECT_FALSE(other.choice.wgmma_wide);
     EXPECT_FALSE(other.choice.wgmma);
     EXPECT_EQ(other.choice.dkdv_block_kv, other.choice.block_kv);
@@ -141,13 +142,16 @@ TEST(CudaBackwardChoice, WgmmaOnSm90ForHeadDims64And128) {
   }
 }
 
-// Head dim 256 on sm_90: both kernels on wgmma with the warpgroups splitting the columns (64 keys
-// per dK/dV block, one part; 64 rows per dQ block; 256 threads each); the module needs sm_90a.
-TEST(CudaBackwardChoice, WideWgmmaOnSm90ForHeadDim256) {
-  for (const DType dtype : {DType::kBF16, DType::kF16}) {
-    SCOPED_TRACE(to_string(dtype));
+// Head dims 256 and 192/128 on sm_90: both kernels on wgmma with the warpgroups splitting the
+// columns (64 keys per dK/dV block, one part; 64 rows per dQ block; 256 threads each); the module
+// needs sm_90a.
+TEST(CudaBackwardChoice, WideWgmmaOnSm90ForHeadDims256And192) {
+  for (const auto& [dtype, qk, v] : {std::tuple{DType::kBF16, 256, 256},
+                                     std::tuple{DType::kF16, 256, 256},
+                                     std::tuple{DType::kBF16, 192, 128}}) {
+    SCOPED_TRACE(fmt::format("{} {}/{}", to_string(dtype), qk, v));
     const cuda::BackwardSelection d256 =
-        cuda::choose_backward_kernel(backward_problem_with(dtype, 256, 256), 90);
+        cuda::choose_backward_kernel(backward_problem_with(dtype, qk, v), 90);
     ASSERT_TRUE(d256.reason.empty()) << d256.reason;
     const cuda::BackwardChoice& c = d256.choice;
     EXPECT_FALSE(c.wgmma);
@@ -164,14 +168,16 @@ TEST(CudaBackwardChoice, WideWgmmaOnSm90ForHeadDim256) {
     // kernels/backward_wgmma.cuh: 1024 + K and V (dK/dV) or Q and dO (dQ) of 64 rows + 2 stages
     // of the other pair + the exchange tiles (P^T and dS^T; dS) + 2 x 512 for lse and delta
     // (dK/dV) or the two warpgroups' row sums (dQ).
+    const int dims = qk + v;
     EXPECT_EQ(c.dkdv_shared_bytes(),
-              1024 + 64 * 512 * 2 + 2 * 64 * 512 * 2 + 2 * 64 * 64 * 2 + 2 * 512);
-    EXPECT_EQ(c.dq_shared_bytes(), 1024 + 64 * 512 * 2 + 2 * 64 * 512 * 2 + 64 * 64 * 2 + 2 * 512);
+              1024 + 64 * dims * 2 + 2 * 64 * dims * 2 + 2 * 64 * 64 * 2 + 2 * 512);
+    EXPECT_EQ(c.dq_shared_bytes(), 1024 + 64 * dims * 2 + 2 * 64 * dims * 2 + 64 * 64 * 2 + 2 * 512);
     EXPECT_LE(c.dkdv_shared_bytes(), 227 * 1024);
     EXPECT_LE(c.dq_shared_bytes(), 227 * 1024);
     EXPECT_EQ(c.wgmma_config_type(),
-              fmt::format("flexattn_kernels::BackwardWgmmaWideConfig<{}, 256, 256, {}, {}>",
-                          cuda::element_tag(dtype), c.dkdv_shared_bytes(), c.dq_shared_bytes()));
+              fmt::format("flexattn_kernels::BackwardWgmmaWideConfig<{}, {}, {}, {}, {}>",
+                          cuda::element_tag(dtype), qk, v, c.dkdv_shared_bytes(),
+                          c.dq_shared_bytes()));
   }
 }
 

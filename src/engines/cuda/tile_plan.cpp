@@ -103,12 +103,15 @@ constexpr int kBackwardSimtBlock = 32;
 constexpr int kBackwardWgmmaBlock = 128;
 constexpr int kBackwardWgmmaThreads = 256;
 constexpr int kBackwardWgmmaStages = 3;
-// The wide kernels (head dim 256, BackwardWgmmaWideConfig): dK/dV with 64 keys resident and
+// The wide kernels (head dims 256 and 192/128, BackwardWgmmaWideConfig): dK/dV with 64 keys resident and
 // 64-row q blocks of Q, dO, LSE and delta in two stages; dQ with 64 rows of Q and dO resident and
 // 64-key tiles of K and V in two stages; each with a 64 x 64 exchange tile per product it passes
 // between the warpgroups (P^T and dS^T; dS), and dQ with the warpgroups' row sums (two floats a
 // row each).
-constexpr int kBackwardWideHeadDim = 256;
+// The head dims (q/k, v) they take.
+bool wide_backward_head_dims(std::int64_t qk, std::int64_t v) {
+  return (qk == 256 && v == 256) || (qk == 192 && v == 128);
+}
 constexpr int kBackwardWideStages = 2;
 
 int round_up(int value, int multiple) { return (value + multiple - 1) / multiple * multiple; }
@@ -338,7 +341,7 @@ void use_wgmma(BackwardChoice& c) {
   c.shared_wgmma_dq = resident + streamed;
 }
 
-// The wide wgmma kernels on top of the mma.sync choice `c` (head dim 256, sm_90).
+// The wide wgmma kernels on top of the mma.sync choice `c` (head dims 256 and 192/128, sm_90).
 void use_wgmma_wide(BackwardChoice& c) {
   c.wgmma_wide = true;
   c.dkdv_parts = 1;
@@ -643,8 +646,7 @@ BackwardSelection choose_backward_kernel(const Problem& problem, int capability,
     const bool hopper = allow_wgmma && capability == kWgmmaCapability;
     if (hopper && wgmma_head_dim(problem.head_dim_qk()) && wgmma_head_dim(problem.head_dim_v())) {
       use_wgmma(selection.choice);
-    } else if (hopper && problem.head_dim_qk() == kBackwardWideHeadDim &&
-               problem.head_dim_v() == kBackwardWideHeadDim) {
+    } else if (hopper && wide_backward_head_dims(problem.head_dim_qk(), problem.head_dim_v())) {
       use_wgmma_wide(selection.choice);
     }
   }

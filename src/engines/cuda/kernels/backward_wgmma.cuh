@@ -593,22 +593,23 @@ __device__ __forceinline__ void backward_dq_wgmma(const BackwardParams& bp) {
 // ---- the kernels at head dim 256 -------------------------------------------------------------
 //
 // At head dim 256 a warpgroup cannot hold 64 keys' dK and dV (256 accumulators a thread), so the
-// two warpgroups of a block share its 64 keys and split the work the other way:
+// two warpgroups of a block share its 64 keys and split the work the other way (also for MLA's
+// 192/128, where warpgroup 0 takes dK's first 128 columns and warpgroup 1 the last 64):
 //   S^T, dP^T   warpgroup w computes the block's 64 keys against queries 32 w .. 32 w + 31 of the
 //               q block (wgmma m64 n32 k16 over the 256 dims; K, V as A, Q and dO as B, all
 //               K-major from shared memory), and runs the element pipeline on them;
 //   exchange    both write their P^T and dS^T columns to shared memory (one 64 x 64 tile each,
 //               the storage type, K-major panels), then a block barrier;
-//   dV, dK      warpgroup w accumulates columns 128 w .. 128 w + 127 of dV += P^T dO and
-//               dK += dS^T Q over all 64 queries (A = P^T or dS^T, B = dO or Q MN-major, both
-//               from shared memory): 64 + 64 accumulators a thread.
+//   dV, dK      warpgroup w accumulates its columns of dV += P^T dO and dK += dS^T Q over all
+//               64 queries (A = P^T or dS^T, B = dO or Q MN-major, both from shared memory): at
+//               256, columns 128 w .. 128 w + 127 of each, 64 + 64 accumulators a thread.
 // K and V (32 KB each) stay resident; Q, dO, LSE and delta of the q blocks stream through two
 // stages (the next q block loads while one is computed).
 //
 // backward_dq_wgmma_wide, the same split for dQ: a block owns 64 query rows of one head (Q and
 // dO resident) and walks the q-major tile list, K and V in two stages; warpgroup w computes S and
 // dP for keys 32 w .. 32 w + 31 of each tile (m64n32), writes its dS columns to shared memory,
-// and after a block barrier accumulates columns 128 w .. of dQ += dS K over all 64 keys. With
+// and after a block barrier accumulates its columns of dQ += dS K over all 64 keys. With
 // tensor gradients, the exact-delta pass's row sums of the two warpgroups are added through
 // shared memory in a fixed order.
 template <class ElementTag, int kHeadDimQk_, int kHeadDimV_, int kSharedBytes_, int kSharedDq_>
@@ -630,10 +631,16 @@ struct BackwardWgmmaWideConfig {
   static constexpr int kStepsV = kHeadDimV / 16;
   static constexpr int kStepsQ = kBlockQ / 16;               // k-steps of dV and dK
   static constexpr int kTilesSlice = kSliceQ / 8;            // 8-column tiles of S^T and dP^T
-  static constexpr int kSliceQk = kHeadDimQk / kWarpgroups;  // a warpgroup's dK columns
-  static constexpr int kSliceV = kHeadDimV / kWarpgroups;    // and dV columns
-  static constexpr int kTilesQk = kSliceQk / 8;
-  static constexpr int kTilesV = kSliceV / 8;
+  // A warpgroup's columns of dK (and dQ) and of dV, in 64-column panels: warpgroup 0 the first
+  // half (rounded up), warpgroup 1 the rest. Accumulators are sized for warpgroup 0's.
+  static constexpr int kPanelsQk = kHeadDimQk / 64;
+  static constexpr int kPanelsV = kHeadDimV / 64;
+  static constexpr int kFirstPanelsQk = (kPanelsQk + 1) / 2;
+  static constexpr int kSecondPanelsQk = kPanelsQk - kFirstPanelsQk;
+  static constexpr int kFirstPanelsV = (kPanelsV + 1) / 2;
+  static constexpr int kSecondPanelsV = kPanelsV - kFirstPanelsV;
+  static constexpr int kTilesQk = kFirstPanelsQk * 8;
+  static constexpr int kTilesV = kFirstPanelsV * 8;
   using KLayout = SwizzledPanels<kBlockKv, kChunksQk>;
   using VLayout = SwizzledPanels<kBlockKv, kChunksV>;
   using QLayout = SwizzledPanels<kBlockQ, kChunksQk>;
@@ -650,9 +657,11 @@ struct BackwardWgmmaWideConfig {
   static constexpr int kSharedBytes =
       kAlignment + kKBytes + kVBytes + kStreamBytes + 2 * kExchangeBytes + kStages * kRowStageBytes;
 
-  static_assert(kHeadDimQk == 256 && kHeadDimV == 256,
-                "the wide wgmma backward takes head dim 256 (two 128-column halves)");
-  static_assert(kSliceQk == 128 && kSliceV == 128, "a half is one m64n128 product");
+  static_assert((kHeadDimQk == 256 && kHeadDimV == 256) || (kHeadDimQk == 192 && kHeadDimV == 128),
+                "the wide wgmma backward takes head dims 256 and 192/128");
+  static_assert(kFirstPanelsQk <= 2 && kFirstPanelsV <= 2 && kSecondPanelsQk >= 1 &&
+                    kSecondPanelsV >= 1,
+                "a warpgroup's columns are one m64n64 or m64n128 product");
   // Every tile a descriptor reads starts on the swizzle's 1024 bytes, as does a warpgroup's
   // 32-row slice of one.
   static_assert(kKBytes % kAlignment == 0 && kVBytes % kAlignment == 0 &&
@@ -691,6 +700,27 @@ __device__ __forceinline__ void stage_columns(unsigned char* tile, const float (
       *reinterpret_cast<unsigned*>(tile + Layout::offset(row, chunk0 + j) +
                                    quad_lane * sizeof(unsigned)) = packed;
     }
+  }
+}
+
+// The first kTiles accumulator tiles of `acc` (warpgroup 1's share, where it has fewer columns).
+template <int kTiles, int kTotal>
+__device__ __forceinline__ auto leading_tiles(float (&acc)[kTotal][4]) -> float (&)[kTiles][4] {
+  static_assert(kTiles <= kTotal, "a share of the accumulators");
+  return reinterpret_cast<float(&)[kTiles][4]>(acc);
+}
+
+// acc += A B over kSteps k-steps of 16: A (64 x 16 kSteps) K-major in shared memory, B MN-major
+// (16 kSteps rows, acc's columns): one wgmma per k-step, into the open group.
+template <class Tag, int kSteps, int kTiles>
+__device__ __forceinline__ void accumulate_from_shared(float (&acc)[kTiles][4],
+                                                       unsigned long long a, unsigned long long b) {
+  constexpr int kPanelRowBytes = kSwizzleRows * kChunkBytes;  // 128
+  float(&flat)[kTiles * 4] = reinterpret_cast<float(&)[kTiles * 4]>(acc);
+#pragma unroll
+  for (int step = 0; step < kSteps; ++step) {
+    wgmma_from_shared_mn(Tag{}, flat, advance_descriptor(a, step * 32),
+                         advance_descriptor(b, step * 16 * kPanelRowBytes), 1);
   }
 }
 
@@ -790,11 +820,11 @@ __device__ __forceinline__ void backward_dkdv_wgmma_wide(const BackwardParams& b
   // P^T and dS^T (keys x the q block's 64 queries) as K-major A operands.
   const unsigned long long pt_descriptor = matrix_descriptor(pt_tile, 16, kCoreGroupBytes);
   const unsigned long long dst_descriptor = matrix_descriptor(dst_tile, 16, kCoreGroupBytes);
-  // This warpgroup's query slice within a Q or dO stage (rows kSliceQ w ..), and its column
-  // half within one (panels 2 w, 2 w + 1).
+  // This warpgroup's query slice within a Q or dO stage (rows kSliceQ w ..), and its first
+  // column panel of dK and dV within one.
   const unsigned slice_rows = warpgroup * kSliceQ * kPanelRowBytes;
-  const unsigned q_half = warpgroup * (Config::kSliceQk / 64) * Config::QLayout::kPanelBytes;
-  const unsigned do_half = warpgroup * (Config::kSliceV / 64) * Config::DoLayout::kPanelBytes;
+  const unsigned q_columns = warpgroup * Config::kFirstPanelsQk * Config::QLayout::kPanelBytes;
+  const unsigned do_columns = warpgroup * Config::kFirstPanelsV * Config::DoLayout::kPanelBytes;
 
   int prepared_head = -1;
   typename Modifier::Invariants invariants{};
@@ -853,22 +883,23 @@ __device__ __forceinline__ void backward_dkdv_wgmma_wide(const BackwardParams& b
 
     fence_operands(dk_flat);
     fence_operands(dv_flat);
-    wgmma_group([&]() {
-      const unsigned long long do_values =
-          matrix_descriptor(do_stage + do_half, Config::DoLayout::kPanelBytes, kCoreGroupBytes);
-      const unsigned long long q_values =
-          matrix_descriptor(q_stage + q_half, Config::QLayout::kPanelBytes, kCoreGroupBytes);
-#pragma unroll
-      for (int step = 0; step < Config::kStepsQ; ++step) {
-        wgmma_from_shared_mn(Tag{}, dv_flat, advance_descriptor(pt_descriptor, step * 32),
-                             advance_descriptor(do_values, step * 16 * kPanelRowBytes), 1);
-      }
-#pragma unroll
-      for (int step = 0; step < Config::kStepsQ; ++step) {
-        wgmma_from_shared_mn(Tag{}, dk_flat, advance_descriptor(dst_descriptor, step * 32),
-                             advance_descriptor(q_values, step * 16 * kPanelRowBytes), 1);
-      }
-    });
+    const unsigned long long do_values =
+        matrix_descriptor(do_stage + do_columns, Config::DoLayout::kPanelBytes, kCoreGroupBytes);
+    const unsigned long long q_values =
+        matrix_descriptor(q_stage + q_columns, Config::QLayout::kPanelBytes, kCoreGroupBytes);
+    if (warpgroup == 0) {
+      wgmma_group([&]() {
+        accumulate_from_shared<Tag, Config::kStepsQ>(dv, pt_descriptor, do_values);
+        accumulate_from_shared<Tag, Config::kStepsQ>(dk, dst_descriptor, q_values);
+      });
+    } else {
+      wgmma_group([&]() {
+        accumulate_from_shared<Tag, Config::kStepsQ>(
+            leading_tiles<Config::kSecondPanelsV * 8>(dv), pt_descriptor, do_values);
+        accumulate_from_shared<Tag, Config::kStepsQ>(
+            leading_tiles<Config::kSecondPanelsQk * 8>(dk), dst_descriptor, q_values);
+      });
+    }
     fence_operands(dk_flat);
     fence_operands(dv_flat);
   }
@@ -879,12 +910,17 @@ __device__ __forceinline__ void backward_dkdv_wgmma_wide(const BackwardParams& b
   unsigned char* dv_stage = dk_stage + Config::kBlockKv * Config::kChunksQk * kChunkBytes;
   using DkStage = SwizzledRows<Config::kChunksQk>;
   using DvStage = SwizzledRows<Config::kChunksV>;
-  stage_columns<Tag, DkStage>(dk_stage, dk, warp_in_group * 16,
-                              warpgroup * (Config::kSliceQk / kChunkElements), group, quad_lane,
-                              p.scale);
-  stage_columns<Tag, DvStage>(dv_stage, dv, warp_in_group * 16,
-                              warpgroup * (Config::kSliceV / kChunkElements), group, quad_lane,
-                              1.0f);
+  if (warpgroup == 0) {
+    stage_columns<Tag, DkStage>(dk_stage, dk, warp_in_group * 16, 0, group, quad_lane, p.scale);
+    stage_columns<Tag, DvStage>(dv_stage, dv, warp_in_group * 16, 0, group, quad_lane, 1.0f);
+  } else {
+    stage_columns<Tag, DkStage>(dk_stage, leading_tiles<Config::kSecondPanelsQk * 8>(dk),
+                                warp_in_group * 16, Config::kFirstPanelsQk * 8, group, quad_lane,
+                                p.scale);
+    stage_columns<Tag, DvStage>(dv_stage, leading_tiles<Config::kSecondPanelsV * 8>(dv),
+                                warp_in_group * 16, Config::kFirstPanelsV * 8, group, quad_lane,
+                                1.0f);
+  }
   // see repair_dkdv_rows
   const bool flagged = barrier_any<-1>(any_non_finite(dk) || any_non_finite(dv), kThreads);
   const int rows_valid = span.kv_len - kv_start;
@@ -986,12 +1022,12 @@ __device__ __forceinline__ void backward_dq_wgmma_wide(const BackwardParams& bp)
   zero_accumulators(dq);
   float(&dq_flat)[Config::kTilesQk * 4] = reinterpret_cast<float(&)[Config::kTilesQk * 4]>(dq);
   // The block's 64 rows of Q and dO as K-major A operands; dS (queries x the tile's 64 keys) as
-  // K-major A; this warpgroup's key slice of a K or V stage, and its column half of K.
+  // K-major A; this warpgroup's key slice of a K or V stage, and its first column panel of K.
   const unsigned long long q_descriptor = matrix_descriptor(q_tile, 16, kCoreGroupBytes);
   const unsigned long long do_descriptor = matrix_descriptor(do_tile, 16, kCoreGroupBytes);
   const unsigned long long ds_descriptor = matrix_descriptor(ds_tile, 16, kCoreGroupBytes);
   const unsigned slice_rows = warpgroup * kSliceKv * kPanelRowBytes;
-  const unsigned k_half = warpgroup * (Config::kSliceQk / 64) * Config::KLayout::kPanelBytes;
+  const unsigned k_columns = warpgroup * Config::kFirstPanelsQk * Config::KLayout::kPanelBytes;
   const int slice = warpgroup * kSliceKv;
 
   // With tensor gradients, a first pass recomputes delta as rowsum(P * dP) and renormalises P by
@@ -1083,15 +1119,17 @@ __device__ __forceinline__ void backward_dq_wgmma_wide(const BackwardParams& bp)
       __syncthreads();
 
       fence_operands(dq_flat);
-      wgmma_group([&]() {
-        const unsigned long long k_values =
-            matrix_descriptor(k_stage + k_half, Config::KLayout::kPanelBytes, kCoreGroupBytes);
-#pragma unroll
-        for (int step = 0; step < Config::kStepsQ; ++step) {
-          wgmma_from_shared_mn(Tag{}, dq_flat, advance_descriptor(ds_descriptor, step * 32),
-                               advance_descriptor(k_values, step * 16 * kPanelRowBytes), 1);
-        }
-      });
+      const unsigned long long k_values =
+          matrix_descriptor(k_stage + k_columns, Config::KLayout::kPanelBytes, kCoreGroupBytes);
+      if (warpgroup == 0) {
+        wgmma_group(
+            [&]() { accumulate_from_shared<Tag, Config::kStepsQ>(dq, ds_descriptor, k_values); });
+      } else {
+        wgmma_group([&]() {
+          accumulate_from_shared<Tag, Config::kStepsQ>(
+              leading_tiles<Config::kSecondPanelsQk * 8>(dq), ds_descriptor, k_values);
+        });
+      }
       fence_operands(dq_flat);
     }
   }  // passes
@@ -1102,9 +1140,13 @@ __device__ __forceinline__ void backward_dq_wgmma_wide(const BackwardParams& bp)
   __syncthreads();  // every warp is done with K and V: their stages now stage dQ
 
   using DqStage = SwizzledRows<Config::kChunksQk>;
-  stage_columns<Tag, DqStage>(kv_area, dq, warp_in_group * 16,
-                              warpgroup * (Config::kSliceQk / kChunkElements), group, quad_lane,
-                              p.scale);
+  if (warpgroup == 0) {
+    stage_columns<Tag, DqStage>(kv_area, dq, warp_in_group * 16, 0, group, quad_lane, p.scale);
+  } else {
+    stage_columns<Tag, DqStage>(kv_area, leading_tiles<Config::kSecondPanelsQk * 8>(dq),
+                                warp_in_group * 16, Config::kFirstPanelsQk * 8, group, quad_lane,
+                                p.scale);
+  }
   const bool flagged = barrier_any<-1>(any_non_finite(dq), kThreads);  // see repair_dq_rows
   store_staged<Config::kChunksQk, Config::kChunksQk, kThreads, kBlockQ>(
       kv_area, view_row<unsigned short>(bp.dq, batch, span.q_offset + q_start, head),

@@ -223,6 +223,10 @@ FLEXATTN_WGMMA_SS(wgmma_ss, "0, 0", BFloat16Tag, "bf16", 32, 16, FLEXATTN_WGMMA_
                   FLEXATTN_WGMMA_ACC16, "%16", "%17", "%18")
 FLEXATTN_WGMMA_SS(wgmma_ss, "0, 0", HalfTag, "f16", 32, 16, FLEXATTN_WGMMA_D16,
                   FLEXATTN_WGMMA_ACC16, "%16", "%17", "%18")
+FLEXATTN_WGMMA_SS(wgmma_ss_mn, "0, 1", BFloat16Tag, "bf16", 64, 32, FLEXATTN_WGMMA_D32,
+                  FLEXATTN_WGMMA_ACC32, "%32", "%33", "%34")
+FLEXATTN_WGMMA_SS(wgmma_ss_mn, "0, 1", HalfTag, "f16", 64, 32, FLEXATTN_WGMMA_D32,
+                  FLEXATTN_WGMMA_ACC32, "%32", "%33", "%34")
 FLEXATTN_WGMMA_SS(wgmma_ss_mn, "0, 1", BFloat16Tag, "bf16", 128, 64, FLEXATTN_WGMMA_D64,
                   FLEXATTN_WGMMA_ACC64, "%64", "%65", "%66")
 FLEXATTN_WGMMA_SS(wgmma_ss_mn, "0, 1", HalfTag, "f16", 128, 64, FLEXATTN_WGMMA_D64,
@@ -274,11 +278,17 @@ __device__ __forceinline__ void wgmma_from_shared(Tag tag, float (&d)[kCount], u
     wgmma_ss_n128(tag, d, a, b, accumulate);
   }
 }
-// d (64 x 128) from an A in shared memory (K-major) and an MN-major B (as wgmma_from_registers').
-template <class Tag>
-__device__ __forceinline__ void wgmma_from_shared_mn(Tag tag, float (&d)[64], unsigned long long a,
-                                                     unsigned long long b, int accumulate) {
-  wgmma_ss_mn_n128(tag, d, a, b, accumulate);
+// d (64 x N) from an A in shared memory (K-major) and an MN-major B (as wgmma_from_registers').
+template <class Tag, int kCount>
+__device__ __forceinline__ void wgmma_from_shared_mn(Tag tag, float (&d)[kCount],
+                                                     unsigned long long a, unsigned long long b,
+                                                     int accumulate) {
+  static_assert(kCount == 32 || kCount == 64, "wgmma widths 64 and 128");
+  if constexpr (kCount == 32) {
+    wgmma_ss_mn_n64(tag, d, a, b, accumulate);
+  } else {
+    wgmma_ss_mn_n128(tag, d, a, b, accumulate);
+  }
 }
 template <class Tag, int kCount>
 __device__ __forceinline__ void wgmma_from_registers(Tag tag, float (&d)[kCount],
