@@ -146,9 +146,9 @@ TEST(CudaBackwardChoice, WgmmaOnSm90ForHeadDims64And128) {
 // columns (64 keys per dK/dV block, one part; 64 rows per dQ block; 256 threads each); the module
 // needs sm_90a.
 TEST(CudaBackwardChoice, WideWgmmaOnSm90ForHeadDims256And192) {
-  for (const auto& [dtype, qk, v] : {std::tuple{DType::kBF16, 256, 256},
-                                     std::tuple{DType::kF16, 256, 256},
-                                     std::tuple{DType::kBF16, 192, 128}}) {
+  for (const auto& [dtype, qk, v] :
+       {std::tuple{DType::kBF16, 256, 256}, std::tuple{DType::kF16, 256, 256},
+        std::tuple{DType::kBF16, 192, 128}}) {
     SCOPED_TRACE(fmt::format("{} {}/{}", to_string(dtype), qk, v));
     const cuda::BackwardSelection d256 =
         cuda::choose_backward_kernel(backward_problem_with(dtype, qk, v), 90);
@@ -171,13 +171,14 @@ TEST(CudaBackwardChoice, WideWgmmaOnSm90ForHeadDims256And192) {
     const int dims = qk + v;
     EXPECT_EQ(c.dkdv_shared_bytes(),
               1024 + 64 * dims * 2 + 2 * 64 * dims * 2 + 2 * 64 * 64 * 2 + 2 * 512);
-    EXPECT_EQ(c.dq_shared_bytes(), 1024 + 64 * dims * 2 + 2 * 64 * dims * 2 + 64 * 64 * 2 + 2 * 512);
+    EXPECT_EQ(c.dq_shared_bytes(),
+              1024 + 64 * dims * 2 + 2 * 64 * dims * 2 + 64 * 64 * 2 + 2 * 512);
     EXPECT_LE(c.dkdv_shared_bytes(), 227 * 1024);
     EXPECT_LE(c.dq_shared_bytes(), 227 * 1024);
-    EXPECT_EQ(c.wgmma_config_type(),
-              fmt::format("flexattn_kernels::BackwardWgmmaWideConfig<{}, {}, {}, {}, {}>",
-                          cuda::element_tag(dtype), qk, v, c.dkdv_shared_bytes(),
-                          c.dq_shared_bytes()));
+    EXPECT_EQ(
+        c.wgmma_config_type(),
+        fmt::format("flexattn_kernels::BackwardWgmmaWideConfig<{}, {}, {}, {}, {}>",
+                    cuda::element_tag(dtype), qk, v, c.dkdv_shared_bytes(), c.dq_shared_bytes()));
   }
 }
 

@@ -311,20 +311,21 @@ FLEXATTN_AOT_BACKWARD_WGMMA(aot_backward_wgmma_bf16_d128_softcap, CausalSoftcapM
                             BFloat16Tag, 128, 128)
 FLEXATTN_AOT_BACKWARD_WGMMA(aot_backward_wgmma_f16_d64, CausalSoftcapModifier, HalfTag, 64, 64)
 
-// The wide wgmma kernels (head dims 256 and 192/128): dK/dV shared bytes = 1024 + K and V of 64 keys + 2
-// stages of Q and dO (64 rows) + the P^T and dS^T tiles (64 x 64) + 2 stages of lse2 and delta;
-// dQ = 1024 + Q and dO of 64 rows + 2 stages of K and V + the dS tile + two warpgroups' row sums.
-#define FLEXATTN_AOT_BACKWARD_WIDE(name, modifier, tag, qk, v)                                 \
-  using name##_config = flexattn_kernels::BackwardWgmmaWideConfig<                              \
-      tag, qk, v, 1024 + 3 * 64 * ((qk) + (v)) * 2 + 2 * 64 * 64 * 2 + 2 * 512,                 \
-      1024 + 3 * 64 * ((qk) + (v)) * 2 + 64 * 64 * 2 + 2 * 512>;                                \
-  extern "C" __global__ void __launch_bounds__(name##_config::kThreads, 1)                      \
-      name##_dkdv(const BackwardParams params) {                                                \
-    flexattn_kernels::backward_dkdv_wgmma_wide<name##_config, modifier>(params);                \
-  }                                                                                             \
-  extern "C" __global__ void __launch_bounds__(name##_config::kThreads, 1)                      \
-      name##_dq(const BackwardParams params) {                                                  \
-    flexattn_kernels::backward_dq_wgmma_wide<name##_config, modifier>(params);                  \
+// The wide wgmma kernels (head dims 256 and 192/128): dK/dV shared bytes = 1024 + K and V of 64
+// keys + 2 stages of Q and dO (64 rows) + the P^T and dS^T tiles (64 x 64) + 2 stages of lse2 and
+// delta; dQ = 1024 + Q and dO of 64 rows + 2 stages of K and V + the dS tile + two warpgroups' row
+// sums.
+#define FLEXATTN_AOT_BACKWARD_WIDE(name, modifier, tag, qk, v)                   \
+  using name##_config = flexattn_kernels::BackwardWgmmaWideConfig<               \
+      tag, qk, v, 1024 + 3 * 64 * ((qk) + (v)) * 2 + 2 * 64 * 64 * 2 + 2 * 512,  \
+      1024 + 3 * 64 * ((qk) + (v)) * 2 + 64 * 64 * 2 + 2 * 512>;                 \
+  extern "C" __global__ void __launch_bounds__(name##_config::kThreads, 1)       \
+      name##_dkdv(const BackwardParams params) {                                 \
+    flexattn_kernels::backward_dkdv_wgmma_wide<name##_config, modifier>(params); \
+  }                                                                              \
+  extern "C" __global__ void __launch_bounds__(name##_config::kThreads, 1)       \
+      name##_dq(const BackwardParams params) {                                   \
+    flexattn_kernels::backward_dq_wgmma_wide<name##_config, modifier>(params);   \
   }
 
 FLEXATTN_AOT_BACKWARD_WIDE(aot_backward_wide_bf16_d256_softcap, CausalSoftcapModifier, BFloat16Tag,

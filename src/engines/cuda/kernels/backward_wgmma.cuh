@@ -894,10 +894,10 @@ __device__ __forceinline__ void backward_dkdv_wgmma_wide(const BackwardParams& b
       });
     } else {
       wgmma_group([&]() {
-        accumulate_from_shared<Tag, Config::kStepsQ>(
-            leading_tiles<Config::kSecondPanelsV * 8>(dv), pt_descriptor, do_values);
-        accumulate_from_shared<Tag, Config::kStepsQ>(
-            leading_tiles<Config::kSecondPanelsQk * 8>(dk), dst_descriptor, q_values);
+        accumulate_from_shared<Tag, Config::kStepsQ>(leading_tiles<Config::kSecondPanelsV * 8>(dv),
+                                                     pt_descriptor, do_values);
+        accumulate_from_shared<Tag, Config::kStepsQ>(leading_tiles<Config::kSecondPanelsQk * 8>(dk),
+                                                     dst_descriptor, q_values);
       });
     }
     fence_operands(dk_flat);
