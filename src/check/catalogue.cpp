@@ -187,9 +187,9 @@ namespace {
 // The non-finite tier: each planted value under masks that remove the planted key for some
 // queries (causal, sliding window, documents) and under a modifier that gives -inf instead of a
 // mask, in every storage dtype, forward and backward (dO only backward); the backward at head
-// dim 256 (softcap, causal: the GPU's kernels for the widest heads); and decoding against a
-// paged cache, with the planted key hidden from the new tokens by a sliding window or kept by
-// ALiBi alone.
+// dims 256 and 192/128 (softcap, causal: the GPU's kernels for the widest heads); and decoding
+// against a paged cache, with the planted key hidden from the new tokens by a sliding window or
+// kept by ALiBi alone.
 std::vector<Case> non_finite_cases() {
   const Shape shape{1, 4, 2, 100, 100, 64, 64};
   std::vector<Case> result;
@@ -220,15 +220,17 @@ std::vector<Case> non_finite_cases() {
         }
       }
     }
-    const Shape wide{1, 4, 2, 100, 100, 256, 256};
-    for (Planted planted :
-         {Planted::kNanValue, Planted::kInfKey, Planted::kNanQuery, Planted::kNanOutputGradient}) {
-      Case c = make_case(wide, Layout::kBSHD, dtype, "softcap30", "causal", false);
-      c.backward = true;
-      c.planted = planted;
-      c.name =
-          fmt::format("{}/{}_{}_{}_bwd", shape_name(c), c.modifier, c.mask, to_string(planted));
-      result.push_back(std::move(c));
+    for (const Shape& wide :
+         {Shape{1, 4, 2, 100, 100, 256, 256}, Shape{1, 4, 2, 100, 100, 192, 128}}) {
+      for (Planted planted : {Planted::kNanValue, Planted::kInfKey, Planted::kNanQuery,
+                              Planted::kNanOutputGradient}) {
+        Case c = make_case(wide, Layout::kBSHD, dtype, "softcap30", "causal", false);
+        c.backward = true;
+        c.planted = planted;
+        c.name =
+            fmt::format("{}/{}_{}_{}_bwd", shape_name(c), c.modifier, c.mask, to_string(planted));
+        result.push_back(std::move(c));
+      }
     }
     const Shape decode{4, 8, 2, 1, 300, 64, 64};
     for (const auto& [modifier, mask] :

@@ -590,21 +590,21 @@ __device__ __forceinline__ void backward_dq_wgmma(const BackwardParams& bp) {
   }
 }
 
-// ---- the kernels at head dim 256 -------------------------------------------------------------
+// ---- the kernels at head dims 256 and 192/128 ---------------------------------------------------
 //
 // At head dim 256 a warpgroup cannot hold 64 keys' dK and dV (256 accumulators a thread), so the
 // two warpgroups of a block share its 64 keys and split the work the other way (also for MLA's
 // 192/128, where warpgroup 0 takes dK's first 128 columns and warpgroup 1 the last 64):
 //   S^T, dP^T   warpgroup w computes the block's 64 keys against queries 32 w .. 32 w + 31 of the
-//               q block (wgmma m64 n32 k16 over the 256 dims; K, V as A, Q and dO as B, all
-//               K-major from shared memory), and runs the element pipeline on them;
+//               q block (wgmma m64 n32 k16 over the whole head dim; K, V as A, Q and dO as B,
+//               all K-major from shared memory), and runs the element pipeline on them;
 //   exchange    both write their P^T and dS^T columns to shared memory (one 64 x 64 tile each,
 //               the storage type, K-major panels), then a block barrier;
 //   dV, dK      warpgroup w accumulates its columns of dV += P^T dO and dK += dS^T Q over all
 //               64 queries (A = P^T or dS^T, B = dO or Q MN-major, both from shared memory): at
 //               256, columns 128 w .. 128 w + 127 of each, 64 + 64 accumulators a thread.
-// K and V (32 KB each) stay resident; Q, dO, LSE and delta of the q blocks stream through two
-// stages (the next q block loads while one is computed).
+// K and V (32 KB each at 256) stay resident; Q, dO, LSE and delta of the q blocks stream through
+// two stages (the next q block loads while one is computed).
 //
 // backward_dq_wgmma_wide, the same split for dQ: a block owns 64 query rows of one head (Q and
 // dO resident) and walks the q-major tile list, K and V in two stages; warpgroup w computes S and
@@ -641,6 +641,9 @@ struct BackwardWgmmaWideConfig {
   static constexpr int kSecondPanelsV = kPanelsV - kFirstPanelsV;
   static constexpr int kTilesQk = kFirstPanelsQk * 8;
   static constexpr int kTilesV = kFirstPanelsV * 8;
+  // Both warpgroups take as many columns (256): one branch of products serves both.
+  static constexpr bool kEvenSplit =
+      kFirstPanelsQk == kSecondPanelsQk && kFirstPanelsV == kSecondPanelsV;
   using KLayout = SwizzledPanels<kBlockKv, kChunksQk>;
   using VLayout = SwizzledPanels<kBlockKv, kChunksV>;
   using QLayout = SwizzledPanels<kBlockQ, kChunksQk>;
@@ -887,7 +890,7 @@ __device__ __forceinline__ void backward_dkdv_wgmma_wide(const BackwardParams& b
         matrix_descriptor(do_stage + do_columns, Config::DoLayout::kPanelBytes, kCoreGroupBytes);
     const unsigned long long q_values =
         matrix_descriptor(q_stage + q_columns, Config::QLayout::kPanelBytes, kCoreGroupBytes);
-    if (warpgroup == 0) {
+    if (Config::kEvenSplit || warpgroup == 0) {  // one copy of the products where both agree
       wgmma_group([&]() {
         accumulate_from_shared<Tag, Config::kStepsQ>(dv, pt_descriptor, do_values);
         accumulate_from_shared<Tag, Config::kStepsQ>(dk, dst_descriptor, q_values);
@@ -1121,7 +1124,7 @@ __device__ __forceinline__ void backward_dq_wgmma_wide(const BackwardParams& bp)
       fence_operands(dq_flat);
       const unsigned long long k_values =
           matrix_descriptor(k_stage + k_columns, Config::KLayout::kPanelBytes, kCoreGroupBytes);
-      if (warpgroup == 0) {
+      if (Config::kEvenSplit || warpgroup == 0) {
         wgmma_group(
             [&]() { accumulate_from_shared<Tag, Config::kStepsQ>(dq, ds_descriptor, k_values); });
       } else {
