@@ -170,6 +170,97 @@ __device__ __forceinline__ void wgmma_group(const Issue& issue) {
   wgmma_wait<0>();
 }
 
+// ---- what the dK/dV kernels share (this one and the wide one at the end of the file) ----------
+
+// The q blocks visiting kv tile `kv_tile` (the kv-major list), without those past this
+// sequence's queries (thd): entries begin .. begin + per_head of every head of the GQA group,
+// `total` in all.
+struct VisitingBlocks {
+  int begin;
+  int per_head;
+  int total;
+};
+__device__ __forceinline__ VisitingBlocks visiting_q_blocks(const BackwardParams& bp,
+                                                            const SequenceSpan& span, int kv_tile,
+                                                            int block_q) {
+  const int begin = bp.kv_tile_offsets[kv_tile];
+  int end = bp.kv_tile_offsets[kv_tile + 1];
+  while (end > begin && (bp.kv_tile_entries[end - 1] >> 1) * block_q >= span.q_len) --end;
+  const int per_head = end - begin;
+  return {begin, per_head, per_head * bp.fwd.heads_per_kv};
+}
+
+// K and V rows [kv_start, kv_start + kBlockKv) of kv head `head_kv` into the block's resident
+// tiles (copies issued, not committed).
+template <class Config>
+__device__ __forceinline__ void load_resident_keys(const ForwardParams& p, const SequenceSpan& span,
+                                                   int batch, int head_kv, int kv_start,
+                                                   unsigned k_tile, unsigned v_tile, int thread) {
+  load_rows_async<Config::kBlockKv, typename Config::KLayout, Config::kChunksQk, Config::kThreads>(
+      k_tile, view_row<const unsigned short>(p.k, batch, span.kv_offset + kv_start, head_kv),
+      p.k.token_stride, span.kv_len - kv_start, Config::kChunksQk, thread);
+  load_rows_async<Config::kBlockKv, typename Config::VLayout, Config::kChunksV, Config::kThreads>(
+      v_tile, view_row<const unsigned short>(p.v, batch, span.kv_offset + kv_start, head_kv),
+      p.v.token_stride, span.kv_len - kv_start, Config::kChunksV, thread);
+}
+
+// Q, dO, lse2 and delta of visiting q block `iteration` into stage `stage` (copies issued, not
+// committed; lse2 +inf and delta 0 past the queries).
+template <class Config>
+__device__ __forceinline__ void load_query_block(const BackwardParams& bp, const SequenceSpan& span,
+                                                 int batch, int head_kv,
+                                                 const VisitingBlocks& blocks, int iteration,
+                                                 int stage, unsigned q_tiles, unsigned do_tiles,
+                                                 unsigned row_tiles, int thread) {
+  constexpr int kBlockQ = Config::kBlockQ;
+  constexpr int kThreads = Config::kThreads;
+  const ForwardParams& p = bp.fwd;
+  const int head = head_kv * p.heads_per_kv + iteration / blocks.per_head;
+  const int q_start =
+      (bp.kv_tile_entries[blocks.begin + iteration % blocks.per_head] >> 1) * kBlockQ;
+  const int rows_valid = span.q_len - q_start;
+  load_rows_async<kBlockQ, typename Config::QLayout, Config::kChunksQk, kThreads>(
+      q_tiles + stage * Config::kQBytes,
+      view_row<const unsigned short>(p.q, batch, span.q_offset + q_start, head), p.q.token_stride,
+      rows_valid, Config::kChunksQk, thread);
+  load_rows_async<kBlockQ, typename Config::DoLayout, Config::kChunksV, kThreads>(
+      do_tiles + stage * Config::kDoBytes,
+      view_row<const unsigned short>(bp.dout, batch, span.q_offset + q_start, head),
+      bp.dout.token_stride, rows_valid, Config::kChunksV, thread);
+  if (thread < 2 * kBlockQ) {  // lse2, then delta: one float per thread
+    const int row = thread % kBlockQ;
+    const bool lse = thread < kBlockQ;
+    const float* source = lse ? lse2_address(bp, batch, head, span.q_offset + q_start)
+                              : delta_address(bp, batch, head, span.q_offset + q_start);
+    stage_row_float(row_tiles + stage * Config::kRowStageBytes + thread * sizeof(float),
+                    source + row, row < rows_valid, lse ? positive_infinity() : 0.0f);
+  }
+}
+
+// Stores the staged dK and dV rows of the block's keys and, where a thread's accumulators held
+// NaN or inf (`flagged`, barrier_any), recomputes those rows exactly (repair_dkdv_rows).
+template <class Config, class Modifier>
+__device__ __forceinline__ void store_key_gradients(const BackwardParams& bp,
+                                                    const SequenceSpan& span, int batch,
+                                                    int head_kv, int kv_start,
+                                                    const unsigned char* dk_stage,
+                                                    const unsigned char* dv_stage, bool flagged,
+                                                    int warp, int thread) {
+  const int rows_valid = span.kv_len - kv_start;
+  store_staged<Config::kChunksQk, Config::kChunksQk, Config::kThreads, Config::kBlockKv>(
+      dk_stage, view_row<unsigned short>(bp.dk, batch, span.kv_offset + kv_start, head_kv),
+      bp.dk.token_stride, rows_valid, thread);
+  store_staged<Config::kChunksV, Config::kChunksV, Config::kThreads, Config::kBlockKv>(
+      dv_stage, view_row<unsigned short>(bp.dv, batch, span.kv_offset + kv_start, head_kv),
+      bp.dv.token_stride, rows_valid, thread);
+  if (flagged) {
+    __syncthreads();  // the stores are visible to the warps that read them back
+    repair_dkdv_rows<typename Config::Tag, Modifier, Config::kHeadDimQk, Config::kHeadDimV, true,
+                     true>(bp, span, batch, head_kv, kv_start, Config::kBlockKv, warp,
+                           Config::kWarps);
+  }
+}
+
 template <class Config, class Modifier>
 __device__ __forceinline__ void backward_dkdv_wgmma(const BackwardParams& bp) {
   using Tag = typename Config::Tag;
@@ -206,41 +297,16 @@ __device__ __forceinline__ void backward_dkdv_wgmma(const BackwardParams& bp) {
   unsigned char* stream_area = shared + Config::kKBytes + Config::kVBytes;
   const float* row_floats = reinterpret_cast<const float*>(stream_area + Config::kStreamBytes);
 
-  load_rows_async<Config::kBlockKv, typename Config::KLayout, Config::kChunksQk, kThreads>(
-      k_tile, view_row<const unsigned short>(p.k, batch, span.kv_offset + kv_start, head_kv),
-      p.k.token_stride, span.kv_len - kv_start, Config::kChunksQk, thread);
-  load_rows_async<Config::kBlockKv, typename Config::VLayout, Config::kChunksV, kThreads>(
-      v_tile, view_row<const unsigned short>(p.v, batch, span.kv_offset + kv_start, head_kv),
-      p.v.token_stride, span.kv_len - kv_start, Config::kChunksV, thread);
+  load_resident_keys<Config>(p, span, batch, head_kv, kv_start, k_tile, v_tile, thread);
   commit_copies();
 
-  // The q blocks visiting this tile, without those past this sequence's queries (thd).
-  int begin = bp.kv_tile_offsets[kv_tile];
-  int end = bp.kv_tile_offsets[kv_tile + 1];
-  while (end > begin && (bp.kv_tile_entries[end - 1] >> 1) * kBlockQ >= span.q_len) --end;
-  const int per_head = end - begin;
-  const int total = per_head * p.heads_per_kv;
-
+  const VisitingBlocks blocks = visiting_q_blocks(bp, span, kv_tile, kBlockQ);
+  const int begin = blocks.begin;
+  const int per_head = blocks.per_head;
+  const int total = blocks.total;
   auto load_queries = [&](int iteration, int stage) {
-    const int head = head_kv * p.heads_per_kv + iteration / per_head;
-    const int q_start = (bp.kv_tile_entries[begin + iteration % per_head] >> 1) * kBlockQ;
-    const int rows_valid = span.q_len - q_start;
-    load_rows_async<kBlockQ, typename Config::QLayout, Config::kChunksQk, kThreads>(
-        q_tiles + stage * Config::kQBytes,
-        view_row<const unsigned short>(p.q, batch, span.q_offset + q_start, head), p.q.token_stride,
-        rows_valid, Config::kChunksQk, thread);
-    load_rows_async<kBlockQ, typename Config::DoLayout, Config::kChunksV, kThreads>(
-        do_tiles + stage * Config::kDoBytes,
-        view_row<const unsigned short>(bp.dout, batch, span.q_offset + q_start, head),
-        bp.dout.token_stride, rows_valid, Config::kChunksV, thread);
-    if (thread < 2 * kBlockQ) {  // lse2, then delta: one float per thread
-      const int row = thread % kBlockQ;
-      const bool lse = thread < kBlockQ;
-      const float* source = lse ? lse2_address(bp, batch, head, span.q_offset + q_start)
-                                : delta_address(bp, batch, head, span.q_offset + q_start);
-      stage_row_float(row_tiles + stage * Config::kRowStageBytes + thread * sizeof(float),
-                      source + row, row < rows_valid, lse ? positive_infinity() : 0.0f);
-    }
+    load_query_block<Config>(bp, span, batch, head_kv, blocks, iteration, stage, q_tiles, do_tiles,
+                             row_tiles, thread);
   };
   if (total > 0) load_queries(0, 0);
   commit_copies();
@@ -362,18 +428,8 @@ __device__ __forceinline__ void backward_dkdv_wgmma(const BackwardParams& bp) {
   stage_rows<Tag, Config::kChunksV>(dv_stage, dv, warp * 16, group, quad_lane, 1.0f);
   // see repair_dkdv_rows
   const bool flagged = barrier_any<-1>(any_non_finite(dk) || any_non_finite(dv), kThreads);
-  const int rows_valid = span.kv_len - kv_start;
-  store_staged<Config::kChunksQk, Config::kChunksQk, kThreads, Config::kBlockKv>(
-      dk_stage, view_row<unsigned short>(bp.dk, batch, span.kv_offset + kv_start, head_kv),
-      bp.dk.token_stride, rows_valid, thread);
-  store_staged<Config::kChunksV, Config::kChunksV, kThreads, Config::kBlockKv>(
-      dv_stage, view_row<unsigned short>(bp.dv, batch, span.kv_offset + kv_start, head_kv),
-      bp.dv.token_stride, rows_valid, thread);
-  if (flagged) {
-    __syncthreads();  // the stores are visible to the warps that read them back
-    repair_dkdv_rows<Tag, Modifier, Config::kHeadDimQk, Config::kHeadDimV, true, true>(
-        bp, span, batch, head_kv, kv_start, Config::kBlockKv, warp, Config::kWarps);
-  }
+  store_key_gradients<Config, Modifier>(bp, span, batch, head_kv, kv_start, dk_stage, dv_stage,
+                                        flagged, warp, thread);
 }
 
 template <class Config, class Modifier>
@@ -767,41 +823,16 @@ __device__ __forceinline__ void backward_dkdv_wgmma_wide(const BackwardParams& b
   unsigned char* dst_area = pt_area + Config::kExchangeBytes;
   const float* row_floats = reinterpret_cast<const float*>(dst_area + Config::kExchangeBytes);
 
-  load_rows_async<Config::kBlockKv, typename Config::KLayout, Config::kChunksQk, kThreads>(
-      k_tile, view_row<const unsigned short>(p.k, batch, span.kv_offset + kv_start, head_kv),
-      p.k.token_stride, span.kv_len - kv_start, Config::kChunksQk, thread);
-  load_rows_async<Config::kBlockKv, typename Config::VLayout, Config::kChunksV, kThreads>(
-      v_tile, view_row<const unsigned short>(p.v, batch, span.kv_offset + kv_start, head_kv),
-      p.v.token_stride, span.kv_len - kv_start, Config::kChunksV, thread);
+  load_resident_keys<Config>(p, span, batch, head_kv, kv_start, k_tile, v_tile, thread);
   commit_copies();
 
-  // The q blocks visiting this tile, without those past this sequence's queries (thd).
-  int begin = bp.kv_tile_offsets[kv_tile];
-  int end = bp.kv_tile_offsets[kv_tile + 1];
-  while (end > begin && (bp.kv_tile_entries[end - 1] >> 1) * kBlockQ >= span.q_len) --end;
-  const int per_head = end - begin;
-  const int total = per_head * p.heads_per_kv;
-
+  const VisitingBlocks blocks = visiting_q_blocks(bp, span, kv_tile, kBlockQ);
+  const int begin = blocks.begin;
+  const int per_head = blocks.per_head;
+  const int total = blocks.total;
   auto load_queries = [&](int iteration, int stage) {
-    const int head = head_kv * p.heads_per_kv + iteration / per_head;
-    const int q_start = (bp.kv_tile_entries[begin + iteration % per_head] >> 1) * kBlockQ;
-    const int rows_valid = span.q_len - q_start;
-    load_rows_async<kBlockQ, typename Config::QLayout, Config::kChunksQk, kThreads>(
-        q_tiles + stage * Config::kQBytes,
-        view_row<const unsigned short>(p.q, batch, span.q_offset + q_start, head), p.q.token_stride,
-        rows_valid, Config::kChunksQk, thread);
-    load_rows_async<kBlockQ, typename Config::DoLayout, Config::kChunksV, kThreads>(
-        do_tiles + stage * Config::kDoBytes,
-        view_row<const unsigned short>(bp.dout, batch, span.q_offset + q_start, head),
-        bp.dout.token_stride, rows_valid, Config::kChunksV, thread);
-    if (thread < 2 * kBlockQ) {  // lse2, then delta: one float per thread
-      const int row = thread % kBlockQ;
-      const bool lse = thread < kBlockQ;
-      const float* source = lse ? lse2_address(bp, batch, head, span.q_offset + q_start)
-                                : delta_address(bp, batch, head, span.q_offset + q_start);
-      stage_row_float(row_tiles + stage * Config::kRowStageBytes + thread * sizeof(float),
-                      source + row, row < rows_valid, lse ? positive_infinity() : 0.0f);
-    }
+    load_query_block<Config>(bp, span, batch, head_kv, blocks, iteration, stage, q_tiles, do_tiles,
+                             row_tiles, thread);
   };
   if (total > 0) load_queries(0, 0);
   commit_copies();
@@ -926,18 +957,8 @@ __device__ __forceinline__ void backward_dkdv_wgmma_wide(const BackwardParams& b
   }
   // see repair_dkdv_rows
   const bool flagged = barrier_any<-1>(any_non_finite(dk) || any_non_finite(dv), kThreads);
-  const int rows_valid = span.kv_len - kv_start;
-  store_staged<Config::kChunksQk, Config::kChunksQk, kThreads, Config::kBlockKv>(
-      dk_stage, view_row<unsigned short>(bp.dk, batch, span.kv_offset + kv_start, head_kv),
-      bp.dk.token_stride, rows_valid, thread);
-  store_staged<Config::kChunksV, Config::kChunksV, kThreads, Config::kBlockKv>(
-      dv_stage, view_row<unsigned short>(bp.dv, batch, span.kv_offset + kv_start, head_kv),
-      bp.dv.token_stride, rows_valid, thread);
-  if (flagged) {
-    __syncthreads();  // the stores are visible to the warps that read them back
-    repair_dkdv_rows<Tag, Modifier, Config::kHeadDimQk, Config::kHeadDimV, true, true>(
-        bp, span, batch, head_kv, kv_start, Config::kBlockKv, warp, Config::kWarps);
-  }
+  store_key_gradients<Config, Modifier>(bp, span, batch, head_kv, kv_start, dk_stage, dv_stage,
+                                        flagged, warp, thread);
 }
 
 template <class Config, class Modifier>
