@@ -9,8 +9,9 @@
 //   bench_cuda_forward [--quick | --sweep | --dims] [--pass fwd|fwdbwd|both]
 //                      [--engine cuda|cudnn] [--json out.json] [--only KEY,...]
 // --sweep: the forward sequence sweep alone; --dims: head dims 256, 192/128, 96, 80 and 32 alone.
-// --only keeps the problems whose key (e.g. d128/causal/softcap; sweep rows never match) is listed:
-// a short run of a few rows, e.g. under a profiler (scripts/gpu kernel-times).
+// --only keeps the problems whose key is listed (e.g. d128/causal/softcap; with --dims, e.g.
+// d256/none/softcap or d192v128/none/none; sweep rows never match): a short run of a few rows,
+// e.g. under a profiler (scripts/gpu kernel-times).
 //
 // An engine this build lacks or this machine cannot run, and a problem the engine refuses, are
 // reported as skip lines (with the engine's reason), not errors. A problem the engine fails on is
@@ -457,10 +458,10 @@ int main(int argc, char** argv) {
     fmt::print(stderr, "bench_cuda_forward: --pass must be fwd, fwdbwd or both\n");
     return 2;
   }
-  if (dims && (quick || sweep_only || !only.empty())) {
+  if (dims && (quick || sweep_only)) {
     fmt::print(stderr,
-               "bench_cuda_forward: --dims times the other head dims alone (no --quick, "
-               "--sweep or --only)\n");
+               "bench_cuda_forward: --dims times the other head dims alone (no --quick or "
+               "--sweep)\n");
     return 2;
   }
   if (sweep_only && (quick || !only.empty() || pass == "fwdbwd")) {
@@ -501,7 +502,7 @@ int main(int argc, char** argv) {
     bool described_forward = false, described_backward = false;
     int errors = 0;
     for (const auto& [group, config] : configs(quick, pass != "fwdbwd", pass != "fwd", dims)) {
-      if (!only.empty() && (group != "main" || only.count(problem_key(config)) == 0)) continue;
+      if (!only.empty() && (group == "sweep" || only.count(problem_key(config)) == 0)) continue;
       if (sweep_only && group != "sweep") continue;
       Result r;
       try {
