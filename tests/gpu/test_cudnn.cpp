@@ -328,6 +328,37 @@ TEST(CudnnConformance, LargerShapes) {
   EXPECT_EQ(tally.failed, 0);
 }
 
+// The head dims models use beside 64 and 128: Gemma's 256 and MLA's 192 with a 128-wide V, bf16
+// and fp16, plain, causal, ALiBi and a window, forward and backward. cuDNN serves these with other
+// engines than at 64/128, so this is what `scripts/gpu qualify-cudnn` qualifies them on; a case
+// it serves must pass.
+TEST(CudnnConformance, WideHeadDims) {
+  SKIP_WITHOUT_CUDNN_DEVICE();
+  Tally tally;
+  for (const auto& [shape, dtype] :
+       std::vector<std::pair<Shape, DType>>{{Shape{1, 4, 2, 256, 320, 256, 256}, DType::kBF16},
+                                            {Shape{2, 4, 4, 192, 192, 256, 256}, DType::kF16},
+                                            {Shape{1, 4, 1, 256, 320, 192, 128}, DType::kBF16},
+                                            {Shape{2, 4, 2, 192, 192, 192, 128}, DType::kF16}}) {
+    for (const auto& [modifier, mask] :
+         std::vector<std::pair<const char*, const char*>>{{"none", "none"},
+                                                          {"none", "causal"},
+                                                          {"none", "causalbr"},
+                                                          {"alibi", "causalbr"},
+                                                          {"bias", "none"},
+                                                          {"none", "window"}}) {
+      for (bool backward : {false, true}) {
+        run_and_tally(make_case(shape, dtype, modifier, mask, backward), tally);
+      }
+    }
+  }
+  report("wide head dims", tally);
+  EXPECT_EQ(tally.failed, 0);
+  // Until a qualification lists engines for these shapes, every case is refused ("no allowed
+  // cuDNN engine"): nothing was served, so nothing was shown.
+  if (tally.passed == 0) GTEST_SKIP() << "the cudnn engine served none of these shapes";
+}
+
 // ---- graph construction without a device ------------------------------------------------------
 
 // Where libcudnn.so.9 is installed (a GPU is not needed), every catalogue modifier and mask, in
