@@ -308,13 +308,15 @@ std::vector<conformance::Case> backward_cases() {
       }
     }
   }
-  // Head dim 256 over many q blocks per kv tile (17 blocks x 4 heads of GQA 4:1): the wide
-  // kernels' two-stage rings turn over many times.
+  // Head dim 256 over many q blocks per kv tile (17 blocks x 2 heads of GQA 2:1) and many kv
+  // tiles per q block (9): the wide kernels' two-stage rings turn over many times. (One kv head
+  // leaves the float64 reference a single thread: 4 heads of 1030 x 1030 took 148 s on the GPU
+  // machine's host, this shape a quarter of that.)
   {
     conformance::Case c;
     c.modifier = "softcap30";
     c.mask = "none";
-    c.shape = conformance::Shape{1, 4, 1, 1030, 1030, 256, 256};
+    c.shape = conformance::Shape{1, 2, 1, 1030, 520, 256, 256};
     c.layout = Layout::kBSHD;
     c.dtype = DType::kBF16;
     c.backward = true;
