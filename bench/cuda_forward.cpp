@@ -6,9 +6,10 @@
 // engine instance; for cuda an NVRTC compile into an empty disk cache) and, for cuda, warm
 // (another fresh instance, whose kernel comes from the disk cache).
 //
-//   bench_cuda_forward [--quick | --sweep | --dims] [--pass fwd|fwdbwd|both]
+//   bench_cuda_forward [--quick | --sweep | --dims [--head-dims D,...]] [--pass fwd|fwdbwd|both]
 //                      [--engine cuda|cudnn] [--json out.json] [--only KEY,...]
-// --sweep: the forward sequence sweep alone; --dims: head dims 256, 192/128, 96, 80 and 32 alone.
+// --sweep: the forward sequence sweep alone; --dims: head dims 256, 192/128, 96, 80 and 32 alone
+// (--head-dims: only those q/k head dims, e.g. 192 or 256,192).
 // --only keeps the problems whose key is listed (e.g. d128/causal/softcap; with --dims, e.g.
 // d256/none/softcap or d192v128/none/none; sweep rows never match): a short run of a few rows,
 // e.g. under a profiler (scripts/gpu kernel-times).
@@ -428,6 +429,7 @@ int main(int argc, char** argv) {
   bool dims = false;        // --dims: the other head dims alone
   std::string json_path, pass = "both", engine_name = "cuda";
   std::set<std::string> only;
+  std::set<std::int64_t> head_dims;  // --head-dims: the --dims rows of these q/k head dims
   for (int i = 1; i < argc; ++i) {
     const std::string arg = argv[i];
     if (arg == "--quick") {
@@ -442,6 +444,17 @@ int main(int argc, char** argv) {
       sweep_only = true;
     } else if (arg == "--dims") {
       dims = true;
+    } else if (arg == "--head-dims" && i + 1 < argc) {
+      std::stringstream list(argv[++i]);
+      for (std::string dim; std::getline(list, dim, ',');) {
+        char* end = nullptr;
+        const long long value = std::strtoll(dim.c_str(), &end, 10);
+        if (dim.empty() || *end != '\0' || value <= 0) {
+          fmt::print(stderr, "bench_cuda_forward: --head-dims takes head dims such as 256,192\n");
+          return 2;
+        }
+        head_dims.insert(value);
+      }
     } else if (arg == "--only" && i + 1 < argc) {
       std::stringstream list(argv[++i]);
       for (std::string key; std::getline(list, key, ',');) {
@@ -449,13 +462,18 @@ int main(int argc, char** argv) {
       }
     } else {
       fmt::print(stderr,
-                 "usage: bench_cuda_forward [--quick | --sweep | --dims] [--pass fwd|fwdbwd|both] "
+                 "usage: bench_cuda_forward [--quick | --sweep | --dims [--head-dims D,...]] "
+                 "[--pass fwd|fwdbwd|both] "
                  "[--engine cuda|cudnn] [--json out.json] [--only d128/causal/softcap,...]\n");
       return 2;
     }
   }
   if (pass != "fwd" && pass != "fwdbwd" && pass != "both") {
     fmt::print(stderr, "bench_cuda_forward: --pass must be fwd, fwdbwd or both\n");
+    return 2;
+  }
+  if (!head_dims.empty() && !dims) {
+    fmt::print(stderr, "bench_cuda_forward: --head-dims selects among the --dims rows\n");
     return 2;
   }
   if (dims && (quick || sweep_only)) {
@@ -504,6 +522,7 @@ int main(int argc, char** argv) {
     for (const auto& [group, config] : configs(quick, pass != "fwdbwd", pass != "fwd", dims)) {
       if (!only.empty() && (group == "sweep" || only.count(problem_key(config)) == 0)) continue;
       if (sweep_only && group != "sweep") continue;
+      if (!head_dims.empty() && head_dims.count(config.head_dim) == 0) continue;
       Result r;
       try {
         r = run(engine_name, config, inputs);

@@ -64,6 +64,8 @@ run_gpu sanitize test_cuda_forward
 expect_usage_error "sanitize without a filter"
 run_gpu dims --pass sideways
 expect_usage_error "dims with a bad --pass"
+run_gpu dims --head-dims 256,x
+expect_usage_error "dims with a bad --head-dims"
 
 if command -v shellcheck > /dev/null; then
   shellcheck "$script" "$0" || fail "shellcheck"
