@@ -310,8 +310,8 @@ std::vector<conformance::Case> backward_cases() {
   }
   // Head dim 256 over many q blocks per kv tile (17 blocks x 2 heads of GQA 2:1) and many kv
   // tiles per q block (9): the wide kernels' two-stage rings turn over many times. (One kv head
-  // leaves the float64 reference a single thread: 4 heads of 1030 x 1030 took 148 s on the GPU
-  // machine's host, this shape a quarter of that.)
+  // leaves the float64 reference a single thread: 4 heads of 1030 x 1030 took 148 s on an H100
+  // machine's host; this shape has a quarter of those (q, kv) pairs.)
   {
     conformance::Case c;
     c.modifier = "softcap30";
