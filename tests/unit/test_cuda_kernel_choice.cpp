@@ -165,8 +165,8 @@ TEST(CudaBackwardChoice, WideWgmmaOnSm90ForHeadDims256And192) {
     EXPECT_EQ(c.architecture_suffix(), "a");
     EXPECT_EQ(c.dkdv_template(), "backward_dkdv_wgmma_wide");
     EXPECT_EQ(c.dq_template(), "backward_dq_wgmma_wide");
-    // kernels/backward_wgmma.cuh: 1024 + K and V (dK/dV) or Q and dO (dQ) of 64 rows + 2 stages
-    // of the other pair + the exchange tiles (P^T and dS^T; dS) + 2 x 512 for lse and delta
+    // kernels/backward_wgmma_wide.cuh: 1024 + K and V (dK/dV) or Q and dO (dQ) of 64 rows + 2
+    // stages of the other pair + the exchange tiles (P^T and dS^T; dS) + 2 x 512 for lse and delta
     // (dK/dV) or the two warpgroups' row sums (dQ).
     const int dims = qk + v;
     EXPECT_EQ(c.dkdv_shared_bytes(),

@@ -103,11 +103,11 @@ constexpr int kBackwardSimtBlock = 32;
 constexpr int kBackwardWgmmaBlock = 128;
 constexpr int kBackwardWgmmaThreads = 256;
 constexpr int kBackwardWgmmaStages = 3;
-// The wide kernels (head dims 256 and 192/128, BackwardWgmmaWideConfig): dK/dV with 64 keys
-// resident and 64-row q blocks of Q, dO, LSE and delta in two stages; dQ with 64 rows of Q and dO
-// resident and 64-key tiles of K and V in two stages; each with a 64 x 64 exchange tile per product
-// it passes between the warpgroups (P^T and dS^T; dS), and dQ with the warpgroups' row sums (two
-// floats a row each).
+// The wide kernels (head dims 256 and 192/128, BackwardWgmmaWideConfig in
+// kernels/backward_wgmma_wide.cuh): dK/dV with 64 keys resident and 64-row q blocks of Q, dO, LSE
+// and delta in two stages; dQ with 64 rows of Q and dO resident and 64-key tiles of K and V in two
+// stages; each with a 64 x 64 exchange tile per product it passes between the warpgroups (P^T and
+// dS^T; dS), and dQ with the warpgroups' row sums (two floats a row each).
 constexpr int kBackwardWideStages = 2;
 // The head dims (q/k, v) the wide kernels take.
 bool wide_backward_head_dims(std::int64_t qk, std::int64_t v) {

@@ -139,7 +139,7 @@ struct BackwardChoice {
   int shared_wgmma_dkdv = 0;  // the wgmma kernels' dynamic shared memory, bytes
   int shared_wgmma_dq = 0;
   // Head dims 256 and 192/128 on sm_90: both kernels on wgmma with the two warpgroups of a block
-  // splitting the columns (kernels/backward_wgmma.cuh, "the kernels at head dims 256 and 192/128"):
+  // splitting the columns (kernels/backward_wgmma_wide.cuh):
   // 64 keys per dK/dV block, 64 rows per dQ block (the mma.sync tile lists), one part, 256 threads
   // each, shared_wgmma_dkdv and shared_wgmma_dq bytes.
   bool wgmma_wide = false;

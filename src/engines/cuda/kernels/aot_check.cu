@@ -6,6 +6,7 @@
 #include "backward_mma.cuh"
 #include "backward_simt.cuh"
 #include "backward_wgmma.cuh"
+#include "backward_wgmma_wide.cuh"
 #include "decode.cuh"
 #include "forward_mma.cuh"
 #include "forward_simt.cuh"
