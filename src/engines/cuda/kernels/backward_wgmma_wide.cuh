@@ -45,8 +45,8 @@ struct BackwardWgmmaWideConfig {
   static constexpr int kChunksQ = kBlockQ / kChunkElements;  // a P^T / dS^T row: 64 queries
   static constexpr int kStepsQk = kHeadDimQk / 16;
   static constexpr int kStepsV = kHeadDimV / 16;
-  static constexpr int kStepsQ = kBlockQ / 16;               // k-steps of dV and dK
-  static constexpr int kTilesSlice = kSliceQ / 8;            // 8-column tiles of S^T and dP^T
+  static constexpr int kStepsQ = kBlockQ / 16;     // k-steps of dV and dK
+  static constexpr int kTilesSlice = kSliceQ / 8;  // 8-column tiles of S^T and dP^T
   // A warpgroup's columns of dK (and dQ) and of dV, in 64-column panels: warpgroup 0 the first
   // half (rounded up), warpgroup 1 the rest. Accumulators are sized for warpgroup 0's.
   static constexpr int kPanelsQk = kHeadDimQk / 64;

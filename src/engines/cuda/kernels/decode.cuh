@@ -268,8 +268,12 @@ struct DecodeSequence {
   int cache_len;
 
   __device__ __forceinline__ explicit DecodeSequence(const DecodeParams& d)
-      : batch(static_cast<int>(blockIdx.z)), head_kv(decode_block().head_kv), q_offset(0),
-        q_len(d.fwd.seq_len_q), group(d.fwd.heads_per_kv), rows_total(0),
+      : batch(static_cast<int>(blockIdx.z)),
+        head_kv(decode_block().head_kv),
+        q_offset(0),
+        q_len(d.fwd.seq_len_q),
+        group(d.fwd.heads_per_kv),
+        rows_total(0),
         cache_len(d.cache_lens[blockIdx.z]) {
     if (d.fwd.cu_seqlens_q != nullptr) {
       q_offset = d.fwd.cu_seqlens_q[batch];
