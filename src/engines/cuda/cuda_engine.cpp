@@ -2,11 +2,9 @@
 
 #include <fmt/format.h>
 
-#include <array>
 #include <cstdlib>
 #include <limits>
 #include <map>
-#include <numbers>
 #include <optional>
 #include <string>
 #include <utility>
@@ -16,6 +14,7 @@
 #include "engines/cuda/driver.hpp"
 #include "engines/cuda/kernel_cache.hpp"
 #include "engines/cuda/kernels/params.cuh"
+#include "engines/cuda/launch_support.hpp"
 #include "engines/cuda/repair.hpp"
 #include "engines/cuda/source_proof.hpp"
 #include "engines/cuda/tile_plan.hpp"
@@ -32,13 +31,10 @@ using flexattn_kernels::ForwardParams;
 using flexattn_kernels::SequenceView;
 
 constexpr std::string_view kEngineName = "cuda";
-// Grid limits of y (heads) and z (batch); x (query blocks) allows 2^31 - 1.
-constexpr std::int64_t kMaxGridYZ = 65535;
+// Grid limit of x (query blocks); y and z: kMaxGridYZ (launch_support.hpp).
 constexpr std::int64_t kMaxGridX = std::numeric_limits<int>::max();
 // cp.async reads 16-byte chunks of the tensor-core kernels' rows.
 constexpr std::uintptr_t kChunkAlignment = 16;
-// Each part of the backward's scratch starts on the boundary cuMemAlloc guarantees.
-constexpr std::size_t kScratchAlignment = 256;
 
 // What lowering a problem produces: supports() stops after it, plan() builds on it.
 struct Lowering {
@@ -52,10 +48,6 @@ struct Lowering {
   std::string unstaged_source;
 };
 
-std::int64_t ceil_div(std::int64_t value, std::int64_t divisor) {
-  return (value + divisor - 1) / divisor;
-}
-
 // Whether the wgmma kernels (forward and backward) may be chosen on sm_90: FLEXATTN_CUDA_WGMMA=0
 // keeps the mma.sync kernels (comparisons, and a way around a wgmma problem without a rebuild).
 // A plan setting (CudaEngine::plan_settings).
@@ -65,18 +57,6 @@ bool wgmma_allowed() {
 }
 
 // The grid's y (heads) and z (batch) limits, and token indices within int.
-Support launch_limits(const Problem& problem) {
-  if (problem.heads_q() > kMaxGridYZ || problem.batch() > kMaxGridYZ) {
-    return Support::no(fmt::format("batch {} x heads {} exceeds the launch grid ({} each)",
-                                   problem.batch(), problem.heads_q(), kMaxGridYZ));
-  }
-  constexpr auto kMaxInt = static_cast<std::int64_t>(std::numeric_limits<int>::max());
-  if (problem.total_tokens_q() > kMaxInt || problem.total_tokens_kv() > kMaxInt) {
-    return Support::no("more than 2^31 - 1 tokens in one launch");
-  }
-  return Support::yes();
-}
-
 Support lower_backward(const Problem& problem, Lowering& lowering, int capability) {
   const BackwardSelection selection = choose_backward_kernel(problem, capability, wgmma_allowed());
   if (!selection.reason.empty()) return Support::no(selection.reason);
@@ -188,40 +168,6 @@ std::vector<KernelFunction> kernel_functions(const Lowering& lowering,
   return functions;
 }
 
-// (batch, token, head) strides of a Q/K/V/O view (or of its gradient) in the problem's layout.
-SequenceView sequence_view(const Problem& problem, std::string_view which) {
-  const TensorView view = problem.expected(which);
-  const std::vector<std::int64_t>& s = view.strides;
-  switch (problem.layout()) {
-    case Layout::kBSHD:
-      return SequenceView{nullptr, s[0], s[1], s[2]};
-    case Layout::kSBHD:
-      return SequenceView{nullptr, s[1], s[0], s[2]};
-    case Layout::kBHSD:
-      return SequenceView{nullptr, s[0], s[2], s[1]};
-    case Layout::kTHD:
-      return SequenceView{nullptr, 0, s[0], s[1]};
-  }
-  throw_internal("cuda: unknown layout");
-}
-
-DeviceBuffer upload_ints(const std::shared_ptr<const Driver>& driver,
-                         const std::vector<int>& values) {
-  // An empty list still gets an address (a kernel argument is never null).
-  const std::vector<int> stored = values.empty() ? std::vector<int>{0} : values;
-  DeviceBuffer buffer(driver, stored.size() * sizeof(int));
-  buffer.upload(stored.data(), stored.size() * sizeof(int));
-  return buffer;
-}
-
-std::vector<int> to_ints(const std::vector<std::int64_t>& values) {
-  return std::vector<int>(values.begin(), values.end());  // < 2^31: checked by lower_problem
-}
-
-const int* device_ints(const DeviceBuffer& buffer) {
-  return reinterpret_cast<const int*>(buffer.address());
-}
-
 // The tensor-core kernels copy 16-byte chunks: each argument must start on one.
 void check_chunk_aligned(std::string_view name, const void* data) {
   if (reinterpret_cast<std::uintptr_t>(data) % kChunkAlignment != 0) {
@@ -230,67 +176,6 @@ void check_chunk_aligned(std::string_view name, const void* data) {
         "chunks",
         name, data));
   }
-}
-
-std::size_t align_scratch(std::size_t bytes) {
-  return (bytes + kScratchAlignment - 1) / kScratchAlignment * kScratchAlignment;
-}
-
-// The forward parameters every kernel of a problem shares (views without data, lengths,
-// scale, parameters); thd's sequence offsets are uploaded into `cu_seqlens_q` and
-// `cu_seqlens_kv`, which must outlive every launch with them.
-ForwardParams base_forward_params(const Problem& problem, const ModifierBindings& bindings,
-                                  const std::shared_ptr<const Driver>& driver,
-                                  DeviceBuffer& cu_seqlens_q, DeviceBuffer& cu_seqlens_kv) {
-  ForwardParams base{};
-  base.q = sequence_view(problem, "q");
-  base.k = sequence_view(problem, "k");
-  base.v = sequence_view(problem, "v");
-  base.o = sequence_view(problem, "o");
-  const TensorView lse = problem.expected("lse");
-  if (problem.layout() == Layout::kTHD) {
-    base.lse_batch_stride = 0;
-    base.lse_head_stride = lse.strides[0];
-    cu_seqlens_q = upload_ints(driver, to_ints(problem.desc().cu_seqlens_q));
-    cu_seqlens_kv = upload_ints(driver, to_ints(problem.desc().cu_seqlens_kv));
-    base.cu_seqlens_q = device_ints(cu_seqlens_q);
-    base.cu_seqlens_kv = device_ints(cu_seqlens_kv);
-  } else {
-    base.lse_batch_stride = lse.strides[0];
-    base.lse_head_stride = lse.strides[1];
-  }
-  base.seq_len_q = static_cast<int>(problem.seq_len_q());
-  base.seq_len_kv = static_cast<int>(problem.seq_len_kv());
-  base.heads_per_kv = static_cast<int>(problem.heads_q() / problem.heads_kv());
-  base.scale = static_cast<float>(problem.scale());
-  base.scale_log2 = static_cast<float>(problem.scale() * std::numbers::log2e);
-  for (std::size_t i = 0; i < bindings.params.size(); ++i) {
-    base.params[i] = static_cast<float>(problem.desc().params.at(bindings.params[i]));
-  }
-  return base;
-}
-
-// Points the modifier's tensor slots of `p` at the call's tensors (bindings.tensors order).
-void bind_tensors(const ModifierBindings& bindings,
-                  const std::map<std::string, TensorView>& tensors, ForwardParams& p) {
-  for (std::size_t i = 0; i < bindings.tensors.size(); ++i) {
-    p.tensors[i].data = tensors.at(bindings.tensors[i]).data;
-  }
-}
-
-struct Grid {
-  unsigned x, y, z;
-};
-
-// Launches `function` with its one argument block `params` (the driver copies it at launch).
-template <class Params>
-void launch(const Driver& driver, CUfunction function, Grid grid, int threads, int shared_bytes,
-            CUstream stream, Params* params, std::string_view what) {
-  std::array<void*, 1> kernel_args = {params};
-  driver.check(driver.api().launch_kernel(
-                   function, grid.x, grid.y, grid.z, static_cast<unsigned>(threads), 1, 1,
-                   static_cast<unsigned>(shared_bytes), stream, kernel_args.data(), nullptr),
-               fmt::format("cuLaunchKernel ({})", what));
 }
 
 // A stream a plan owns (the backward's second stream), created on its first use and destroyed
@@ -880,166 +765,12 @@ class CudaEngine final : public Engine {
   std::shared_ptr<KernelCache> kernels_;  // shared with the plans (their unstaged forwards)
 };
 
-// The non-finite repair module of a problem (repair.hpp): its kernels and their parameters.
-class RepairKernels final : public NonFiniteRepair {
- public:
-  RepairKernels(const Problem& problem, std::shared_ptr<const Driver> driver,
-                ModifierBindings bindings, KernelLookup kernel)
-      : problem_(problem),
-        driver_(std::move(driver)),
-        bindings_(std::move(bindings)),
-        kernel_(std::move(kernel.kernel)),
-        key_(kernel.key),
-        origin_(kernel.origin) {
-    forward_ = base_forward_params(problem, bindings_, driver_, cu_seqlens_q_, cu_seqlens_kv_);
-    forward_function_ = kernel_->function(kRepairForwardName);
-    if (problem.wants_backward()) {
-      backward_.fwd = forward_;
-      backward_.dout = sequence_view(problem, "dout");
-      backward_.dq = sequence_view(problem, "dq");
-      backward_.dk = sequence_view(problem, "dk");
-      backward_.dv = sequence_view(problem, "dv");
-      delta_function_ = kernel_->function(kBackwardDeltaName);
-      dq_function_ = kernel_->function(kRepairDqName);
-      dkdv_function_ = kernel_->function(kRepairDkdvName);
-      delta_bytes_ =
-          align_scratch(static_cast<std::size_t>(problem.expected("lse").numel()) * sizeof(float));
-    }
-  }
-
-  void forward(const ForwardArgs& args, void* lse) const override {
-    ForwardParams p = forward_;
-    p.q.data = args.q.data;
-    p.k.data = args.k.data;
-    p.v.data = args.v.data;
-    p.o.data = args.out.data;
-    p.lse = static_cast<float*>(lse);
-    bind_tensors(bindings_, args.tensors, p);
-    const ContextScope scope(*driver_);
-    launch(forward_function_, rows(problem_.seq_len_q()), heads(problem_.heads_q()),
-           flexattn_kernels::kRepairThreads, static_cast<CUstream>(args.stream), &p,
-           "non-finite repair of O");
-  }
-
-  void backward(const BackwardArgs& args, void* scratch) const override {
-    if (delta_function_ == nullptr) throw_internal("cuda: a backward repair of a forward problem");
-    if (args.lse.data == nullptr) throw_internal("cuda: a backward repair without the LSE");
-    BackwardParams p = backward_;
-    p.fwd.q.data = args.q.data;
-    p.fwd.k.data = args.k.data;
-    p.fwd.v.data = args.v.data;
-    p.fwd.o.data = args.out.data;
-    p.fwd.lse = static_cast<float*>(args.lse.data);
-    p.dout.data = args.dout.data;
-    p.dq.data = args.dq.data;
-    p.dk.data = args.dk.data;
-    p.dv.data = args.dv.data;
-    bind_tensors(bindings_, args.tensors, p.fwd);
-    p.delta = static_cast<float*>(scratch);
-    p.lse2 = reinterpret_cast<float*>(static_cast<std::byte*>(scratch) + delta_bytes_);
-    const ContextScope scope(*driver_);
-    const auto stream = static_cast<CUstream>(args.stream);
-    launch(delta_function_,
-           static_cast<unsigned>(ceil_div(problem_.seq_len_q(), flexattn_kernels::kDeltaRows)),
-           heads(problem_.heads_q()), flexattn_kernels::kDeltaThreads, stream, &p,
-           "non-finite repair: delta");
-    launch(dq_function_, rows(problem_.seq_len_q()), heads(problem_.heads_q()),
-           flexattn_kernels::kRepairThreads, stream, &p, "non-finite repair of dQ");
-    launch(dkdv_function_, rows(problem_.seq_len_kv()), heads(problem_.heads_kv()),
-           flexattn_kernels::kRepairThreads, stream, &p, "non-finite repair of dK and dV");
-  }
-
-  std::size_t backward_scratch_bytes() const override { return 2 * delta_bytes_; }
-
-  std::string describe() const override {
-    return fmt::format("non-finite rows recomputed by cuda kernel {} ({})", key_.substr(0, 16),
-                       origin_);
-  }
-
- private:
-  static unsigned rows(std::int64_t count) {
-    return static_cast<unsigned>(ceil_div(count, flexattn_kernels::kRepairRows));
-  }
-  static unsigned heads(std::int64_t count) { return static_cast<unsigned>(count); }
-
-  // Grid (rows, heads, batch) of kRepairThreads threads, no dynamic shared memory.
-  template <class Params>
-  void launch(CUfunction function, unsigned grid_x, unsigned heads, int threads, CUstream stream,
-              Params* params, std::string_view what) const {
-    cuda::launch(*driver_, function, {grid_x, heads, static_cast<unsigned>(problem_.batch())},
-                 threads, 0, stream, params, what);
-  }
-
-  Problem problem_;
-  std::shared_ptr<const Driver> driver_;
-  ModifierBindings bindings_;
-  std::shared_ptr<const CompiledKernel> kernel_;
-  std::string key_;
-  std::string origin_;
-  DeviceBuffer cu_seqlens_q_;
-  DeviceBuffer cu_seqlens_kv_;
-  ForwardParams forward_{};
-  BackwardParams backward_{};
-  CUfunction forward_function_ = nullptr;
-  CUfunction delta_function_ = nullptr;
-  CUfunction dq_function_ = nullptr;
-  CUfunction dkdv_function_ = nullptr;
-  std::size_t delta_bytes_ = 0;
-};
-
 }  // namespace
 
 ProofHashes plan_proof_hashes(const Problem& problem, int capability) {
   Lowering lowering;
   if (!lower_problem(problem, lowering, capability)) return {};
   return proof_hashes(problem, prove_lowering(problem, lowering));
-}
-
-RepairLowering make_non_finite_repair(const Problem& problem,
-                                      const std::shared_ptr<const Driver>& driver, bool compile) {
-  RepairLowering result;
-  const auto refuse = [&](std::string reason) {
-    result.support = Support::no("no non-finite repair: " + reason);
-    return std::move(result);
-  };
-  if (problem.device() != Device::kCuda) return refuse("the problem is not on the cuda device");
-  if (problem.kv_cache()) return refuse("a paged KV cache");
-  const BindingSelection binding = bind_modifier(problem);
-  if (!binding.reason.empty()) return refuse(binding.reason);
-  if (Support limits = launch_limits(problem); !limits) return refuse(limits.reason());
-  std::optional<BackwardCode> backward;
-  if (problem.wants_backward()) {
-    try {
-      backward = backward_code(problem, BackwardChoice{});
-    } catch (const Error& error) {
-      return refuse(fmt::format("cannot differentiate the score modifier: {}", error.what()));
-    }
-  }
-  const std::string source =
-      generate_repair_translation_unit(problem, binding.bindings, backward ? &*backward : nullptr);
-  // The same proof as the cuda engine's plans: the Modifier struct the kernels call, lifted
-  // from this source, equals the request.
-  const SourceProof proof = prove_modifier_source(problem, binding.bindings, source);
-  if (!proof.proven) {
-    return refuse(
-        fmt::format("the plan proof could not show the generated source equal to the "
-                    "request ({})",
-                    proof.failure));
-  }
-  result.support = Support::yes();
-  if (!compile) return result;
-  if (!driver->availability()) return refuse(driver->availability().reason());
-  if (Support nvrtc = nvrtc_availability(); !nvrtc) return refuse(nvrtc.reason());
-  std::vector<KernelFunction> functions = {{std::string(kRepairForwardName), 0}};
-  if (backward) {
-    functions.push_back({std::string(kBackwardDeltaName), 0});
-    functions.push_back({std::string(kRepairDqName), 0});
-    functions.push_back({std::string(kRepairDkdvName), 0});
-  }
-  KernelCache cache(driver);
-  result.repair = std::make_unique<RepairKernels>(problem, driver, binding.bindings,
-                                                  cache.get(source, functions));
-  return result;
 }
 
 }  // namespace cuda
