@@ -149,10 +149,12 @@ __device__ __forceinline__ void accumulate_a_b(float (&accumulator)[kTiles][4],
   }
 }
 
-// Stages a warp's 16 accumulator rows (as storage type) at rows `row0`.. of a swizzled tile.
-template <class Tag, int kChunks, int kTiles>
-__device__ __forceinline__ void stage_rows(unsigned char* tile, const float (&acc)[kTiles][4],
-                                           int row0, int group, int quad_lane, float factor) {
+// Stages a warp's 16 accumulator rows (storage type, times `factor`) at rows row0.. and chunks
+// chunk0.. of a tile laid out as `Layout`.
+template <class Tag, class Layout, int kTiles>
+__device__ __forceinline__ void stage_columns(unsigned char* tile, const float (&acc)[kTiles][4],
+                                              int row0, int chunk0, int group, int quad_lane,
+                                              float factor) {
 #pragma unroll
   for (int half = 0; half < 2; ++half) {
     const int row = row0 + group + half * 8;
@@ -160,10 +162,17 @@ __device__ __forceinline__ void stage_rows(unsigned char* tile, const float (&ac
     for (int j = 0; j < kTiles; ++j) {
       const unsigned packed =
           pack_pair(Tag{}, acc[j][2 * half] * factor, acc[j][2 * half + 1] * factor);
-      *reinterpret_cast<unsigned*>(tile + swizzled_offset<kChunks>(row, j) +
+      *reinterpret_cast<unsigned*>(tile + Layout::offset(row, chunk0 + j) +
                                    quad_lane * sizeof(unsigned)) = packed;
     }
   }
+}
+
+// The same at chunk 0 of a whole-row swizzled tile (SwizzledRows).
+template <class Tag, int kChunks, int kTiles>
+__device__ __forceinline__ void stage_rows(unsigned char* tile, const float (&acc)[kTiles][4],
+                                           int row0, int group, int quad_lane, float factor) {
+  stage_columns<Tag, SwizzledRows<kChunks>>(tile, acc, row0, 0, group, quad_lane, factor);
 }
 
 // Coalesced 16-byte stores of `rows_valid` of kRows staged rows to a view.

@@ -103,25 +103,6 @@ struct BackwardWgmmaWideConfig {
   static_assert(kSharedDq == kSharedDq_, "the host's dQ shared-memory size (tile_plan.cpp)");
 };
 
-// Stages a warp's 16 accumulator rows (storage type, times `factor`) at rows row0.. and chunks
-// chunk0.. of a tile laid out as `Layout`.
-template <class Tag, class Layout, int kTiles>
-__device__ __forceinline__ void stage_columns(unsigned char* tile, const float (&acc)[kTiles][4],
-                                              int row0, int chunk0, int group, int quad_lane,
-                                              float factor) {
-#pragma unroll
-  for (int half = 0; half < 2; ++half) {
-    const int row = row0 + group + half * 8;
-#pragma unroll
-    for (int j = 0; j < kTiles; ++j) {
-      const unsigned packed =
-          pack_pair(Tag{}, acc[j][2 * half] * factor, acc[j][2 * half + 1] * factor);
-      *reinterpret_cast<unsigned*>(tile + Layout::offset(row, chunk0 + j) +
-                                   quad_lane * sizeof(unsigned)) = packed;
-    }
-  }
-}
-
 // The first kTiles accumulator tiles of `acc` (warpgroup 1's share, where it has fewer columns).
 template <int kTiles, int kTotal>
 __device__ __forceinline__ auto leading_tiles(float (&acc)[kTotal][4]) -> float (&)[kTiles][4] {
