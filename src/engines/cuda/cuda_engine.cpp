@@ -463,11 +463,7 @@ class CudaPlan final : public Plan {
       return;
     }
     ForwardParams p = forward_.params;
-    p.q.data = args.q.data;
-    p.k.data = args.k.data;
-    p.v.data = args.v.data;
-    p.o.data = args.out.data;
-    p.lse = static_cast<float*>(args.lse.data);
+    bind_views(args, static_cast<float*>(args.lse.data), p);
     if (choice_.kind != KernelKind::kSimt) {
       for (const auto& [name, view] : {std::pair{"q", &args.q}, std::pair{"k", &args.k},
                                        std::pair{"v", &args.v}, std::pair{"out", &args.out}}) {
@@ -492,15 +488,7 @@ class CudaPlan final : public Plan {
     if (!backward_) throw_internal("cuda: backward on a plan built for the forward only");
     const BackwardState& b = *backward_;
     BackwardParams p = b.params;
-    p.fwd.q.data = args.q.data;
-    p.fwd.k.data = args.k.data;
-    p.fwd.v.data = args.v.data;
-    p.fwd.o.data = args.out.data;
-    p.fwd.lse = static_cast<float*>(args.lse.data);
-    p.dout.data = args.dout.data;
-    p.dq.data = args.dq.data;
-    p.dk.data = args.dk.data;
-    p.dv.data = args.dv.data;
+    bind_views(args, p);
     if (b.choice.kind == KernelKind::kMma) {
       for (const auto& [name, view] :
            {std::pair{"q", &args.q}, std::pair{"k", &args.k}, std::pair{"v", &args.v},
@@ -592,11 +580,7 @@ class CudaPlan final : public Plan {
   void run_decode(const ForwardArgs& args) const {
     const DecodeState& d = *decode_;
     DecodeParams p = d.params;
-    p.fwd.q.data = args.q.data;
-    p.fwd.k.data = args.k.data;
-    p.fwd.v.data = args.v.data;
-    p.fwd.o.data = args.out.data;
-    p.fwd.lse = static_cast<float*>(args.lse.data);
+    bind_views(args, static_cast<float*>(args.lse.data), p.fwd);
     p.page_table = static_cast<const int*>(args.page_table.data);
     p.cache_lens = static_cast<const int*>(args.cache_lens.data);
     if (choice_.vector_loads) {

@@ -7,6 +7,7 @@
 
 namespace flexattn::cuda {
 
+using flexattn_kernels::BackwardParams;
 using flexattn_kernels::ForwardParams;
 using flexattn_kernels::SequenceView;
 
@@ -92,6 +93,26 @@ ForwardParams base_forward_params(const Problem& problem, const ModifierBindings
     base.params[i] = static_cast<float>(problem.desc().params.at(bindings.params[i]));
   }
   return base;
+}
+
+void bind_views(const ForwardArgs& args, float* lse, ForwardParams& p) {
+  p.q.data = args.q.data;
+  p.k.data = args.k.data;
+  p.v.data = args.v.data;
+  p.o.data = args.out.data;
+  p.lse = lse;
+}
+
+void bind_views(const BackwardArgs& args, BackwardParams& p) {
+  p.fwd.q.data = args.q.data;
+  p.fwd.k.data = args.k.data;
+  p.fwd.v.data = args.v.data;
+  p.fwd.o.data = args.out.data;
+  p.fwd.lse = static_cast<float*>(args.lse.data);
+  p.dout.data = args.dout.data;
+  p.dq.data = args.dq.data;
+  p.dk.data = args.dk.data;
+  p.dv.data = args.dv.data;
 }
 
 // Points the modifier's tensor slots of `p` at the call's tensors (bindings.tensors order).

@@ -57,6 +57,11 @@ flexattn_kernels::ForwardParams base_forward_params(const Problem& problem,
                                                     DeviceBuffer& cu_seqlens_q,
                                                     DeviceBuffer& cu_seqlens_kv);
 
+// Points the views of `p` at the call's Q, K, V and O, and its LSE at `lse`.
+void bind_views(const ForwardArgs& args, float* lse, flexattn_kernels::ForwardParams& p);
+// The same for a backward call: its forward views, LSE, dO, dQ, dK and dV.
+void bind_views(const BackwardArgs& args, flexattn_kernels::BackwardParams& p);
+
 // Points the modifier's tensor slots of `p` at the call's tensors (bindings.tensors order).
 void bind_tensors(const ModifierBindings& bindings,
                   const std::map<std::string, TensorView>& tensors,

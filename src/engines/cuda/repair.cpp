@@ -51,11 +51,7 @@ class RepairKernels final : public NonFiniteRepair {
 
   void forward(const ForwardArgs& args, void* lse) const override {
     ForwardParams p = forward_;
-    p.q.data = args.q.data;
-    p.k.data = args.k.data;
-    p.v.data = args.v.data;
-    p.o.data = args.out.data;
-    p.lse = static_cast<float*>(lse);
+    bind_views(args, static_cast<float*>(lse), p);
     bind_tensors(bindings_, args.tensors, p);
     const ContextScope scope(*driver_);
     launch(forward_function_, rows(problem_.seq_len_q()), heads(problem_.heads_q()),
@@ -67,15 +63,7 @@ class RepairKernels final : public NonFiniteRepair {
     if (delta_function_ == nullptr) throw_internal("cuda: a backward repair of a forward problem");
     if (args.lse.data == nullptr) throw_internal("cuda: a backward repair without the LSE");
     BackwardParams p = backward_;
-    p.fwd.q.data = args.q.data;
-    p.fwd.k.data = args.k.data;
-    p.fwd.v.data = args.v.data;
-    p.fwd.o.data = args.out.data;
-    p.fwd.lse = static_cast<float*>(args.lse.data);
-    p.dout.data = args.dout.data;
-    p.dq.data = args.dq.data;
-    p.dk.data = args.dk.data;
-    p.dv.data = args.dv.data;
+    bind_views(args, p);
     bind_tensors(bindings_, args.tensors, p.fwd);
     p.delta = static_cast<float*>(scratch);
     p.lse2 = reinterpret_cast<float*>(static_cast<std::byte*>(scratch) + delta_bytes_);
