@@ -425,9 +425,11 @@ Outcome run_case(const Engine& engine, const Case& test_case, std::uint64_t seed
     outcome.reason +=
         !check.guard_intact
             ? fmt::format("{}: write outside the buffer (sentinel overwritten)", check.output)
-            : fmt::format("{}: error {:.3g} > allowed {:.3g} at element {} ({:.1f}% outside)",
-                          check.output, check.max_error, check.allowed, check.worst_index,
-                          100.0 * check.fraction_outside);
+            : fmt::format(
+                  "{}: error {:.3g} > allowed {:.3g} at element {} (got {:.6g}, expected {:.6g}; "
+                  "{:.1f}% outside)",
+                  check.output, check.max_error, check.allowed, check.worst_index,
+                  check.worst_value, check.worst_reference, 100.0 * check.fraction_outside);
   }
   return outcome;
 }

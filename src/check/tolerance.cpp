@@ -150,7 +150,8 @@ OutputCheck compare(std::string name, const TensorView& got, const TensorView& r
   double worst_ratio = -1.0;
   for (std::int64_t i = 0; i < count; ++i) {
     const double r = reference.load(i);
-    const double error = element_error(got.load(i), r);
+    const double value = got.load(i);
+    const double error = element_error(value, r);
     const double allowed = tolerance.allowed(i, r);
     if (!(error <= allowed)) ++outside;
     const double ratio = error == 0.0 ? 0.0 : allowed > 0.0 ? error / allowed : kInfinity;
@@ -159,6 +160,8 @@ OutputCheck compare(std::string name, const TensorView& got, const TensorView& r
       check.max_error = error;
       check.allowed = allowed;
       check.worst_index = i;
+      check.worst_value = value;
+      check.worst_reference = r;
     }
   }
   check.fraction_outside =

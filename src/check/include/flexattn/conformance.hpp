@@ -91,6 +91,7 @@ struct OutputCheck {
   bool guard_intact = true;       // sentinel regions around the buffer untouched
   // The worst element: largest error / allowed (flat index in the output's own layout; -1: none).
   std::int64_t worst_index = -1;
+  double worst_value = 0.0, worst_reference = 0.0;  // the engine's and the reference's value there
   double atol = 0.0, rtol = 0.0;
   bool passed() const { return guard_intact && max_error <= allowed; }
 };
