@@ -306,8 +306,8 @@ struct UnstagedForward {
 };
 
 // A paged-cache plan's kernels and launch: the decode kernel over (splits x row blocks, kv heads,
-// batch), its blocks numbered kv heads first (decode_block in kernels/decode.cuh), then, with
-// several splits, the combine kernel; its partial results take the forward's workspace.
+// batch), then, with several splits, the combine kernel; its partial results take the forward's
+// workspace.
 struct DecodeState {
   CUfunction combine = nullptr;
   DecodeParams params{};

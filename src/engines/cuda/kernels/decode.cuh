@@ -240,24 +240,9 @@ __device__ __forceinline__ void load_value_columns(const void* data, long long o
   }
 }
 
-// A paged-cache block's place in its grid (splits x row blocks, kv heads, batch), numbered with
-// the kv heads fastest in launch order: the blocks of one split of a sequence, one per kv head,
-// run together, and a page holds every kv head's rows of its tokens, so together they read each
-// page's bytes in one pass instead of a few hundred bytes of it per head (one sequence takes
-// several waves of blocks). `slot`: the split and row block (split fastest); `head_kv`.
-struct DecodeBlock {
-  int slot;
-  int head_kv;
-};
-__device__ __forceinline__ DecodeBlock decode_block() {
-  const unsigned long long launched =
-      blockIdx.x + static_cast<unsigned long long>(gridDim.x) * blockIdx.y;
-  return {static_cast<int>(launched / gridDim.y), static_cast<int>(launched % gridDim.y)};
-}
-
-// What both paged-cache kernels know of their block's sequence (batch = blockIdx.z, kv head from
-// decode_block): its queries (bshd or thd), their rows (the GQA group's heads times the new
-// tokens) and its cache length.
+// What both paged-cache kernels know of their block's sequence (batch = blockIdx.z, kv head =
+// blockIdx.y): its queries (bshd or thd), their rows (the GQA group's heads times the new tokens)
+// and its cache length.
 struct DecodeSequence {
   int batch;
   int head_kv;
@@ -269,7 +254,7 @@ struct DecodeSequence {
 
   __device__ __forceinline__ explicit DecodeSequence(const DecodeParams& d)
       : batch(static_cast<int>(blockIdx.z)),
-        head_kv(decode_block().head_kv),
+        head_kv(static_cast<int>(blockIdx.y)),
         q_offset(0),
         q_len(d.fwd.seq_len_q),
         group(d.fwd.heads_per_kv),
@@ -524,8 +509,9 @@ __device__ __forceinline__ void forward_decode_rows(const DecodeParams& d, int r
 
 template <class Config, class Modifier>
 __device__ __forceinline__ void forward_decode(const DecodeParams& d) {
-  const int slot = decode_detail::decode_block().slot;
-  forward_decode_rows<Config, Modifier>(d, slot / d.splits * Config::kRows, slot % d.splits);
+  const int row_block = static_cast<int>(blockIdx.x) / d.splits;
+  forward_decode_rows<Config, Modifier>(d, row_block * Config::kRows,
+                                        static_cast<int>(blockIdx.x) % d.splits);
 }
 
 // ---- the tensor-core variant (bf16/fp16, head dims multiples of 8) ------------------------------
@@ -705,9 +691,8 @@ __device__ __forceinline__ void forward_decode_mma(const DecodeParams& d) {
   const int lane = thread % kWarpSize;
   const int group_row = lane / 4;  // accumulator row within an 8-row half
   const int quad_lane = lane % 4;
-  const int slot = decode_block().slot;
-  const int split = slot % d.splits;
-  const int row_first = slot / d.splits * kRows;
+  const int split = static_cast<int>(blockIdx.x) % d.splits;
+  const int row_first = static_cast<int>(blockIdx.x) / d.splits * kRows;
   const DecodeSequence sequence(d);
   const int head_kv = sequence.head_kv;
   const int batch = sequence.batch;
