@@ -40,22 +40,43 @@ void plain_backward(const Problem& problem, const BackwardArgs& args);
 // (float64 host views). A gradient that cancels to 0 in exact arithmetic keeps the rounding of
 // those sums in any float32 implementation; this is its scale.
 void plain_backward_magnitudes(const Problem& problem, const BackwardArgs& args);
+// The standard deviation of the error that the storage-dtype roundings of a backward's inputs put
+// into each dQ and dK element, under the random-rounding model (each rounding an independent
+// relative error, uniform within half a unit in the last place): the stored O and the forward's P
+// (through D = rowsum(dO * O), shared by a whole row of dS), and dS itself. Implementations that
+// round in another order (a flash kernel rounds P before dividing by the row sum) draw other
+// errors of this size; where dS cancels (an early key under a causal mask) one such draw can be
+// many times the plain implementation's. Written to the dq and dk views of `args` (float64 host
+// views; dv and the tensors' gradients are not written).
+void plain_backward_rounding_sigma(const Problem& problem, const BackwardArgs& args);
 
 // The tolerance of one output: element i passes when
 // |got_i - ref_i| <= atol + rtol * |ref_i| + floor_i.
 struct Tolerance {
   double atol = 0.0;
   double rtol = 0.0;
-  // Per element (empty: none): the rounding of the float32 sums that cancel in the element (the
-  // gradients through dS = P (dP - D); cancellation_floor below).
+  // Per element (empty: none): for the gradients through dS = P (dP - D), the rounding of the
+  // float32 sums that cancel in the element and of the storage-dtype values they are made of
+  // (gradient_floor below).
   std::shared_ptr<const std::vector<double>> floor = nullptr;
   // 0 where the reference is infinite or NaN.
   double allowed(std::int64_t element, double reference) const;
 };
 
+// One rounding step of `dtype` at 1 (the gap between 1 and the next value).
+double machine_epsilon(DType dtype);
+
 // The floor of each element of a gradient through dS (dq, dk, a tensor's): twice one float32
 // rounding of the sums whose difference it is, from `magnitudes` (plain_backward_magnitudes).
 std::shared_ptr<const std::vector<double>> cancellation_floor(const TensorView& magnitudes);
+
+// How many standard deviations of plain_backward_rounding_sigma a gradient element may be off.
+inline constexpr double kRoundingSigmas = 6.0;
+
+// The floor of dq and dk: cancellation_floor plus kRoundingSigmas times `sigma`
+// (plain_backward_rounding_sigma).
+std::shared_ptr<const std::vector<double>> gradient_floor(const TensorView& magnitudes,
+                                                          const TensorView& sigma);
 
 // |value - reference|, with agreement: both NaN, or equal (also equal infinities), give 0; NaN on
 // one side only gives +inf.

@@ -157,6 +157,8 @@ class PlainAttention {
 
   // magnitudes: plain_backward_magnitudes instead of the gradients.
   void backward(const BackwardArgs& args, bool magnitudes) const;
+  // plain_backward_rounding_sigma.
+  void rounding_sigma(const BackwardArgs& args) const;
 
  private:
   // A KV cache's run: sequence b's length from cache_lens, its queries at the cache's end, its
@@ -307,6 +309,115 @@ void PlainAttention::backward(const BackwardArgs& args, bool magnitudes) const {
   }
 }
 
+// Under the random-rounding model a value rounded to the storage dtype carries a relative error
+// uniform in [-u, u] (u half the dtype's epsilon), of variance u^2 / 3, independent of every other
+// rounding. For one query row:
+//   D's error: sum_d dO_d (O's rounding)_d + sum_kv P_kv (P's rounding)_kv dP_kv, variance
+//     u^2 / 3 (sum_d (dO_d O_d)^2 + sum_kv (P_kv dP_kv)^2), shared by every dS of the row;
+//   dS_kv = P_kv (dP_kv - D) g_kv (g: the score derivative) then takes the row's D error times
+//     P_kv g_kv, and its own rounding, variance u^2 / 3 dS_kv^2.
+// dK[kv, d] = scale sum_q dS_q,kv Q_q,d sums independent rows; dQ[q, d] = scale sum_kv dS_kv K_kv,d
+// takes the row's D error coherently (sum_kv P g K inside the square). A row that keeps one key
+// has no rounding in D.
+void PlainAttention::rounding_sigma(const BackwardArgs& args) const {
+  const double u = machine_epsilon(problem_.dtype()) / 2.0;
+  const double variance = u * u / 3.0;  // of one rounding, relative
+  const std::int64_t dqk = problem_.head_dim_qk();
+  const std::int64_t dv = problem_.head_dim_v();
+  const std::int64_t group = problem_.heads_q() / problem_.heads_kv();
+  const double scale = problem_.scale();
+  const Graph d_score = derivative_wrt_score(problem_.score_mod());
+  const std::int64_t groups = problem_.batch() * problem_.heads_kv();
+  ForwardArgs in;
+  in.q = args.q;
+  in.k = args.k;
+  in.v = args.v;
+
+#pragma omp parallel for schedule(dynamic)
+  for (std::int64_t g = 0; g < groups; ++g) {
+    const std::int64_t b = g / problem_.heads_kv();
+    const std::int64_t h_kv = g % problem_.heads_kv();
+    const std::int64_t kv_len = problem_.seq_len_kv_of(b);
+    std::vector<double> dk_variance(static_cast<std::size_t>(kv_len * dqk), 0.0);
+    std::vector<double> dp(static_cast<std::size_t>(kv_len));
+    std::vector<double> coherent(static_cast<std::size_t>(dqk));  // sum_kv P g K
+    std::vector<double> dq_variance(static_cast<std::size_t>(dqk));
+    Row row;
+    std::vector<double> scratch;
+    EvalPoint point;
+    point.batch = b;
+    point.key_length = kv_len;
+    for (std::int64_t h = h_kv * group; h < (h_kv + 1) * group; ++h) {
+      point.head = h;
+      for (std::int64_t position = 0; position < problem_.seq_len_q_of(b); ++position) {
+        compute_row(in, b, h, position, row, scratch);
+        std::fill(coherent.begin(), coherent.end(), 0.0);
+        std::fill(dq_variance.begin(), dq_variance.end(), 0.0);
+        double delta_variance = 0.0;
+        if (row.lse != kNegativeInfinity) {
+          const auto dout_at = [&](std::int64_t d) {
+            return args.dout.load(index_.offset(args.dout, true, b, h, position, d));
+          };
+          double delta = 0.0;
+          std::int64_t kept = 0;
+          for (std::int64_t d = 0; d < dv; ++d) {
+            const double term =
+                dout_at(d) * args.out.load(index_.offset(args.out, true, b, h, position, d));
+            delta += term;
+            delta_variance += variance * term * term;
+          }
+          for (std::int64_t kv = 0; kv < kv_len; ++kv) {
+            const double p = row.prob[static_cast<std::size_t>(kv)];
+            if (p == 0.0) continue;
+            double sum = 0.0;
+            for (std::int64_t d = 0; d < dv; ++d) {
+              sum += dout_at(d) * args.v.load(index_.offset(args.v, false, b, h_kv, kv, d));
+            }
+            dp[static_cast<std::size_t>(kv)] = sum;
+            delta_variance += variance * (p * sum) * (p * sum);
+            ++kept;
+          }
+          // One kept key: P = 1 and O = V, exact in any order of rounding.
+          if (kept == 1) delta_variance = 0.0;
+          point.query = position;
+          point.query_length = problem_.seq_len_q_of(b);
+          for (std::int64_t kv = 0; kv < kv_len; ++kv) {
+            const double p = row.prob[static_cast<std::size_t>(kv)];
+            if (p == 0.0) continue;
+            point.key = kv;
+            point.score = row.raw[static_cast<std::size_t>(kv)];
+            const double derivative = evaluate(d_score, point, bindings_);
+            const double weight = p * derivative;  // of D's error in dS
+            const double ds = weight * (dp[static_cast<std::size_t>(kv)] - delta);
+            const double own = variance * ds * ds;  // dS's own rounding
+            for (std::int64_t d = 0; d < dqk; ++d) {
+              const double query =
+                  args.q.load(index_.offset(args.q, true, b, h, position, d));
+              const double key = args.k.load(index_.offset(args.k, false, b, h_kv, kv, d));
+              dk_variance[static_cast<std::size_t>(kv * dqk + d)] +=
+                  (weight * weight * delta_variance + own) * query * query;
+              coherent[static_cast<std::size_t>(d)] += weight * key;
+              dq_variance[static_cast<std::size_t>(d)] += own * key * key;
+            }
+          }
+        }
+        for (std::int64_t d = 0; d < dqk; ++d) {
+          const double c = coherent[static_cast<std::size_t>(d)];
+          args.dq.store(index_.offset(args.dq, true, b, h, position, d),
+                        scale * std::sqrt(c * c * delta_variance +
+                                          dq_variance[static_cast<std::size_t>(d)]));
+        }
+      }
+    }
+    for (std::int64_t kv = 0; kv < kv_len; ++kv) {
+      for (std::int64_t d = 0; d < dqk; ++d) {
+        args.dk.store(index_.offset(args.dk, false, b, h_kv, kv, d),
+                      scale * std::sqrt(dk_variance[static_cast<std::size_t>(kv * dqk + d)]));
+      }
+    }
+  }
+}
+
 }  // namespace
 
 void plain_forward(const Problem& problem, const ForwardArgs& args) {
@@ -319,6 +430,10 @@ void plain_backward(const Problem& problem, const BackwardArgs& args) {
 
 void plain_backward_magnitudes(const Problem& problem, const BackwardArgs& args) {
   PlainAttention(problem, args.tensors).backward(args, true);
+}
+
+void plain_backward_rounding_sigma(const Problem& problem, const BackwardArgs& args) {
+  PlainAttention(problem, args.tensors).rounding_sigma(args);
 }
 
 }  // namespace flexattn::conformance::detail

@@ -269,6 +269,8 @@ Outcome run_case(const Engine& engine, const Case& test_case, std::uint64_t seed
   std::map<std::string, HostTensor> plain_dtensor;
   // The size of the terms each gradient element through dS cancels (its rounding floor).
   HostTensor magnitude_dq, magnitude_dk, magnitude_dv;
+  // The spread of dq and dk that the storage roundings of O, P and dS allow (their second floor).
+  HostTensor sigma_dq, sigma_dk;
   std::map<std::string, HostTensor> magnitude_dtensor;
   {
     ForwardArgs args{q.view(), k.view(), v.view(), plain_out.view(), plain_lse.view(), {}, nullptr};
@@ -303,6 +305,11 @@ Outcome run_case(const Engine& engine, const Case& test_case, std::uint64_t seed
         bargs.tensor_grads[name] = magnitude_dtensor.at(name).view();
       }
       detail::plain_backward_magnitudes(problem, bargs);
+
+      sigma_dq = HostTensor(DType::kF64, q.shape());
+      sigma_dk = HostTensor(DType::kF64, k.shape());
+      bargs.dq = sigma_dq.view(), bargs.dk = sigma_dk.view();
+      detail::plain_backward_rounding_sigma(problem, bargs);
     }
   }
 
@@ -310,17 +317,22 @@ Outcome run_case(const Engine& engine, const Case& test_case, std::uint64_t seed
   std::vector<detail::ToleratedOutput> outputs;
   const auto add_output = [&](std::string name, const HostTensor& plain,
                               const HostTensor& reference_output, DType rounding_dtype,
-                              const HostTensor* magnitudes = nullptr) {
+                              const HostTensor* magnitudes = nullptr,
+                              const HostTensor* sigma = nullptr) {
     detail::Tolerance tolerance =
         detail::derive_tolerance(plain.view(), reference_output.view(), rounding_dtype);
-    if (magnitudes != nullptr) tolerance.floor = detail::cancellation_floor(magnitudes->view());
+    if (sigma != nullptr) {
+      tolerance.floor = detail::gradient_floor(magnitudes->view(), sigma->view());
+    } else if (magnitudes != nullptr) {
+      tolerance.floor = detail::cancellation_floor(magnitudes->view());
+    }
     outputs.push_back({std::move(name), &reference_output, std::move(tolerance)});
   };
   add_output("out", plain_out, reference.out, dtype);
   add_output("lse", plain_lse, reference.lse, stats_dtype);
   if (test_case.backward) {
-    add_output("dq", plain_dq, reference.dq, dtype, &magnitude_dq);
-    add_output("dk", plain_dk, reference.dk, dtype, &magnitude_dk);
+    add_output("dq", plain_dq, reference.dq, dtype, &magnitude_dq, &sigma_dq);
+    add_output("dk", plain_dk, reference.dk, dtype, &magnitude_dk, &sigma_dk);
     add_output("dv", plain_dv, reference.dv, dtype);
     for (const std::string& name : float_tensors) {
       add_output("d" + name, plain_dtensor.at(name), reference.tensor_grads.at(name), stats_dtype,

@@ -16,23 +16,6 @@ constexpr double kInfinity = std::numeric_limits<double>::infinity();
 // The engine may be twice as far off as the plain implementation (the flash-attention rule).
 constexpr double kPlainErrorFactor = 2.0;
 
-// One rounding step of `dtype` at 1 (the gap between 1 and the next value).
-double machine_epsilon(DType dtype) {
-  switch (dtype) {
-    case DType::kF64:
-      return std::numeric_limits<double>::epsilon();
-    case DType::kF32:
-    case DType::kI32:
-    case DType::kI64:
-      return std::numeric_limits<float>::epsilon();
-    case DType::kF16:
-      return 0x1p-10;  // 10 fraction bits
-    case DType::kBF16:
-      return 0x1p-7;  // 7 fraction bits
-  }
-  return 0.0;
-}
-
 struct Point {
   double magnitude;  // |reference|
   double error;      // |plain - reference|
@@ -92,6 +75,22 @@ Tolerance tightest_line_above(std::vector<Point> points) {
 
 }  // namespace
 
+double machine_epsilon(DType dtype) {
+  switch (dtype) {
+    case DType::kF64:
+      return std::numeric_limits<double>::epsilon();
+    case DType::kF32:
+    case DType::kI32:
+    case DType::kI64:
+      return std::numeric_limits<float>::epsilon();
+    case DType::kF16:
+      return 0x1p-10;  // 10 fraction bits
+    case DType::kBF16:
+      return 0x1p-7;  // 7 fraction bits
+  }
+  return 0.0;
+}
+
 double Tolerance::allowed(std::int64_t element, double reference) const {
   if (!std::isfinite(reference)) return 0.0;  // an infinite reference must be matched exactly
   const double extra = floor ? (*floor)[static_cast<std::size_t>(element)] : 0.0;
@@ -105,6 +104,16 @@ std::shared_ptr<const std::vector<double>> cancellation_floor(const TensorView& 
     (*floor)[static_cast<std::size_t>(i)] =
         std::isfinite(magnitude) ? kPlainErrorFactor * machine_epsilon(DType::kF32) * magnitude
                                  : 0.0;
+  }
+  return floor;
+}
+
+std::shared_ptr<const std::vector<double>> gradient_floor(const TensorView& magnitudes,
+                                                          const TensorView& sigma) {
+  auto floor = std::make_shared<std::vector<double>>(*cancellation_floor(magnitudes));
+  for (std::int64_t i = 0; i < sigma.numel(); ++i) {
+    const double deviation = sigma.load(i);
+    if (std::isfinite(deviation)) (*floor)[static_cast<std::size_t>(i)] += kRoundingSigmas * deviation;
   }
   return floor;
 }
