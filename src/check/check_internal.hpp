@@ -71,7 +71,7 @@ double machine_epsilon(DType dtype);
 std::shared_ptr<const std::vector<double>> cancellation_floor(const TensorView& magnitudes);
 
 // How many standard deviations of plain_backward_rounding_sigma a gradient element may be off.
-inline constexpr double kRoundingSigmas = 6.0;
+inline constexpr double kRoundingSigmas = 4.0;
 
 // The floor of dq and dk: cancellation_floor plus kRoundingSigmas times `sigma`
 // (plain_backward_rounding_sigma).
