@@ -188,11 +188,11 @@ using flexattn_aot::IdentityModifier;
     flexattn_kernels::forward_simt<SimtConfig<__VA_ARGS__>, modifier>(params);    \
   }
 
-#define FLEXATTN_AOT_WGMMA(name, modifier, ...)                                      \
-  extern "C" __global__ void __launch_bounds__(WgmmaConfig<__VA_ARGS__>::kThreads,   \
-                                               WgmmaConfig<__VA_ARGS__>::kMinBlocks) \
-      name(const ForwardParams params) {                                             \
-    flexattn_kernels::forward_wgmma<WgmmaConfig<__VA_ARGS__>, modifier>(params);     \
+#define FLEXATTN_AOT_WGMMA(name, modifier, ...)                                         \
+  extern "C" __global__ void __launch_bounds__(WgmmaConfig<__VA_ARGS__>::kBlockThreads, \
+                                               WgmmaConfig<__VA_ARGS__>::kMinBlocks)    \
+      name(const ForwardParams params) {                                                \
+    flexattn_kernels::forward_wgmma<WgmmaConfig<__VA_ARGS__>, modifier>(params);        \
   }
 
 FLEXATTN_AOT_MMA(aot_bf16_d128, IdentityModifier, BFloat16Tag, 128, 128, 128, 128, 2, 4, 64, 2, 2)
@@ -211,6 +211,9 @@ FLEXATTN_AOT_WGMMA(aot_wgmma_bf16_d128_v64, CausalSoftcapModifier, BFloat16Tag, 
                    true, 1024 + 128 * 256 + 3 * 128 * (256 + 128))
 FLEXATTN_AOT_WGMMA(aot_wgmma_bf16_d128_turns, CausalSoftcapModifier, BFloat16Tag, 128, 128, 128, 3,
                    true, 1024 + 128 * 256 + 3 * 2 * 128 * 256, true)
+// The head-dim-128 default: a producer warpgroup copies the stages (+ 64 bytes of barriers).
+FLEXATTN_AOT_WGMMA(aot_wgmma_bf16_d128_producer, CausalSoftcapModifier, BFloat16Tag, 128, 128, 128,
+                   3, true, 1024 + 128 * 256 + 3 * 2 * 128 * 256 + 64, true, 2, 1, false, true)
 FLEXATTN_AOT_WGMMA(aot_wgmma_bf16_d64_unpipelined, IdentityModifier, BFloat16Tag, 64, 64, 128, 2,
                    false, 1024 + 128 * 128 + 2 * 2 * 128 * 128)
 // Wide head dims: 64-key tiles, 2 stages, each product waited for.

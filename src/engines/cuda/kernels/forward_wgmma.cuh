@@ -152,6 +152,72 @@ __device__ __forceinline__ void issue_probability_value(float (&output_flat)[kOu
   wgmma_commit();
 }
 
+// The (q block, head, batch) a forward block computes. Blocks with the most kv tiles (the last
+// rows under causal masks) start first. With p.batch_fastest they are numbered in launch order
+// with the batch fastest: the blocks of one (q block, head) in every batch run together, so a
+// tensor without a batch index is read from L2 by all but the first. (Numbering the
+// staged-tensor kernel's blocks batch-fastest, so an [h, q, kv] bias is read once per head and
+// from L2 for the other batches, measured no change: bias 361.0 -> 360.2 TFLOP/s at D 128,
+// 206.0 -> 206.1 at D 64, H200 2026-12-03.)
+struct ForwardBlock {
+  int q_block;
+  int head;
+  int batch;
+};
+__device__ __forceinline__ ForwardBlock forward_block(const ForwardParams& p) {
+  ForwardBlock place{static_cast<int>(gridDim.x - 1 - blockIdx.x), static_cast<int>(blockIdx.y),
+                     static_cast<int>(blockIdx.z)};
+  if (p.batch_fastest != 0) {
+    const unsigned launched = blockIdx.x + gridDim.x * (blockIdx.y + gridDim.y * blockIdx.z);
+    place.batch = static_cast<int>(launched % gridDim.z);
+    const unsigned rest = launched / gridDim.z;
+    place.q_block = static_cast<int>(gridDim.x - 1 - rest % gridDim.x);
+    place.head = static_cast<int>(rest / gridDim.x);
+  }
+  return place;
+}
+
+// A kProducer block's stage barriers, from `barriers`: the kStages full barriers, then the kStages
+// empty ones (8 bytes each).
+template <int kStages>
+__device__ __forceinline__ unsigned full_barrier(unsigned barriers, int stage) {
+  return barriers + 8 * stage;
+}
+template <int kStages>
+__device__ __forceinline__ unsigned empty_barrier(unsigned barriers, int stage) {
+  return barriers + 8 * (kStages + stage);
+}
+
+// The producer warpgroup of a kProducer block (`loader`: its thread 0 .. 127): tile i of the
+// block's list into stage i % kStages once the computing warps released the tile kStages before
+// it (phase i / kStages - 1 of the stage's empty barrier); a tile is announced (its full barrier)
+// once its copies landed, one tile later, so two tiles' copies are in flight.
+// `load_tile(entry_index, stage, loader)` issues one tile's copies.
+template <class Config, class LoadTile>
+__device__ __forceinline__ void produce_tiles(const EntryRange& entries, unsigned barriers,
+                                              int loader, const LoadTile& load_tile) {
+  constexpr int kStages = Config::kStages;
+  const int count = entries.end - entries.begin;
+  for (int iteration = 0; iteration < count; ++iteration) {
+    const int stage = iteration % kStages;
+    if (iteration >= kStages) {
+      barrier_wait(empty_barrier<kStages>(barriers, stage), (iteration / kStages - 1) & 1);
+    }
+    load_tile(entries.begin + iteration, stage, loader);
+    commit_copies();
+    if (iteration > 0) {
+      wait_copies<1>();      // tile iteration - 1 landed
+      fence_async_shared();  // and is visible to the wgmma reads
+      barrier_arrive(full_barrier<kStages>(barriers, (iteration - 1) % kStages));
+    }
+  }
+  if (count > 0) {
+    wait_copies<0>();
+    fence_async_shared();
+    barrier_arrive(full_barrier<kStages>(barriers, (count - 1) % kStages));
+  }
+}
+
 template <class Config, class Modifier>
 __device__ __forceinline__ void forward_wgmma(const ForwardParams& p) {
   using Tag = typename Config::Tag;
@@ -176,22 +242,10 @@ __device__ __forceinline__ void forward_wgmma(const ForwardParams& p) {
   const int group = lane / 4;      // accumulator row within an 8-row half
   const int quad_lane = lane % 4;  // accumulator column pair
   const int warpgroup = warp / 4;
-  // Blocks with the most kv tiles (the last rows under causal masks) start first. (Numbering the
-  // staged-tensor kernel's blocks batch-fastest, so an [h, q, kv] bias is read once per head and
-  // from L2 for the other batches, measured no change: bias 361.0 -> 360.2 TFLOP/s at D 128,
-  // 206.0 -> 206.1 at D 64, H200 2026-12-03.)
-  int q_block = gridDim.x - 1 - blockIdx.x;
-  int head = blockIdx.y;
-  int batch = blockIdx.z;
-  if (p.batch_fastest != 0) {
-    // In launch order with the batch fastest: the blocks of one (q block, head) in every batch
-    // run together, so a tensor without a batch index is read from L2 by all but the first.
-    const unsigned launched = blockIdx.x + gridDim.x * (blockIdx.y + gridDim.y * blockIdx.z);
-    batch = static_cast<int>(launched % gridDim.z);
-    const unsigned rest = launched / gridDim.z;
-    q_block = static_cast<int>(gridDim.x - 1 - rest % gridDim.x);
-    head = static_cast<int>(rest / gridDim.x);
-  }
+  const ForwardBlock place = forward_block(p);
+  const int q_block = place.q_block;
+  const int head = place.head;
+  const int batch = place.batch;
   const SequenceSpan span = sequence_span(p, batch);
   const int q_start = q_block * kBlockM;
   if (q_start >= span.q_len) return;
@@ -212,8 +266,6 @@ __device__ __forceinline__ void forward_wgmma(const ForwardParams& p) {
   const unsigned staged_tiles = v_tiles + kStages * Config::kVBytes;
   // With kProducer: the stages' full and empty barriers.
   const unsigned barriers = staged_tiles + kStages * Config::kStagedBytes;
-  auto full_barrier = [&](int stage) { return barriers + 8 * stage; };
-  auto empty_barrier = [&](int stage) { return barriers + 8 * (kStages + stage); };
   const unsigned short* staged_source = nullptr;
   if constexpr (Config::kStageTensor) {
     static_assert(Modifier::kStagedTensor >= 0, "the modifier reads a stageable tensor");
@@ -249,36 +301,15 @@ __device__ __forceinline__ void forward_wgmma(const ForwardParams& p) {
   if constexpr (Config::kProducer) {
     if (thread == 0) {
       for (int stage = 0; stage < kStages; ++stage) {
-        barrier_init(full_barrier(stage), Config::kProducerThreads);  // each copying thread
-        barrier_init(empty_barrier(stage), Config::kWarps);           // lane 0 of each warp
+        // each copying thread, and lane 0 of each computing warp
+        barrier_init(full_barrier<kStages>(barriers, stage), Config::kProducerThreads);
+        barrier_init(empty_barrier<kStages>(barriers, stage), Config::kWarps);
       }
     }
     __syncthreads();  // the barriers initialised; the last block-wide barrier
     if (warpgroup == Config::kWarpgroups) {
-      // The producer: tile i into stage i % kStages once the computing warps released the tile
-      // kStages before it (phase i / kStages - 1 of its empty barrier); a tile is announced
-      // (full) once its copies landed, one tile later, so two tiles' copies are in flight.
       release_registers<Config::kProducerRegisters>();
-      const int loader = thread - kThreads;
-      const int count = entries.end - entries.begin;
-      for (int iteration = 0; iteration < count; ++iteration) {
-        const int stage = iteration % kStages;
-        if (iteration >= kStages) {
-          barrier_wait(empty_barrier(stage), (iteration / kStages - 1) & 1);
-        }
-        load_keys_and_values(entries.begin + iteration, stage, loader);
-        commit_copies();
-        if (iteration > 0) {
-          wait_copies<1>();      // tile iteration - 1 landed
-          fence_async_shared();  // and is visible to the wgmma reads
-          barrier_arrive(full_barrier((iteration - 1) % kStages));
-        }
-      }
-      if (count > 0) {
-        wait_copies<0>();
-        fence_async_shared();
-        barrier_arrive(full_barrier((count - 1) % kStages));
-      }
+      produce_tiles<Config>(entries, barriers, thread - kThreads, load_keys_and_values);
       return;
     }
     claim_registers<Config::kConsumerRegisters>();
@@ -306,12 +337,12 @@ __device__ __forceinline__ void forward_wgmma(const ForwardParams& p) {
   }
   // With kProducer: waits until tile `iteration` (of this block's list) is in its stage.
   auto await_stage = [&](int iteration) {
-    barrier_wait(full_barrier(iteration % kStages), (iteration / kStages) & 1);
+    barrier_wait(full_barrier<kStages>(barriers, iteration % kStages), (iteration / kStages) & 1);
   };
   // With kProducer: this warp is done with the stage of tile `iteration` (its products waited for).
   auto release_stage = [&](int iteration) {
     if constexpr (Config::kProducer) {
-      if (lane == 0) barrier_arrive(empty_barrier(iteration % kStages));
+      if (lane == 0) barrier_arrive(empty_barrier<kStages>(barriers, iteration % kStages));
     }
   };
 
