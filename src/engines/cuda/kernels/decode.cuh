@@ -669,6 +669,101 @@ __device__ __forceinline__ int list_kept_tiles(const ForwardParams& p,
   return listed;
 }
 
+// The end of a forward_decode_mma block: each warp's rows (max in log2 units, sum, output
+// columns) go through the shared memory past the Q tile (the stages, which every warp is done
+// with), are merged over the warps, then stored as the split's partial rows or as O and LSE. A row
+// that comes out non-finite sends the whole block again through the fp32 kernel, which skips
+// removed positions.
+template <class Config, class Modifier>
+__device__ __forceinline__ void merge_and_store_rows(
+    const DecodeParams& d, const DecodeSequence& sequence, unsigned char* shared, int row_first,
+    int split, bool poisoned, const float (&output)[1][Config::kOutputTiles][4],
+    const float (&row_max)[1][2], const float (&row_sum)[1][2]) {
+  using Tag = typename Config::Tag;
+  constexpr int kRows = Config::kRows;
+  constexpr int kWarps = Config::kWarps;
+  constexpr int kThreads = Config::kThreads;
+  constexpr int kDimV = Config::kHeadDimV;
+  constexpr int kOutputTiles = Config::kOutputTiles;
+  const int thread = static_cast<int>(threadIdx.x);
+  const int warp = thread / kWarpSize;
+  const int lane = thread % kWarpSize;
+  const int group_row = lane / 4;
+  const int quad_lane = lane % 4;
+  const int rows_total = sequence.rows_total;
+
+  // Each warp's rows: max (log2 units), sum, output columns.
+  constexpr int kRowFloats = Config::kMergeRowFloats;
+  float* merge = reinterpret_cast<float*>(shared + Config::kQBytes);
+#pragma unroll
+  for (int half = 0; half < 2; ++half) {
+    float* slot = merge + (warp * kRows + group_row + 8 * half) * kRowFloats;
+    const float sum = quad_sum(row_sum[0][half]);
+    if (quad_lane == 0) {
+      slot[0] = row_max[0][half] * Modifier::kForwardToLog2;  // -inf stays -inf
+      slot[1] = sum;
+    }
+#pragma unroll
+    for (int j = 0; j < kOutputTiles; ++j) {
+      slot[2 + j * 8 + 2 * quad_lane] = output[0][j][2 * half];
+      slot[2 + j * 8 + 2 * quad_lane + 1] = output[0][j][2 * half + 1];
+    }
+  }
+  __syncthreads();
+  // Row r = thread / 8 of the block, columns thread % 8, + 8, ...: merged, then stored.
+  constexpr int kLanesPerRow = kThreads / kRows;
+  constexpr int kColumns = (kDimV + kLanesPerRow - 1) / kLanesPerRow;
+  const int r = thread / kLanesPerRow;
+  const int part = thread % kLanesPerRow;
+  const int row = row_first + r;
+  float merged[kColumns];
+#pragma unroll
+  for (int c = 0; c < kColumns; ++c) merged[c] = 0.0f;
+  float merged_max = negative_infinity();
+#pragma unroll
+  for (int w = 0; w < kWarps; ++w) {
+    merged_max = fmaxf(merged_max, merge[(w * kRows + r) * kRowFloats]);
+  }
+  const float subtract = safe_max(merged_max);
+  float sum = 0.0f;
+#pragma unroll
+  for (int w = 0; w < kWarps; ++w) {
+    const float* slot = merge + (w * kRows + r) * kRowFloats;
+    if (slot[1] == 0.0f) continue;  // kept no key (output 0); a NaN sum is merged
+    const float factor = fast_exp2(slot[0] - subtract);
+    sum = fmaf(factor, slot[1], sum);
+#pragma unroll
+    for (int c = 0; c < kColumns; ++c) {
+      const int column = c * kLanesPerRow + part;
+      if (column < kDimV) merged[c] = fmaf(factor, slot[2 + column], merged[c]);
+    }
+  }
+  const RowResult result = finish_row_log2(merged_max, sum);
+  bool bad = false;
+  if (row < rows_total && !poisoned) {
+#pragma unroll
+    for (int c = 0; c < kColumns; ++c) bad |= non_finite(merged[c] * result.inverse_sum);
+  }
+  // A non-finite row: the whole block again on the fp32 units, which skip removed positions.
+  if (barrier_any<-1>(bad, kThreads)) {
+    forward_decode_rows<typename Config::Fallback, Modifier>(d, row_first, split);
+    __syncthreads();
+    forward_decode_rows<typename Config::Fallback, Modifier>(d, row_first + 8, split);
+    return;
+  }
+  if (row >= rows_total) return;
+  const float nan = __int_as_float(0x7fc00000);
+  const float lse = poisoned ? nan : result.lse;
+  const float scale = poisoned ? nan : result.inverse_sum;
+  const DecodeRowStore<Tag, kDimV> store(d, sequence, row, split);
+#pragma unroll
+  for (int c = 0; c < kColumns; ++c) {
+    const int column = c * kLanesPerRow + part;
+    if (column < kDimV) store.value(column, merged[c] * scale);
+  }
+  if (part == 0) store.lse(lse);
+}
+
 }  // namespace decode_detail
 
 template <class Config, class Modifier>
@@ -676,12 +771,10 @@ __device__ __forceinline__ void forward_decode_mma(const DecodeParams& d) {
   using Tag = typename Config::Tag;
   using namespace decode_detail;
   constexpr int kRows = Config::kRows;
-  constexpr int kWarps = Config::kWarps;
   constexpr int kThreads = Config::kThreads;
   constexpr int kBlockN = Config::kBlockN;
   constexpr int kStages = Config::kStages;
   constexpr int kDimQk = Config::kHeadDimQk;
-  constexpr int kDimV = Config::kHeadDimV;
   constexpr int kOutputTiles = Config::kOutputTiles;
   extern __shared__ __align__(128) unsigned char shared[];
 
@@ -848,77 +941,8 @@ __device__ __forceinline__ void forward_decode_mma(const DecodeParams& d) {
     __syncthreads();  // the pass's stages and list are no longer read
   }
   // Every warp is done with the tiles (the last pass ended with a barrier): the merge reuses them.
-
-  // Each warp's rows: max (log2 units), sum, output columns.
-  constexpr int kRowFloats = Config::kMergeRowFloats;
-  float* merge = reinterpret_cast<float*>(shared + Config::kQBytes);
-#pragma unroll
-  for (int half = 0; half < 2; ++half) {
-    float* slot = merge + (warp * kRows + group_row + 8 * half) * kRowFloats;
-    const float sum = quad_sum(row_sum[0][half]);
-    if (quad_lane == 0) {
-      slot[0] = row_max[0][half] * Modifier::kForwardToLog2;  // -inf stays -inf
-      slot[1] = sum;
-    }
-#pragma unroll
-    for (int j = 0; j < kOutputTiles; ++j) {
-      slot[2 + j * 8 + 2 * quad_lane] = output[0][j][2 * half];
-      slot[2 + j * 8 + 2 * quad_lane + 1] = output[0][j][2 * half + 1];
-    }
-  }
-  __syncthreads();
-  // Row r = thread / 8 of the block, columns thread % 8, + 8, ...: merged, then stored.
-  constexpr int kLanesPerRow = kThreads / kRows;
-  constexpr int kColumns = (kDimV + kLanesPerRow - 1) / kLanesPerRow;
-  const int r = thread / kLanesPerRow;
-  const int part = thread % kLanesPerRow;
-  const int row = row_first + r;
-  float merged[kColumns];
-#pragma unroll
-  for (int c = 0; c < kColumns; ++c) merged[c] = 0.0f;
-  float merged_max = negative_infinity();
-#pragma unroll
-  for (int w = 0; w < kWarps; ++w) {
-    merged_max = fmaxf(merged_max, merge[(w * kRows + r) * kRowFloats]);
-  }
-  const float subtract = safe_max(merged_max);
-  float sum = 0.0f;
-#pragma unroll
-  for (int w = 0; w < kWarps; ++w) {
-    const float* slot = merge + (w * kRows + r) * kRowFloats;
-    if (slot[1] == 0.0f) continue;  // kept no key (output 0); a NaN sum is merged
-    const float factor = fast_exp2(slot[0] - subtract);
-    sum = fmaf(factor, slot[1], sum);
-#pragma unroll
-    for (int c = 0; c < kColumns; ++c) {
-      const int column = c * kLanesPerRow + part;
-      if (column < kDimV) merged[c] = fmaf(factor, slot[2 + column], merged[c]);
-    }
-  }
-  const RowResult result = finish_row_log2(merged_max, sum);
-  bool bad = false;
-  if (row < rows_total && !poisoned) {
-#pragma unroll
-    for (int c = 0; c < kColumns; ++c) bad |= non_finite(merged[c] * result.inverse_sum);
-  }
-  // A non-finite row: the whole block again on the fp32 units, which skip removed positions.
-  if (barrier_any<-1>(bad, kThreads)) {
-    forward_decode_rows<typename Config::Fallback, Modifier>(d, row_first, split);
-    __syncthreads();
-    forward_decode_rows<typename Config::Fallback, Modifier>(d, row_first + 8, split);
-    return;
-  }
-  if (row >= rows_total) return;
-  const float nan = __int_as_float(0x7fc00000);
-  const float lse = poisoned ? nan : result.lse;
-  const float scale = poisoned ? nan : result.inverse_sum;
-  const DecodeRowStore<Tag, kDimV> store(d, sequence, row, split);
-#pragma unroll
-  for (int c = 0; c < kColumns; ++c) {
-    const int column = c * kLanesPerRow + part;
-    if (column < kDimV) store.value(column, merged[c] * scale);
-  }
-  if (part == 0) store.lse(lse);
+  merge_and_store_rows<Config, Modifier>(d, sequence, shared, row_first, split, poisoned, output,
+                                         row_max, row_sum);
 }
 
 // Merges the splits' partial rows (forward_decode with d.splits > 1): one warp per (head, query
