@@ -391,8 +391,7 @@ void PlainAttention::rounding_sigma(const BackwardArgs& args) const {
             const double ds = weight * (dp[static_cast<std::size_t>(kv)] - delta);
             const double own = variance * ds * ds;  // dS's own rounding
             for (std::int64_t d = 0; d < dqk; ++d) {
-              const double query =
-                  args.q.load(index_.offset(args.q, true, b, h, position, d));
+              const double query = args.q.load(index_.offset(args.q, true, b, h, position, d));
               const double key = args.k.load(index_.offset(args.k, false, b, h_kv, kv, d));
               dk_variance[static_cast<std::size_t>(kv * dqk + d)] +=
                   (weight * weight * delta_variance + own) * query * query;
@@ -403,9 +402,9 @@ void PlainAttention::rounding_sigma(const BackwardArgs& args) const {
         }
         for (std::int64_t d = 0; d < dqk; ++d) {
           const double c = coherent[static_cast<std::size_t>(d)];
-          args.dq.store(index_.offset(args.dq, true, b, h, position, d),
-                        scale * std::sqrt(c * c * delta_variance +
-                                          dq_variance[static_cast<std::size_t>(d)]));
+          args.dq.store(
+              index_.offset(args.dq, true, b, h, position, d),
+              scale * std::sqrt(c * c * delta_variance + dq_variance[static_cast<std::size_t>(d)]));
         }
       }
     }

@@ -113,7 +113,8 @@ std::shared_ptr<const std::vector<double>> gradient_floor(const TensorView& magn
   auto floor = std::make_shared<std::vector<double>>(*cancellation_floor(magnitudes));
   for (std::int64_t i = 0; i < sigma.numel(); ++i) {
     const double deviation = sigma.load(i);
-    if (std::isfinite(deviation)) (*floor)[static_cast<std::size_t>(i)] += kRoundingSigmas * deviation;
+    if (std::isfinite(deviation))
+      (*floor)[static_cast<std::size_t>(i)] += kRoundingSigmas * deviation;
   }
   return floor;
 }

@@ -323,7 +323,9 @@ TEST(Tolerance, TheRoundingSigmaIsTheSpreadOfTheRoundingsItModels) {
   v.fill_normal(13);
   dout.fill_normal(14);
   const double scale = problem.scale();
-  const auto qi = [](int s, int h, int d) { return static_cast<std::int64_t>((s * kHeads + h) * kDim + d); };
+  const auto qi = [](int s, int h, int d) {
+    return static_cast<std::int64_t>((s * kHeads + h) * kDim + d);
+  };
   const auto ki = [](int s, int d) { return static_cast<std::int64_t>(s * kDim + d); };
 
   // One backward in float64 with the given relative errors (none: the exact gradients).
@@ -361,7 +363,8 @@ TEST(Tolerance, TheRoundingSigmaIsTheSpreadOfTheRoundingsItModels) {
         }
         for (int j = 0; j < keys; ++j) {
           for (int d = 0; d < kDim; ++d) dp[j] += dout.at(qi(i, h, d)) * v.at(ki(j, d));
-          const double ds = p[j] * (dp[j] - delta) * g[j] * (1.0 + (perturbed ? draw(random) : 0.0));
+          const double ds =
+              p[j] * (dp[j] - delta) * g[j] * (1.0 + (perturbed ? draw(random) : 0.0));
           for (int d = 0; d < kDim; ++d) {
             dq[qi(i, h, d)] += scale * ds * k.at(ki(j, d));
             dk[ki(j, d)] += scale * ds * q.at(qi(i, h, d));
@@ -375,8 +378,10 @@ TEST(Tolerance, TheRoundingSigmaIsTheSpreadOfTheRoundingsItModels) {
   std::vector<double> square_dq(exact_dq.size(), 0.0), square_dk(exact_dk.size(), 0.0);
   for (int trial = 0; trial < kTrials; ++trial) {
     gradients(true, dq, dk);
-    for (std::size_t i = 0; i < dq.size(); ++i) square_dq[i] += (dq[i] - exact_dq[i]) * (dq[i] - exact_dq[i]);
-    for (std::size_t i = 0; i < dk.size(); ++i) square_dk[i] += (dk[i] - exact_dk[i]) * (dk[i] - exact_dk[i]);
+    for (std::size_t i = 0; i < dq.size(); ++i)
+      square_dq[i] += (dq[i] - exact_dq[i]) * (dq[i] - exact_dq[i]);
+    for (std::size_t i = 0; i < dk.size(); ++i)
+      square_dk[i] += (dk[i] - exact_dk[i]) * (dk[i] - exact_dk[i]);
   }
 
   HostTensor sigma_dq(DType::kF64, q.shape()), sigma_dk(DType::kF64, k.shape());

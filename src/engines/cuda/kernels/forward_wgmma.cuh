@@ -132,6 +132,31 @@ constexpr int kConsumerBarrier = 2;
 constexpr int kTurnBarrier = 1;
 constexpr int kTurnBackBarrier = 3;
 
+// kTakeTurns: warpgroup 1 issues a tile's products after warpgroup 0 has issued its own.
+template <class Config>
+__device__ __forceinline__ void await_turn(int warpgroup) {
+  if constexpr (Config::kTakeTurns) {
+    if (warpgroup == 1) named_barrier_sync<kTurnBarrier>(Config::kThreads);
+  }
+}
+// After issuing a tile's products. `first`: the block's first tile; `more`: another tile follows
+// (with a producer, warpgroup 0 waits for warpgroup 1's arrival on barrier 3 for the previous tile
+// before it arrives for this one).
+template <class Config>
+__device__ __forceinline__ void pass_turn(int warpgroup, bool first, bool more) {
+  if constexpr (Config::kTakeTurns) {
+    if (warpgroup == 0) {
+      if constexpr (Config::kProducer) {
+        // Warpgroup 1 issued tile - 1.
+        if (!first) named_barrier_sync<kTurnBackBarrier>(Config::kThreads);
+      }
+      named_barrier_arrive<kTurnBarrier>(Config::kThreads);
+    } else if constexpr (Config::kProducer) {
+      if (more) named_barrier_arrive<kTurnBackBarrier>(Config::kThreads);
+    }
+  }
+}
+
 // Issues (and commits) O += P V for one kv tile: P as register A fragments (one per 16 keys),
 // V (kBlockN keys x head_dim_v, panels) as the MN-major B operand. The caller has run
 // fence_operands on P and O and wgmma_fence before the first wgmma of the group: an ordinary
@@ -188,6 +213,16 @@ __device__ __forceinline__ unsigned empty_barrier(unsigned barriers, int stage) 
   return barriers + 8 * (kStages + stage);
 }
 
+// Each stage's full barrier counts the producer's threads, its empty barrier lane 0 of each
+// computing warp.
+template <class Config>
+__device__ __forceinline__ void init_stage_barriers(unsigned barriers) {
+  for (int stage = 0; stage < Config::kStages; ++stage) {
+    barrier_init(full_barrier<Config::kStages>(barriers, stage), Config::kProducerThreads);
+    barrier_init(empty_barrier<Config::kStages>(barriers, stage), Config::kWarps);
+  }
+}
+
 // The producer warpgroup of a kProducer block (`loader`: its thread 0 .. 127): tile i of the
 // block's list into stage i % kStages once the computing warps released the tile kStages before
 // it (phase i / kStages - 1 of the stage's empty barrier); a tile is announced (its full barrier)
@@ -215,6 +250,55 @@ __device__ __forceinline__ void produce_tiles(const EntryRange& entries, unsigne
     wait_copies<0>();
     fence_async_shared();
     barrier_arrive(full_barrier<kStages>(barriers, (count - 1) % kStages));
+  }
+}
+
+// A thread's accumulators before the first tile: O 0, no row max or sum yet, and its two rows'
+// positions (`first_row` and 8 below it), clamped into the sequence.
+template <class Config>
+__device__ __forceinline__ void start_rows(float (&output)[1][Config::kOutputTiles][4],
+                                           float (&row_max)[1][2], float (&row_sum)[1][2],
+                                           int (&query)[1][2], int first_row, int q_len) {
+#pragma unroll
+  for (int j = 0; j < Config::kOutputTiles; ++j) {
+#pragma unroll
+    for (int e = 0; e < 4; ++e) output[0][j][e] = 0.0f;
+  }
+#pragma unroll
+  for (int half = 0; half < 2; ++half) {
+    row_max[0][half] = negative_infinity();
+    row_sum[0][half] = 0.0f;
+    query[0][half] = ir_min(first_row + half * 8, q_len - 1);
+  }
+}
+
+// After the last tile: O and LSE stored through the Q tile's shared memory once every computing
+// warp is done with Q (and, without a producer, with K and V), and rows that came out non-finite
+// recomputed (repair_forward_rows).
+template <class Config, class Modifier>
+__device__ __forceinline__ void finish_forward_rows(const ForwardParams& p, unsigned char* shared,
+                                                    float (&output)[1][Config::kOutputTiles][4],
+                                                    float (&row_max)[1][2], float (&row_sum)[1][2],
+                                                    const SequenceSpan& span, int batch, int head,
+                                                    int q_start, int thread, int warp) {
+  using Tag = typename Config::Tag;
+  to_log2_units(row_max, Modifier::kForwardToLog2);
+  if constexpr (Config::kProducer) {
+    // Every computing warp is done with Q: its buffer now stages O.
+    named_barrier_sync<kConsumerBarrier>(Config::kThreads);
+    if (store_output<Config, kConsumerBarrier>(p, shared, output, row_max, row_sum, span, batch,
+                                               head, q_start, thread)) {
+      repair_forward_rows<Tag, Modifier, Config::kDimQk, Config::kDimV>(
+          p, span, batch, head, q_start, Config::kBlockM, warp, Config::kWarps);
+    }
+  } else {
+    wait_copies<0>();
+    __syncthreads();  // every warp is done with Q, K and V: the Q buffer now stages O
+    if (store_output<Config>(p, shared, output, row_max, row_sum, span, batch, head, q_start,
+                             thread)) {
+      repair_forward_rows<Tag, Modifier, Config::kDimQk, Config::kDimV>(
+          p, span, batch, head, q_start, Config::kBlockM, warp, Config::kWarps);
+    }
   }
 }
 
@@ -299,13 +383,7 @@ __device__ __forceinline__ void forward_wgmma(const ForwardParams& p) {
   };
 
   if constexpr (Config::kProducer) {
-    if (thread == 0) {
-      for (int stage = 0; stage < kStages; ++stage) {
-        // each copying thread, and lane 0 of each computing warp
-        barrier_init(full_barrier<kStages>(barriers, stage), Config::kProducerThreads);
-        barrier_init(empty_barrier<kStages>(barriers, stage), Config::kWarps);
-      }
-    }
+    if (thread == 0) init_stage_barriers<Config>(barriers);
     __syncthreads();  // the barriers initialised; the last block-wide barrier
     if (warpgroup == Config::kWarpgroups) {
       release_registers<Config::kProducerRegisters>();
@@ -350,18 +428,8 @@ __device__ __forceinline__ void forward_wgmma(const ForwardParams& p) {
   float row_max[1][2];               // log2 domain
   float row_sum[1][2];               // this thread's share of the row sum
   int query[1][2];                   // the rows' positions, clamped into the sequence
-#pragma unroll
-  for (int j = 0; j < kOutputTiles; ++j) {
-#pragma unroll
-    for (int e = 0; e < 4; ++e) output[0][j][e] = 0.0f;
-  }
-#pragma unroll
-  for (int half = 0; half < 2; ++half) {
-    row_max[0][half] = negative_infinity();
-    row_sum[0][half] = 0.0f;
-    const int row = q_start + warp * Config::kRowsPerWarp + group + half * 8;
-    query[0][half] = ir_min(row, span.q_len - 1);
-  }
+  start_rows<Config>(output, row_max, row_sum, query, q_start + warp * Config::kRowsPerWarp + group,
+                     span.q_len);
   const typename Modifier::Invariants invariants = Modifier::prepare(p, at);
   // The accumulators as the flat lists wgmma takes.
   float(&output_flat)[kOutputTiles * 4] = reinterpret_cast<float(&)[kOutputTiles * 4]>(output);
@@ -469,33 +537,12 @@ __device__ __forceinline__ void forward_wgmma(const ForwardParams& p) {
     };
     // The first tile on its own: nothing in flight beside its S. (A P V issued on only some
     // iterations of one loop makes ptxas serialize every wgmma of the kernel, warning C7515.)
-    // Warpgroup 1 issues after warpgroup 0 (kTakeTurns).
-    auto await_turn = [&]() {
-      if constexpr (Config::kTakeTurns) {
-        if (warpgroup == 1) named_barrier_sync<kTurnBarrier>(kThreads);
-      }
-    };
-    // `first`: the block's first tile; `more`: another tile follows (warpgroup 0 waits for
-    // warpgroup 1's arrival on barrier 3 for this tile before its next one).
-    auto pass_turn = [&](bool first, bool more) {
-      if constexpr (Config::kTakeTurns) {
-        if (warpgroup == 0) {
-          if constexpr (Config::kProducer) {
-            // Warpgroup 1 issued tile - 1.
-            if (!first) named_barrier_sync<kTurnBackBarrier>(kThreads);
-          }
-          named_barrier_arrive<kTurnBarrier>(kThreads);
-        } else if constexpr (Config::kProducer) {
-          if (more) named_barrier_arrive<kTurnBackBarrier>(kThreads);
-        }
-      }
-    };
     if (entries.begin < entries.end) {
       const int stage = begin_tile(entries.begin);
-      await_turn();
+      await_turn<Config>(warpgroup);
       fence_before_products();
       issue_scores(stage);
-      pass_turn(true, entries.begin + 1 < entries.end);
+      pass_turn<Config>(warpgroup, true, entries.begin + 1 < entries.end);
       wgmma_wait<0>();
       fence_operands(score_flat);
       float correction[1][2];
@@ -504,11 +551,11 @@ __device__ __forceinline__ void forward_wgmma(const ForwardParams& p) {
     }
     for (int entry_index = entries.begin + 1; entry_index < entries.end; ++entry_index) {
       const int stage = begin_tile(entry_index);
-      await_turn();
+      await_turn<Config>(warpgroup);
       fence_before_products();
       issue_scores(stage);
       issue_probability_value<Config>(output_flat, p_fragment, previous_v_tile);  // tile - 1
-      pass_turn(false, entry_index + 1 < entries.end);
+      pass_turn<Config>(warpgroup, false, entry_index + 1 < entries.end);
       wgmma_wait<1>();  // S is done; P V may still run
       fence_operands(score_flat);
       float correction[1][2];
@@ -550,24 +597,8 @@ __device__ __forceinline__ void forward_wgmma(const ForwardParams& p) {
       release_stage(iteration);  // K, V and the staged tile read
     }
   }
-  to_log2_units(row_max, Modifier::kForwardToLog2);
-  if constexpr (Config::kProducer) {
-    // Every computing warp is done with Q: its buffer now stages O.
-    named_barrier_sync<kConsumerBarrier>(kThreads);
-    if (store_output<Config, kConsumerBarrier>(p, shared, output, row_max, row_sum, span, batch,
-                                               head, q_start, thread)) {
-      repair_forward_rows<Tag, Modifier, Config::kDimQk, Config::kDimV>(
-          p, span, batch, head, q_start, kBlockM, warp, Config::kWarps);
-    }
-  } else {
-    wait_copies<0>();
-    __syncthreads();  // every warp is done with Q, K and V: the Q buffer now stages O
-    if (store_output<Config>(p, shared, output, row_max, row_sum, span, batch, head, q_start,
-                             thread)) {
-      repair_forward_rows<Tag, Modifier, Config::kDimQk, Config::kDimV>(
-          p, span, batch, head, q_start, kBlockM, warp, Config::kWarps);
-    }
-  }
+  finish_forward_rows<Config, Modifier>(p, shared, output, row_max, row_sum, span, batch, head,
+                                        q_start, thread, warp);
 }
 
 }  // namespace flexattn_kernels
