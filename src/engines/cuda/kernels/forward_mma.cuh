@@ -374,6 +374,29 @@ __device__ __forceinline__ bool store_output(
   return flagged;
 }
 
+// A thread's accumulators before the first tile: O 0, no row max or sum yet, and the positions of
+// its rows (`first_row`, 8 below it, and the same 16 further per accumulator tile), clamped into
+// the sequence.
+template <int kTiles, int kOutputTiles>
+__device__ __forceinline__ void start_rows(float (&output)[kTiles][kOutputTiles][4],
+                                           float (&row_max)[kTiles][2], float (&row_sum)[kTiles][2],
+                                           int (&query)[kTiles][2], int first_row, int q_len) {
+#pragma unroll
+  for (int i = 0; i < kTiles; ++i) {
+#pragma unroll
+    for (int j = 0; j < kOutputTiles; ++j) {
+#pragma unroll
+      for (int e = 0; e < 4; ++e) output[i][j][e] = 0.0f;
+    }
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+      row_max[i][half] = negative_infinity();
+      row_sum[i][half] = 0.0f;
+      query[i][half] = ir_min(first_row + i * 16 + half * 8, q_len - 1);
+    }
+  }
+}
+
 template <class Config, class Modifier>
 __device__ __forceinline__ void forward_mma(const ForwardParams& p) {
   using Tag = typename Config::Tag;
@@ -437,21 +460,8 @@ __device__ __forceinline__ void forward_mma(const ForwardParams& p) {
   float row_max[kTiles][2];               // log2 domain
   float row_sum[kTiles][2];               // this thread's share of the row sum
   int query[kTiles][2];                   // the rows' positions, clamped into the sequence
-#pragma unroll
-  for (int i = 0; i < kTiles; ++i) {
-#pragma unroll
-    for (int j = 0; j < kOutputTiles; ++j) {
-#pragma unroll
-      for (int e = 0; e < 4; ++e) output[i][j][e] = 0.0f;
-    }
-#pragma unroll
-    for (int half = 0; half < 2; ++half) {
-      row_max[i][half] = negative_infinity();
-      row_sum[i][half] = 0.0f;
-      const int row = q_start + warp * Config::kRowsPerWarp + i * 16 + group + half * 8;
-      query[i][half] = ir_min(row, span.q_len - 1);
-    }
-  }
+  start_rows(output, row_max, row_sum, query, q_start + warp * Config::kRowsPerWarp + group,
+             span.q_len);
   const typename Modifier::Invariants invariants = Modifier::prepare(p, at);
   // ldmatrix row addresses: Q rows of this warp, K rows (n-major B), V rows (k-major B).
   const LaneOffsets<Config::kChunksQk> q_lane(warp * Config::kRowsPerWarp + lane % 16, lane / 16);

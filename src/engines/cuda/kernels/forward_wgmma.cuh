@@ -253,25 +253,6 @@ __device__ __forceinline__ void produce_tiles(const EntryRange& entries, unsigne
   }
 }
 
-// A thread's accumulators before the first tile: O 0, no row max or sum yet, and its two rows'
-// positions (`first_row` and 8 below it), clamped into the sequence.
-template <class Config>
-__device__ __forceinline__ void start_rows(float (&output)[1][Config::kOutputTiles][4],
-                                           float (&row_max)[1][2], float (&row_sum)[1][2],
-                                           int (&query)[1][2], int first_row, int q_len) {
-#pragma unroll
-  for (int j = 0; j < Config::kOutputTiles; ++j) {
-#pragma unroll
-    for (int e = 0; e < 4; ++e) output[0][j][e] = 0.0f;
-  }
-#pragma unroll
-  for (int half = 0; half < 2; ++half) {
-    row_max[0][half] = negative_infinity();
-    row_sum[0][half] = 0.0f;
-    query[0][half] = ir_min(first_row + half * 8, q_len - 1);
-  }
-}
-
 // After the last tile: O and LSE stored through the Q tile's shared memory once every computing
 // warp is done with Q (and, without a producer, with K and V), and rows that came out non-finite
 // recomputed (repair_forward_rows).
@@ -428,8 +409,8 @@ __device__ __forceinline__ void forward_wgmma(const ForwardParams& p) {
   float row_max[1][2];               // log2 domain
   float row_sum[1][2];               // this thread's share of the row sum
   int query[1][2];                   // the rows' positions, clamped into the sequence
-  start_rows<Config>(output, row_max, row_sum, query, q_start + warp * Config::kRowsPerWarp + group,
-                     span.q_len);
+  start_rows(output, row_max, row_sum, query, q_start + warp * Config::kRowsPerWarp + group,
+             span.q_len);
   const typename Modifier::Invariants invariants = Modifier::prepare(p, at);
   // The accumulators as the flat lists wgmma takes.
   float(&output_flat)[kOutputTiles * 4] = reinterpret_cast<float(&)[kOutputTiles * 4]>(output);
