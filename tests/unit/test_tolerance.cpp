@@ -5,6 +5,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <functional>
 #include <limits>
 #include <memory>
 #include <optional>
@@ -144,19 +145,52 @@ TEST(Tolerance, TheCancellationFloorIsTwoFloat32RoundingsOfTheMagnitude) {
 
 // One query keeping one key: dS = P (dP - D) is 0 in exact arithmetic (P = 1, O = V), so dq and
 // dk are 0 and their plain errors too; a float32 kernel still returns the rounding of dP and D,
-// each a sum of head_dim products: ~ eps_f32 * sum |dO V| * scale * |K| (or |Q|). The engine
-// below is cpu_ref plus `factor` times that residue.
-class ResiduePlan final : public Plan {
+// each a sum of head_dim products: ~ eps_f32 * sum |dO V| * scale * |K| (or |Q|).
+// cpu_ref with `edit` applied to its backward's outputs.
+using BackwardEdit = std::function<void(const Problem&, const BackwardArgs&)>;
+
+class EditedBackwardPlan final : public Plan {
  public:
-  ResiduePlan(std::unique_ptr<Plan> inner, double factor)
-      : Plan(inner->info()), inner_(std::move(inner)), factor_(factor) {}
+  EditedBackwardPlan(std::unique_ptr<Plan> inner, BackwardEdit edit)
+      : Plan(inner->info()), inner_(std::move(inner)), edit_(std::move(edit)) {}
   const Problem& problem() const override { return inner_->problem(); }
 
  protected:
   void run_forward(const ForwardArgs& args) const override { inner_->forward(args); }
   void run_backward(const BackwardArgs& args) const override {
     inner_->backward(args);
-    const Problem& p = problem();
+    edit_(problem(), args);
+  }
+
+ private:
+  std::unique_ptr<Plan> inner_;
+  BackwardEdit edit_;
+};
+
+class EditedBackwardEngine final : public Engine {
+ public:
+  explicit EditedBackwardEngine(BackwardEdit edit) : edit_(std::move(edit)) {}
+  std::string_view name() const override { return "cpu_ref_with_edited_backward"; }
+  Support available() const override { return Support::yes(); }
+
+ protected:
+  Lowered lower(const Problem& problem, Stage stage) const override {
+    Lowered result;
+    result.support = Support::yes();
+    if (stage == Stage::kBuild) {
+      result.plan =
+          std::make_unique<EditedBackwardPlan>(make_cpu_ref_engine()->plan(problem), edit_);
+    }
+    return result;
+  }
+
+ private:
+  BackwardEdit edit_;
+};
+
+// cpu_ref plus `factor` times that residue.
+EditedBackwardEngine residue_engine(double factor) {
+  return EditedBackwardEngine([factor](const Problem& p, const BackwardArgs& args) {
     const std::int64_t dim = p.head_dim_qk();
     const auto at = [](const TensorView& view, std::int64_t head, std::int64_t d) {
       return head * view.strides[2] + d * view.strides[3];  // bshd, batch 1, one token
@@ -166,7 +200,7 @@ class ResiduePlan final : public Plan {
       for (std::int64_t d = 0; d < p.head_dim_v(); ++d) {
         products += std::fabs(args.dout.load(at(args.dout, h, d)) * args.v.load(at(args.v, h, d)));
       }
-      const double residue = factor_ * 0x1p-23 * products * p.scale();
+      const double residue = factor * 0x1p-23 * products * p.scale();
       for (std::int64_t d = 0; d < dim; ++d) {
         args.dq.store(at(args.dq, h, d),
                       args.dq.load(at(args.dq, h, d)) + residue * args.k.load(at(args.k, h, d)));
@@ -174,32 +208,8 @@ class ResiduePlan final : public Plan {
                       args.dk.load(at(args.dk, h, d)) + residue * args.q.load(at(args.q, h, d)));
       }
     }
-  }
-
- private:
-  std::unique_ptr<Plan> inner_;
-  double factor_;
-};
-
-class ResidueEngine final : public Engine {
- public:
-  explicit ResidueEngine(double factor) : factor_(factor) {}
-  std::string_view name() const override { return "cpu_ref_with_residue"; }
-  Support available() const override { return Support::yes(); }
-
- protected:
-  Lowered lower(const Problem& problem, Stage stage) const override {
-    Lowered result;
-    result.support = Support::yes();
-    if (stage == Stage::kBuild) {
-      result.plan = std::make_unique<ResiduePlan>(make_cpu_ref_engine()->plan(problem), factor_);
-    }
-    return result;
-  }
-
- private:
-  double factor_;
-};
+  });
+}
 
 Case single_key_case(DType dtype, std::int64_t head_dim) {
   Case c;
@@ -219,11 +229,11 @@ TEST(Tolerance, ASingleKeysRoundingResiduePassesAndARealErrorFails) {
     for (const std::int64_t head_dim : {64, 128}) {
       SCOPED_TRACE(std::string(to_string(dtype)) + " d" + std::to_string(head_dim));
       const Case c = single_key_case(dtype, head_dim);
-      const Outcome exact = run_case(ResidueEngine(0.0), c);
+      const Outcome exact = run_case(residue_engine(0.0), c);
       EXPECT_EQ(exact.status, Status::kPass) << exact.reason;
-      const Outcome rounded = run_case(ResidueEngine(1.0), c);
+      const Outcome rounded = run_case(residue_engine(1.0), c);
       EXPECT_EQ(rounded.status, Status::kPass) << rounded.reason;
-      const Outcome wrong = run_case(ResidueEngine(1e4), c);
+      const Outcome wrong = run_case(residue_engine(1e4), c);
       EXPECT_EQ(wrong.status, Status::kFail);
       EXPECT_NE(wrong.reason.find("dq: error"), std::string::npos) << wrong.reason;
     }
@@ -233,46 +243,11 @@ TEST(Tolerance, ASingleKeysRoundingResiduePassesAndARealErrorFails) {
 // ---- the storage roundings behind D = rowsum(dO * O) -------------------------------------------
 
 // cpu_ref with one dK element replaced.
-class OneDkElementPlan final : public Plan {
- public:
-  OneDkElementPlan(std::unique_ptr<Plan> inner, std::int64_t element, double value)
-      : Plan(inner->info()), inner_(std::move(inner)), element_(element), value_(value) {}
-  const Problem& problem() const override { return inner_->problem(); }
-
- protected:
-  void run_forward(const ForwardArgs& args) const override { inner_->forward(args); }
-  void run_backward(const BackwardArgs& args) const override {
-    inner_->backward(args);
-    args.dk.store(element_, value_);
-  }
-
- private:
-  std::unique_ptr<Plan> inner_;
-  std::int64_t element_;
-  double value_;
-};
-
-class OneDkElementEngine final : public Engine {
- public:
-  OneDkElementEngine(std::int64_t element, double value) : element_(element), value_(value) {}
-  std::string_view name() const override { return "cpu_ref_with_one_dk_element"; }
-  Support available() const override { return Support::yes(); }
-
- protected:
-  Lowered lower(const Problem& problem, Stage stage) const override {
-    Lowered result;
-    result.support = Support::yes();
-    if (stage == Stage::kBuild) {
-      result.plan = std::make_unique<OneDkElementPlan>(make_cpu_ref_engine()->plan(problem),
-                                                       element_, value_);
-    }
-    return result;
-  }
-
- private:
-  std::int64_t element_;
-  double value_;
-};
+EditedBackwardEngine one_dk_element_engine(std::int64_t element, double value) {
+  return EditedBackwardEngine([element, value](const Problem&, const BackwardArgs& args) {
+    args.dk.store(element, value);
+  });
+}
 
 // fp16 softcap 30 under a causal mask: dK of key 3 (element 414: key 3, kv head 0, d 30) sums
 // terms of total size 171 to -0.2425. The cuda engine returns -0.236572 there: its forward rounds
@@ -290,9 +265,9 @@ TEST(Tolerance, ARoundingOrderOfOThatDsCancelsPassesAndAWrongGradientFails) {
     if (c.name == name) found = c;
   }
   ASSERT_TRUE(found.has_value()) << name;
-  const Outcome flash_order = run_case(OneDkElementEngine(kElement, -0.236572), *found);
+  const Outcome flash_order = run_case(one_dk_element_engine(kElement, -0.236572), *found);
   EXPECT_EQ(flash_order.status, Status::kPass) << flash_order.reason;
-  const Outcome wrong = run_case(OneDkElementEngine(kElement, 0.75 * -0.24246), *found);
+  const Outcome wrong = run_case(one_dk_element_engine(kElement, 0.75 * -0.24246), *found);
   EXPECT_EQ(wrong.status, Status::kFail);
   EXPECT_NE(wrong.reason.find("dk: error"), std::string::npos) << wrong.reason;
   EXPECT_NE(wrong.reason.find("at element 414"), std::string::npos) << wrong.reason;
