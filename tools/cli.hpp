@@ -105,7 +105,9 @@ Inputs make_inputs(const Problem& problem, Setup& setup, std::uint64_t seed,
                    const std::string& dout_file);
 
 // Runs the plan's forward (and backward when the problem wants it) `repeat` times, moving data to
-// and from the engine's device; the times are medians, taken with the device synchronised.
+// and from the engine's device, a workspace lent to each call; the times are per call: the median
+// on the CPU, the mean of calls enqueued back to back on a GPU (the device's time, as CUDA events
+// around back-to-back calls count it).
 Outputs run_plan(const Selection& selection, const Inputs& inputs, int repeat);
 
 // The float64 reference of the same problem on the CPU (cpu_ref on fp64 copies of the inputs).

@@ -1,5 +1,6 @@
 // `flexattn bench [problem flags] --engine NAME [--iters N] [--json]`: forward and (with
-// --backward) forward+backward medians of N runs after warm-up, in ms and GFLOP/s (FLOPs per
+// --backward) forward+backward times of N runs after warm-up (CPU engines: the median; GPU engines:
+// per run of N enqueued back to back, a workspace lent), in ms and GFLOP/s (FLOPs per
 // docs/design.md section 6), next to this machine's single-precision GEMM rate measured in the same
 // run (OpenBLAS sgemm of a fixed square size), so the number reads as a fraction of a ceiling.
 #include "cmd_bench.hpp"
@@ -57,7 +58,8 @@ void add_bench_command(CLI::App& app, ProblemFlags& problem, BenchFlags& flags) 
   CLI::App* bench = app.add_subcommand(
       "bench", "Time an engine on a problem: forward (and forward+backward with --backward)");
   add_problem_flags(*bench, problem);
-  bench->add_option("--iters", flags.iters, "timed runs (median; default 10)");
+  bench->add_option("--iters", flags.iters,
+                    "timed runs (CPU: median; GPU: back to back; default 10)");
   bench->add_option("--warmup", flags.warmup, "untimed runs first (default 2)");
   bench->add_flag("--json", flags.json, "print a machine-readable summary");
 }
@@ -120,8 +122,9 @@ int bench_command(const ProblemFlags& problem_flags, const BenchFlags& flags) {
   } else if (problem.device() == Device::kCpu) {
     fmt::print("sgemm: not measured (built without OpenBLAS)\n");
   }
-  fmt::print("median of {} after {} warm-up runs; kept fraction {:.3f}\n", flags.iters,
-             flags.warmup, kept);
+  fmt::print("{} of {} runs{} after {} warm-up runs; kept fraction {:.3f}\n",
+             problem.device() == Device::kCpu ? "median" : "mean", flags.iters,
+             problem.device() == Device::kCpu ? "" : " enqueued back to back", flags.warmup, kept);
   return 0;
 }
 

@@ -182,7 +182,8 @@ void add_run_command(CLI::App& app, ProblemFlags& problem, RunFlags& flags) {
                 "compare every output with cpu_ref in float64, per element within the conformance "
                 "tolerance; on a disagreement exit 4 and write no output file");
   run->add_flag("--json", flags.json, "print a machine-readable summary");
-  run->add_option("--repeat", flags.repeat, "runs to time (median; default 1)");
+  run->add_option("--repeat", flags.repeat,
+                  "runs to time (CPU: median; GPU: back to back; default 1)");
 }
 
 int run_command(const ProblemFlags& problem_flags, const RunFlags& flags) {
