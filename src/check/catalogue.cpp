@@ -233,9 +233,8 @@ std::vector<Case> non_finite_cases() {
       }
     }
     const Shape decode{4, 8, 2, 1, 300, 64, 64};
-    for (const auto& [modifier, mask] :
-         std::vector<std::pair<const char*, const char*>>{{"softcap30", "window"},
-                                                          {"alibi", "none"}}) {
+    for (const auto& [modifier, mask] : std::vector<std::pair<const char*, const char*>>{
+             {"softcap30", "window"}, {"alibi", "none"}}) {
       for (Planted planted : {Planted::kNanValue, Planted::kInfKey, Planted::kNanQuery}) {
         Case c = paged_case(decode, Layout::kBSHD, dtype, modifier, mask, 16);
         c.planted = planted;
@@ -325,10 +324,11 @@ std::vector<Case> cases(Tier tier) {
     }
   }
   // 5. A paged KV cache: decoding (one or two new tokens per sequence, GQA up to 8:1) and chunked
-  //    prefill (ragged thd chunks), page sizes 1, 16 and 64, lengths from the query count to the
-  //    capacity and an empty slot, in every storage dtype; long caches whose keys are split.
+  //    prefill (ragged thd chunks; 40-token chunks at GQA 4:1, 160 packed rows per kv head, which
+  //    the cuda engine takes 64 at a time), page sizes 1, 16 and 64, lengths from the query count
+  //    to the capacity and an empty slot, in every storage dtype; long caches whose keys are split.
   const Shape decode{4, 8, 1, 1, 300, 64, 64}, decode2{4, 4, 2, 2, 129, 128, 128};
-  const Shape prefill{3, 4, 4, 37, 200, 64, 64};
+  const Shape prefill{3, 4, 4, 37, 200, 64, 64}, prefill_gqa{2, 8, 2, 40, 700, 128, 128};
   const std::vector<std::pair<std::string, std::string>> paged_mods =
       tier == Tier::kQuick
           ? std::vector<std::pair<std::string, std::string>>{{"softcap30", "causal"},
@@ -346,6 +346,7 @@ std::vector<Case> cases(Tier tier) {
       result.push_back(paged_case(prefill, Layout::kTHD, dtype, modifier, mask, 64));
     }
     result.push_back(paged_case(decode2, Layout::kBSHD, DType::kBF16, modifier, mask, 1));
+    result.push_back(paged_case(prefill_gqa, Layout::kBSHD, DType::kBF16, modifier, mask, 16));
   }
   // Caches long enough that the cpu engine splits their keys (2048 per split): a full one, a
   // half-full one, a one-token one and an empty slot; a window leaves the first splits empty.

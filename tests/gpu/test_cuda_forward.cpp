@@ -278,22 +278,24 @@ ProblemDesc small_desc(const std::string& score_mod) {
   return desc;
 }
 
-// ---- paged KV cache ------------------------------------------------------------------------------
+// ---- paged KV cache
+// ------------------------------------------------------------------------------
 
-// One decoding step of three sequences against a cache of 8 pages of 16 tokens (capacity 64):
-// the same pool and query, run with page tables that place sequence 0's pages in order and
-// scrambled, give the same bits (the kernel's arithmetic depends on positions, not pages); a used
-// page id outside the pool (sequence 1) and a length past the capacity (sequence 2) give NaN rows
-// without reading past the pool, and leave sequence 0's rows alone.
-// In bf16 on tensor cores and in fp32 on the fp32 units (the two paged-cache kernels).
-void check_paged_cache_tables(DType dtype) {
+// One decoding step (or a chunk of `tokens` new tokens) of three sequences against a cache of 8
+// pages of 16 tokens (capacity 64): the same pool and query, run with page tables that place
+// sequence 0's pages in order and scrambled, give the same bits (the kernel's arithmetic depends
+// on positions, not pages); a used page id outside the pool (sequence 1) and a length past the
+// capacity (sequence 2) give NaN rows without reading past the pool, and leave sequence 0's rows
+// alone. In bf16 on tensor cores and in fp32 on the fp32 units (the two paged-cache kernels);
+// 16 new tokens at GQA 4:1 make 64 packed rows, the tensor-core kernel's chunked-prefill blocks.
+void check_paged_cache_tables(DType dtype, std::int64_t tokens, std::int64_t heads_q) {
   const std::shared_ptr<const Engine> owner = device_engine();  // outlives its memory and plan
   const Engine& engine = *owner;
   ProblemDesc desc;
   desc.batch = 3;
-  desc.heads_q = 4;
+  desc.heads_q = heads_q;
   desc.heads_kv = 2;
-  desc.seq_len_q = 1;
+  desc.seq_len_q = tokens;
   desc.head_dim_qk = 64;
   desc.dtype = dtype;
   desc.device = Device::kCuda;
@@ -312,6 +314,9 @@ void check_paged_cache_tables(DType dtype) {
   const std::unique_ptr<Plan> plan = engine.plan(problem);
   EXPECT_NE(plan->info().description.find(dtype == DType::kF32 ? "fp32 units" : "tensor cores"),
             std::string::npos)
+      << plan->info().description;
+  const bool prefill = dtype != DType::kF32 && tokens * heads_q / desc.heads_kv >= 64;
+  EXPECT_EQ(plan->info().description.find("chunked prefill") != std::string::npos, prefill)
       << plan->info().description;
   // One run on pools `k_pool` and `v_pool` with the given page table (3 x 4) and lengths.
   const auto run = [&](const DeviceTensor& k_pool, const DeviceTensor& v_pool,
@@ -343,7 +348,7 @@ void check_paged_cache_tables(DType dtype) {
   // Copy pages 0, 1, 2 to 5, 2, 7 in the host pool, through a second pool on the device.
   HostTensor moved = k.to(dtype);
   HostTensor moved_v = v.to(dtype);
-  const std::int64_t page_values = 16 * 2 * 64;
+  const std::int64_t page_values = 16 * desc.heads_kv * 64;
   for (const auto& [from, to] : std::vector<std::pair<int, int>>{{2, 7}, {1, 2}, {0, 5}}) {
     for (std::int64_t e = 0; e < page_values; ++e) {
       moved.set(to * page_values + e, k.at(from * page_values + e));
@@ -355,23 +360,27 @@ void check_paged_cache_tables(DType dtype) {
       run(dk_moved, dv_moved, {5, 2, 7, -1, 3, 99, -1, -1, 6, -1, -1, -1}, {40, 20, 70});
   const HostTensor& o = scrambled.out;
   const HostTensor& l = scrambled.lse;
-  // o: (batch 3, 1 token, 4 heads, 64); lse: (3, 4, 1).
+  // o: (batch 3, tokens, heads, 64); lse: (3, heads, tokens).
   for (std::int64_t b = 0; b < 3; ++b) {
-    for (std::int64_t h = 0; h < 4; ++h) {
-      const double lse_value = l.at(b * 4 + h);
-      if (b == 0) {
-        EXPECT_TRUE(std::isfinite(lse_value)) << "head " << h;
-        EXPECT_EQ(lse_value, ordered.lse.at(b * 4 + h)) << "head " << h;
-      } else {
-        EXPECT_TRUE(std::isnan(lse_value)) << "sequence " << b << " head " << h;
-        EXPECT_TRUE(std::isfinite(ordered.lse.at(b * 4 + h))) << "sequence " << b << " head " << h;
-      }
-      for (std::int64_t d = 0; d < 64; ++d) {
-        const std::int64_t at = (b * 4 + h) * 64 + d;
+    for (std::int64_t t = 0; t < tokens; ++t) {
+      for (std::int64_t h = 0; h < heads_q; ++h) {
+        SCOPED_TRACE(fmt::format("sequence {} token {} head {}", b, t, h));
+        const std::int64_t row = (b * heads_q + h) * tokens + t;
+        const double lse_value = l.at(row);
         if (b == 0) {
-          EXPECT_EQ(o.at(at), ordered.out.at(at)) << "head " << h << " column " << d;
+          EXPECT_TRUE(std::isfinite(lse_value));
+          EXPECT_EQ(lse_value, ordered.lse.at(row));
         } else {
-          EXPECT_TRUE(std::isnan(o.at(at))) << "sequence " << b << " head " << h;
+          EXPECT_TRUE(std::isnan(lse_value));
+          EXPECT_TRUE(std::isfinite(ordered.lse.at(row)));
+        }
+        for (std::int64_t d = 0; d < 64; ++d) {
+          const std::int64_t at = ((b * tokens + t) * heads_q + h) * 64 + d;
+          if (b == 0) {
+            EXPECT_EQ(o.at(at), ordered.out.at(at)) << "column " << d;
+          } else {
+            EXPECT_TRUE(std::isnan(o.at(at))) << "column " << d;
+          }
         }
       }
     }
@@ -382,7 +391,9 @@ TEST(CudaPagedCache, PagesDoNotChangeBitsAndInvalidTablesGiveNanRows) {
   SKIP_WITHOUT_DEVICE();
   for (const DType dtype : {DType::kBF16, DType::kF32}) {
     SCOPED_TRACE(to_string(dtype));
-    check_paged_cache_tables(dtype);
+    check_paged_cache_tables(dtype, 1, 4);
+    SCOPED_TRACE("chunked prefill: 16 new tokens, GQA 4:1");
+    check_paged_cache_tables(dtype, 16, 8);
   }
 }
 

@@ -319,9 +319,11 @@ TEST(CudaBackwardCompile, GeneratedBackwardTranslationUnitsCompile) {
 // The non-finite repair module the cudnn engine runs after its graphs (repair.hpp): forward and
 // backward, every catalogue case of the shared list; its Modifier is proven equal to the request
 // as the engine's own sources are (a changed function is refused), and it compiles for sm_90.
-// A paged-cache problem (forward only) of make_problem's modifiers: decoding (one new token, bshd)
-// or chunked prefill (thd, sequences of 5 and 3 new tokens), capacity 512 in pages of 16.
-Problem make_cache_problem(const GeneratedCase& c, std::int64_t heads_q, std::int64_t heads_kv) {
+// A paged-cache problem (forward only) of make_problem's modifiers: `tokens` new tokens per
+// sequence (bshd; one: decoding) or chunked prefill (thd, sequences of `tokens` + 4 and 3 new
+// tokens), capacity 512 in pages of 16.
+Problem make_cache_problem(const GeneratedCase& c, std::int64_t heads_q, std::int64_t heads_kv,
+                           std::int64_t tokens = 1) {
   ProblemDesc desc;
   desc.batch = 2;
   desc.heads_q = heads_q;
@@ -333,9 +335,9 @@ Problem make_cache_problem(const GeneratedCase& c, std::int64_t heads_q, std::in
   desc.device = Device::kCuda;
   desc.tensors = c.tensors;
   desc.params = c.params;
-  desc.seq_len_q = 1;
+  desc.seq_len_q = tokens;
   if (c.layout == Layout::kTHD) {
-    desc.cu_seqlens_q = {0, 5, 8};
+    desc.cu_seqlens_q = {0, tokens + 4, tokens + 7};
     desc.seq_len_q = 0;
   }
   desc.kv_cache = KvCacheDesc{64, 16, 32};
@@ -346,7 +348,8 @@ Problem make_cache_problem(const GeneratedCase& c, std::int64_t heads_q, std::in
 
 // The paged-cache module (kernels/decode.cuh): the decode kernel and its split combination. On
 // tensor cores (bf16/fp16, head dims multiples of 8, 16-byte pool strides): 16 packed rows per
-// block; else on the fp32 units, rows per block from the GQA group and the new tokens, 16-byte
+// block, 64 for chunked prefill (at least 64 packed rows per sequence and kv head, head dims up
+// to 128); else on the fp32 units, rows per block from the GQA group and the new tokens, 16-byte
 // loads where the head dim allows. The plan proof holds for its Modifier and NVRTC compiles it
 // for sm_90. A cache problem is never given a training kernel.
 TEST(CudaDecodeCompile, PagedCacheTranslationUnitsAreProvenAndCompile) {
@@ -359,24 +362,116 @@ TEST(CudaDecodeCompile, PagedCacheTranslationUnitsAreProvenAndCompile) {
     int rows;
     bool vector;
     bool tensor_cores;
+    std::int64_t tokens = 1;
   };
   const std::vector<DecodeCase> cases = {
-      {{"decode_bf16_d128_softcap_window", DType::kBF16, 128, 128, "30 * tanh(score / 30)",
-        "q - kv < 256", {}, {}, Layout::kBSHD, {}},
-       8, 2, 16, true, true},
-      {{"decode_bf16_d64_alibi_head_thd", DType::kBF16, 64, 64,
-        "score - exp2(-8.0 * (h + 1) / 8) * abs(q - kv)", "q >= kv", {}, {}, Layout::kTHD, {}},
-       8, 1, 16, true, true},
-      {{"decode_f32_d64_alibi_thd", DType::kF32, 64, 64, "score + slopes[h] * (kv - q)", "q >= kv",
-        {{"slopes", slopes}}, {}, Layout::kTHD, {}},
-       8, 8, 8, true, false},
-      {{"decode_f16_d80_v72", DType::kF16, 80, 72, "", "", {}, {}, Layout::kBSHD, {}}, 2, 1, 16,
-       true, true},
-      {{"decode_bf16_d36", DType::kBF16, 36, 36, "", "q >= kv", {}, {}, Layout::kBSHD, {}}, 1, 1,
-       1, false, false}};
+      {{"decode_bf16_d128_softcap_window",
+        DType::kBF16,
+        128,
+        128,
+        "30 * tanh(score / 30)",
+        "q - kv < 256",
+        {},
+        {},
+        Layout::kBSHD,
+        {}},
+       8,
+       2,
+       16,
+       true,
+       true},
+      {{"decode_bf16_d64_alibi_head_thd",
+        DType::kBF16,
+        64,
+        64,
+        "score - exp2(-8.0 * (h + 1) / 8) * abs(q - kv)",
+        "q >= kv",
+        {},
+        {},
+        Layout::kTHD,
+        {}},
+       8,
+       1,
+       16,
+       true,
+       true},
+      {{"decode_f32_d64_alibi_thd",
+        DType::kF32,
+        64,
+        64,
+        "score + slopes[h] * (kv - q)",
+        "q >= kv",
+        {{"slopes", slopes}},
+        {},
+        Layout::kTHD,
+        {}},
+       8,
+       8,
+       8,
+       true,
+       false},
+      {{"decode_f16_d80_v72", DType::kF16, 80, 72, "", "", {}, {}, Layout::kBSHD, {}},
+       2,
+       1,
+       16,
+       true,
+       true},
+      {{"decode_bf16_d36", DType::kBF16, 36, 36, "", "q >= kv", {}, {}, Layout::kBSHD, {}},
+       1,
+       1,
+       1,
+       false,
+       false},
+      {{"prefill_bf16_d128_softcap_causal",
+        DType::kBF16,
+        128,
+        128,
+        "30 * tanh(score / 30)",
+        "q >= kv",
+        {},
+        {},
+        Layout::kBSHD,
+        {}},
+       8,
+       2,
+       64,
+       true,
+       true,
+       16},
+      {{"prefill_f16_d64_alibi_head_window_thd",
+        DType::kF16,
+        64,
+        64,
+        "score - exp2(-8.0 * (h + 1) / 8) * abs(q - kv)",
+        "q >= kv && q - kv < 100",
+        {},
+        {},
+        Layout::kTHD,
+        {}},
+       4,
+       4,
+       64,
+       true,
+       true,
+       60},
+      {{"prefill_bf16_d80_v72", DType::kBF16, 80, 72, "", "", {}, {}, Layout::kBSHD, {}},
+       2,
+       1,
+       64,
+       true,
+       true,
+       40},
+      // Head dim 256 keeps 16 rows per block (64 would not leave registers for the rows).
+      {{"prefill_bf16_d256", DType::kBF16, 256, 256, "", "q >= kv", {}, {}, Layout::kBSHD, {}},
+       2,
+       1,
+       16,
+       true,
+       true,
+       64}};
   for (const DecodeCase& d : cases) {
     SCOPED_TRACE(d.c.name);
-    const Problem problem = make_cache_problem(d.c, d.heads_q, d.heads_kv);
+    const Problem problem = make_cache_problem(d.c, d.heads_q, d.heads_kv, d.tokens);
     const cuda::KernelSelection selection = cuda::choose_kernel(problem, kCapability);
     ASSERT_TRUE(selection.reason.empty()) << selection.reason;
     ASSERT_EQ(selection.choice.kind, cuda::KernelKind::kDecode);
@@ -392,6 +487,11 @@ TEST(CudaDecodeCompile, PagedCacheTranslationUnitsAreProvenAndCompile) {
               std::string::npos);
     EXPECT_NE(source.find(d.tensor_cores ? "DecodeMmaConfig<" : "DecodeConfig<"),
               std::string::npos);
+    // 64-row blocks name their row count (the 16-row default keeps its type, and cache key).
+    const std::size_t config = source.find("using FlexattnConfig = ");
+    ASSERT_NE(config, std::string::npos);
+    const std::string line = source.substr(config, source.find('\n', config) - config);
+    EXPECT_EQ(line.ends_with(", 64>;"), d.rows == 64) << line;
     EXPECT_NE(source.find(fmt::format("void __launch_bounds__(flexattn_kernels::"
                                       "kDecodeCombineThreads) {}(",
                                       cuda::kDecodeCombineName)),

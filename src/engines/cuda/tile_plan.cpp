@@ -40,6 +40,13 @@ constexpr int kDecodeMmaRows = 16;
 constexpr int kDecodeMmaBlockN = 64;
 constexpr int kDecodeRingBytes = 96 * 1024;
 constexpr int kDecodeFallbackRows = 8;
+// Chunked prefill on the same kernel: with at least kPrefillRows packed rows per sequence and kv
+// head (the GQA group times the new tokens) and head dims up to kPrefillMaxDim, each block takes
+// kPrefillRows rows, a warp's 16 rows against whole tiles (DecodeMmaConfig::kRowSplit), so each
+// tile it loads serves four times the rows. Its ring has the bytes the 16-row kernel's Q and ring
+// take together, so two blocks still share a multiprocessor at head dim 128.
+constexpr int kPrefillRows = 64;
+constexpr int kPrefillMaxDim = 128;
 // The fp32 kernel's rows per classified block: 4 of its blocks share one class row.
 constexpr int kSimtClassBlockQ = 64;
 // wgmma (kernels/forward_wgmma.cuh): two warpgroups of 64 rows; 128-key tiles (each S = Q K^T is
@@ -221,10 +228,11 @@ KernelChoice simt_choice(const Problem& problem) {
 }
 
 // The paged-cache kernels (kernels/decode.cuh). On tensor cores (DecodeMmaConfig: bf16/fp16, head
-// dims multiples of 8, pool strides whole 16-byte chunks): 16 packed query rows per block, tiles
-// of 64 keys in a ring of kDecodeRingBytes / tile bytes stages (2 to 4: at head dim 128, three
-// stages and two blocks per multiprocessor); its shared memory also holds the fp32 kernel that
-// recomputes a block with non-finite rows. Else on the fp32 units (DecodeConfig): block_m query
+// dims multiples of 8, pool strides whole 16-byte chunks): 16 packed query rows per block (64 for
+// chunked prefill, kPrefillRows), tiles of 64 keys in a ring of about kDecodeRingBytes / tile
+// bytes stages (2 to 4: at head dim 128, three stages for decoding and two for prefill, two
+// blocks per multiprocessor); its shared memory also holds the fp32 kernel that recomputes a
+// block with non-finite rows. Else on the fp32 units (DecodeConfig): block_m query
 // rows per block (the GQA group times the new tokens, a power of two up to 8), 4 warps over
 // chunks of 32 keys.
 KernelChoice decode_choice(const Problem& problem) {
@@ -264,18 +272,22 @@ KernelChoice decode_choice(const Problem& problem) {
   if (sixteen_bit && vector && c.head_dim_qk % kChunkElements == 0 &&
       c.head_dim_v % kChunkElements == 0) {
     c.tensor_cores = true;
-    c.block_m = kDecodeMmaRows;
     c.block_n = kDecodeMmaBlockN;
     c.padded_qk = (c.head_dim_qk + 63) / 64 * 64;
     c.padded_v = (c.head_dim_v + 63) / 64 * 64;
+    const bool prefill =
+        rows >= kPrefillRows && std::max(c.padded_qk, c.padded_v) <= kPrefillMaxDim;
+    c.block_m = prefill ? kPrefillRows : kDecodeMmaRows;
     const int tile_bytes = kDecodeMmaBlockN * (c.padded_qk + c.padded_v) * 2;
-    c.stages = std::clamp(kDecodeRingBytes / tile_bytes, 2, 4);
-    const int q_bytes = kDecodeMmaRows * c.padded_qk * 2;
+    const int q_bytes = c.block_m * c.padded_qk * 2;
+    const int ring_bytes = kDecodeRingBytes + kDecodeMmaRows * c.padded_qk * 2 - q_bytes;
+    c.stages = std::clamp(ring_bytes / tile_bytes, 2, 4);
     const int steps_v = (c.head_dim_v + 15) / 16;
+    const int merge_warps = prefill ? 1 : c.warps;  // DecodeMmaConfig::kMergeWarps
     const int merge_bytes =
-        c.warps * kDecodeMmaRows * (2 * steps_v * 8 + 2) * static_cast<int>(sizeof(float));
-    c.shared_bytes = std::max({q_bytes + c.stages * tile_bytes, q_bytes + merge_bytes,
-                               simt_bytes(kDecodeFallbackRows)});
+        merge_warps * c.block_m * (2 * steps_v * 8 + 2) * static_cast<int>(sizeof(float));
+    c.shared_bytes = std::max(
+        {q_bytes + c.stages * tile_bytes, q_bytes + merge_bytes, simt_bytes(kDecodeFallbackRows)});
   }
   return c;
 }
@@ -428,8 +440,10 @@ std::string KernelChoice::config_type() const {
                        shared_bytes, tail);
   }
   if (kind == KernelKind::kDecode && tensor_cores) {
-    return fmt::format("flexattn_kernels::DecodeMmaConfig<{}, {}, {}, {}, {}, {}>",
-                       element_tag(dtype), head_dim_qk, head_dim_v, padded_qk, padded_v, stages);
+    // The row count only where it is not the default 16, so decoding keeps its cache keys.
+    return fmt::format("flexattn_kernels::DecodeMmaConfig<{}, {}, {}, {}, {}, {}{}>",
+                       element_tag(dtype), head_dim_qk, head_dim_v, padded_qk, padded_v, stages,
+                       block_m != kDecodeMmaRows ? fmt::format(", {}", block_m) : "");
   }
   if (kind == KernelKind::kDecode) {
     return fmt::format("flexattn_kernels::DecodeConfig<{}, {}, {}, {}, {}>", element_tag(dtype),
@@ -482,11 +496,13 @@ std::string KernelChoice::describe() const {
   }
   if (kind == KernelKind::kDecode && tensor_cores) {
     return fmt::format(
-        "paged-cache decoding on tensor cores (mma.sync) {}, {} packed query rows per block, "
-        "{}-key tiles, {} stages, {} warps, head dims {} (padded {}) and {} (padded {}), {} KB "
-        "shared",
-        to_string(dtype), block_m, block_n, stages, warps, head_dim_qk, padded_qk, head_dim_v,
-        padded_v, shared_bytes / 1024);
+        "paged-cache {} on tensor cores (mma.sync) {}, {} packed query rows per block, "
+        "{}-key tiles, {} stages, {} warps ({}), head dims {} (padded {}) and {} (padded {}), {} "
+        "KB shared",
+        block_m > kDecodeMmaRows ? "chunked prefill" : "decoding", to_string(dtype), block_m,
+        block_n, stages, warps,
+        block_m > kDecodeMmaRows ? "16 rows each, whole tiles" : "16 keys of each tile each",
+        head_dim_qk, padded_qk, head_dim_v, padded_v, shared_bytes / 1024);
   }
   if (kind == KernelKind::kDecode) {
     return fmt::format(

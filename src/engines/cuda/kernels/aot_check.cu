@@ -394,3 +394,17 @@ FLEXATTN_AOT_DECODE_MMA(aot_decode_mma_bf16_d80_v72, CausalSoftcapModifier, BFlo
                         128, 128, 3)
 FLEXATTN_AOT_DECODE_MMA(aot_decode_mma_bf16_d256, IdentityModifier, BFloat16Tag, 256, 256, 256,
                         256, 2)
+
+// Chunked prefill on the same kernel (64 rows per block, a warp's 16 rows against whole tiles):
+// the stage counts decode_choice picks (head dim 128: 2; 64: 4).
+#define FLEXATTN_AOT_PREFILL_MMA(name, modifier, tag, qk, v, padded_qk, padded_v, stages)        \
+  using name##_config =                                                                        \
+      flexattn_kernels::DecodeMmaConfig<tag, qk, v, padded_qk, padded_v, stages, 64>;         \
+  extern "C" __global__ void __launch_bounds__(name##_config::kThreads)                        \
+      name(const flexattn_kernels::DecodeParams params) {                                      \
+    flexattn_kernels::forward_decode_mma<name##_config, modifier>(params);                     \
+  }
+
+FLEXATTN_AOT_PREFILL_MMA(aot_prefill_mma_bf16_d128_softcap, CausalSoftcapModifier, BFloat16Tag,
+                         128, 128, 128, 128, 2)
+FLEXATTN_AOT_PREFILL_MMA(aot_prefill_mma_f16_d64, IdentityModifier, HalfTag, 64, 64, 64, 64, 4)

@@ -516,22 +516,25 @@ __device__ __forceinline__ void forward_decode(const DecodeParams& d) {
 
 // ---- the tensor-core variant (bf16/fp16, head dims multiples of 8) ------------------------------
 //
-// The block's kRows = 16 query rows (the GQA group's heads times the new tokens, packed into the
-// M dimension of mma.sync m16n8k16, rows past the sequence's zero) against one split's keys in
+// The block's kRows query rows (the GQA group's heads times the new tokens, packed into the M
+// dimension of mma.sync m16n8k16, rows past the sequence's zero) against one split's keys in
 // tiles of kBlockN = 64: all threads copy a tile's K and V rows through the page table into a
 // ring of kStages shared-memory buffers (cp.async, 16 bytes a copy, the ring kStages - 1 tiles
-// ahead), and warp w takes keys 16 w .. 16 w + 15 of each tile:
+// ahead). Decoding (kRows = 16): warp w takes keys 16 w .. 16 w + 15 of each tile for all 16
+// rows; chunked prefill (kRows = 64): warp w takes rows 16 w .. 16 w + 15 with all of the tile's
+// keys, so one tile load serves four times the rows. Each warp:
 //   S = Q K^T (Q's fragments kept in registers), the logits (scale, score_mod, mask, key bounds)
 //   per row with its own head's invariants, an online softmax per warp, O += P V.
 // With a mask, each pass over up to kListCapacity tiles first lists the tiles where the mask keeps
 // some element of the block's rows (list_kept_tiles), and only those are loaded: a sliding
-// window reads its window, not the cache. The warps' rows are merged through shared memory as
-// in the fp32 kernel. The products multiply
-// a removed key's weight 0 by its value, so a NaN or inf value at a masked position would poison
-// the rows; a block whose finite-input rows come out non-finite is computed again by the fp32
-// kernel (Fallback), which skips removed positions (docs/design.md, non-finite values).
+// window reads its window, not the cache, and a causal chunk stops at its last position. The
+// warps' rows are merged through shared memory (decoding: the four key ranges of each row, as in
+// the fp32 kernel). The products multiply a removed key's weight 0 by its value, so a NaN or inf
+// value at a masked position would poison the rows; a block whose finite-input rows come out
+// non-finite is computed again by the fp32 kernel (Fallback), which skips removed positions
+// (docs/design.md, non-finite values).
 template <class ElementTag, int kHeadDimQk_, int kHeadDimV_, int kPaddedQk_, int kPaddedV_,
-          int kStages_>
+          int kStages_, int kRows_ = 16>
 struct DecodeMmaConfig {
   using Tag = ElementTag;
   static constexpr int kHeadDimQk = kHeadDimQk_;
@@ -539,9 +542,15 @@ struct DecodeMmaConfig {
   static constexpr int kWarps = 4;
   static constexpr int kThreads = kWarps * kWarpSize;
   static constexpr int kMinBlocks = 1;
-  static constexpr int kRows = 16;
+  static constexpr int kRows = kRows_;
   static constexpr int kBlockN = 64;
-  static constexpr int kWarpKeys = kBlockN / kWarps;  // one 16-key mma step per warp
+  // 16 rows (decoding): the warps share them and split each tile's keys, 16 each (one mma step),
+  // and their rows are merged at the end. 64 rows (chunked prefill, many new tokens): warp w
+  // owns rows 16 w .. 16 w + 15 and multiplies them with all of a tile's keys; nothing to merge.
+  static constexpr bool kRowSplit = kRows > 16;
+  static constexpr int kWarpKeys = kRowSplit ? kBlockN : kBlockN / kWarps;
+  static constexpr int kScoreTiles = kWarpKeys / 8;  // 8-key accumulator tiles per warp
+  static constexpr int kMergeWarps = kRowSplit ? 1 : kWarps;  // warps holding a part of a row
   static constexpr int kListCapacity = 512;  // tiles per pass of the kept-tile list
   static constexpr int kStages = kStages_;
   static constexpr int kChunksQk = kPaddedQk_ / kChunkElements;
@@ -556,10 +565,10 @@ struct DecodeMmaConfig {
   static constexpr int kQBytes = kRows * kChunksQk * kChunkBytes;
   static constexpr int kKBytes = kBlockN * kChunksQk * kChunkBytes;
   static constexpr int kVBytes = kBlockN * kChunksV * kChunkBytes;
-  // The merge: each warp's 16 rows (max, sum, then the padded output columns).
+  // The merge: each warp's part of the rows (max, sum, then the padded output columns).
   static constexpr int kMergeRowFloats = 2 * kStepsV * 8 + 2;
   static constexpr int kMergeBytes =
-      kWarps * kRows * kMergeRowFloats * static_cast<int>(sizeof(float));
+      kMergeWarps * kRows * kMergeRowFloats * static_cast<int>(sizeof(float));
   static constexpr int kLoopBytes = kQBytes + kStages * (kKBytes + kVBytes);
   using Fallback = DecodeConfig<Tag, kHeadDimQk, kHeadDimV, 8, true>;
   static constexpr int kOwnBytes =
@@ -571,6 +580,7 @@ struct DecodeMmaConfig {
                 "head dims of the tensor-core decode kernel are multiples of 8");
   static_assert(kPaddedQk_ % 64 == 0 && kPaddedV_ % 64 == 0, "padded dims are multiples of 64");
   static_assert(kStages >= 2, "at least double buffering");
+  static_assert(kRows == 16 || kRows == kWarps * 16, "16 shared rows, or 16 rows per warp");
 };
 
 namespace decode_detail {
@@ -620,8 +630,9 @@ __device__ __forceinline__ void load_paged_tile_async(const DecodeParams& d, int
 
 // With a mask: lists the tiles of [first, first + count kBlockN) (keys before `end`) where the
 // mask keeps some element of the block's rows, in key order (indices from first's tile) in
-// `list`, and returns how many. One warp per tile, lane l evaluating row l % 16 over half the
-// tile's keys (stopping at the first kept one); warp 0 compacts the flags in order with ballots.
+// `list`, and returns how many. One warp per tile, lane l evaluating rows l % 16 (+ 16, ...) over
+// half the tile's keys (stopping at the first kept one); warp 0 compacts the flags in order with
+// ballots.
 // The mask sees only positions inside the sequence. Ends with a barrier.
 template <class Config, class Modifier>
 __device__ __forceinline__ int list_kept_tiles(const ForwardParams& p,
@@ -631,21 +642,32 @@ __device__ __forceinline__ int list_kept_tiles(const ForwardParams& p,
   __shared__ unsigned char kept[Config::kListCapacity];
   __shared__ int listed;
   constexpr int kHalf = Config::kBlockN / 2;
+  constexpr int kRowGroups = Config::kRows / 16;
   const int thread = static_cast<int>(threadIdx.x);
   const int warp = thread / kWarpSize;
   const int lane = thread % kWarpSize;
-  const int row = row_first + lane % Config::kRows;
-  const int clamped = ir_min(row, sequence.rows_total - 1);
-  const Coordinates at{sequence.batch, sequence.head(clamped), sequence.q_len, sequence.cache_len};
-  const typename Modifier::Invariants invariants = Modifier::prepare(p, at);
-  const int q = sequence.position(clamped);
+  int row[kRowGroups];
+  int q[kRowGroups];
+  Coordinates at[kRowGroups];
+  typename Modifier::Invariants invariants[kRowGroups];
+#pragma unroll
+  for (int i = 0; i < kRowGroups; ++i) {
+    row[i] = row_first + lane % 16 + 16 * i;
+    const int clamped = ir_min(row[i], sequence.rows_total - 1);
+    at[i] = Coordinates{sequence.batch, sequence.head(clamped), sequence.q_len, sequence.cache_len};
+    invariants[i] = Modifier::prepare(p, at[i]);
+    q[i] = sequence.position(clamped);
+  }
   for (int t = warp; t < count; t += Config::kWarps) {
-    const int key0 = first + t * Config::kBlockN + (lane / Config::kRows) * kHalf;
+    const int key0 = first + t * Config::kBlockN + (lane / 16) * kHalf;
     bool keep = false;
-    if (row < sequence.rows_total) {
-      for (int j = 0; j < kHalf && !keep; ++j) {
-        const int kv = key0 + j;
-        keep = kv < end && Modifier::mask_mod(invariants, p, at, q, kv);
+#pragma unroll
+    for (int i = 0; i < kRowGroups; ++i) {
+      if (row[i] < sequence.rows_total) {
+        for (int j = 0; j < kHalf && !keep; ++j) {
+          const int kv = key0 + j;
+          keep = kv < end && Modifier::mask_mod(invariants[i], p, at[i], q[i], kv);
+        }
       }
     }
     const bool any = __any_sync(0xffffffffu, keep) != 0;
@@ -670,18 +692,18 @@ __device__ __forceinline__ int list_kept_tiles(const ForwardParams& p,
 }
 
 // The end of a forward_decode_mma block: each warp's rows (max in log2 units, sum, output
-// columns) go through the shared memory past the Q tile (the stages, which every warp is done
-// with), are merged over the warps, then stored as the split's partial rows or as O and LSE. A row
-// that comes out non-finite sends the whole block again through the fp32 kernel, which skips
-// removed positions.
+// columns; the warp's rows start at row_offset of the block's) go through the shared memory past
+// the Q tile (the stages, which every warp is done with), are merged over the warps that hold a
+// part of them, then stored as the split's partial rows or as O and LSE. A row that comes out
+// non-finite sends the whole block again through the fp32 kernel, which skips removed positions.
 template <class Config, class Modifier>
 __device__ __forceinline__ void merge_and_store_rows(
     const DecodeParams& d, const DecodeSequence& sequence, unsigned char* shared, int row_first,
-    int split, bool poisoned, const float (&output)[1][Config::kOutputTiles][4],
+    int row_offset, int split, bool poisoned, const float (&output)[1][Config::kOutputTiles][4],
     const float (&row_max)[1][2], const float (&row_sum)[1][2]) {
   using Tag = typename Config::Tag;
   constexpr int kRows = Config::kRows;
-  constexpr int kWarps = Config::kWarps;
+  constexpr int kWarps = Config::kMergeWarps;
   constexpr int kThreads = Config::kThreads;
   constexpr int kDimV = Config::kHeadDimV;
   constexpr int kOutputTiles = Config::kOutputTiles;
@@ -697,7 +719,8 @@ __device__ __forceinline__ void merge_and_store_rows(
   float* merge = reinterpret_cast<float*>(shared + Config::kQBytes);
 #pragma unroll
   for (int half = 0; half < 2; ++half) {
-    float* slot = merge + (warp * kRows + group_row + 8 * half) * kRowFloats;
+    const int part = Config::kRowSplit ? 0 : warp;
+    float* slot = merge + (part * kRows + row_offset + group_row + 8 * half) * kRowFloats;
     const float sum = quad_sum(row_sum[0][half]);
     if (quad_lane == 0) {
       slot[0] = row_max[0][half] * Modifier::kForwardToLog2;  // -inf stays -inf
@@ -710,7 +733,8 @@ __device__ __forceinline__ void merge_and_store_rows(
     }
   }
   __syncthreads();
-  // Row r = thread / 8 of the block, columns thread % 8, + 8, ...: merged, then stored.
+  // Row r = thread / kLanesPerRow of the block, columns thread % kLanesPerRow, + kLanesPerRow,
+  // ...: merged, then stored.
   constexpr int kLanesPerRow = kThreads / kRows;
   constexpr int kColumns = (kDimV + kLanesPerRow - 1) / kLanesPerRow;
   const int r = thread / kLanesPerRow;
@@ -746,9 +770,22 @@ __device__ __forceinline__ void merge_and_store_rows(
   }
   // A non-finite row: the whole block again on the fp32 units, which skip removed positions.
   if (barrier_any<-1>(bad, kThreads)) {
-    forward_decode_rows<typename Config::Fallback, Modifier>(d, row_first, split);
-    __syncthreads();
-    forward_decode_rows<typename Config::Fallback, Modifier>(d, row_first + 8, split);
+    constexpr int kFallbackRows = Config::Fallback::kRows;
+    static_assert(kRows % kFallbackRows == 0, "the fp32 kernel's blocks tile the rows");
+    if constexpr (kRows == 2 * kFallbackRows) {
+      // Decoding's two calls written out: as the loop below, the 16-row kernel took 255
+      // registers and spilled at head dim 128 (232 and none written out; ptxas, sm_90a).
+      forward_decode_rows<typename Config::Fallback, Modifier>(d, row_first, split);
+      __syncthreads();  // the first rows' shared memory is no longer read
+      forward_decode_rows<typename Config::Fallback, Modifier>(d, row_first + kFallbackRows,
+                                                               split);
+    } else {
+#pragma unroll 1
+      for (int first = 0; first < kRows; first += kFallbackRows) {
+        if (first > 0) __syncthreads();  // the previous rows' shared memory is no longer read
+        forward_decode_rows<typename Config::Fallback, Modifier>(d, row_first + first, split);
+      }
+    }
     return;
   }
   if (row >= rows_total) return;
@@ -821,20 +858,24 @@ __device__ __forceinline__ void forward_decode_mma(const DecodeParams& d) {
   const int end = poisoned ? kv_begin : kv_end;
   const int tiles = (end - kv_begin + kBlockN - 1) / kBlockN;
 
-  // This thread's rows group_row and group_row + 8: head, position, invariants.
+  // The warp's rows (all 16 of the block's, or its own 16) and keys of each tile (16 of them, or
+  // all).
+  const int row_offset = Config::kRowSplit ? warp * 16 : 0;
+  const int key_offset = Config::kRowSplit ? 0 : warp * Config::kWarpKeys;
+  // This thread's rows group_row and group_row + 8 of the warp's: head, position, invariants.
   int query[1][2];
   Coordinates at[2];
   typename Modifier::Invariants invariants[2];
 #pragma unroll
   for (int half = 0; half < 2; ++half) {
-    const int row = ir_min(row_first + group_row + 8 * half, rows_total - 1);
+    const int row = ir_min(row_first + row_offset + group_row + 8 * half, rows_total - 1);
     at[half] = Coordinates{batch, sequence.head(row), q_len, cache_len};
     query[0][half] = sequence.position(row);
     invariants[half] = Modifier::prepare(p, at[half]);
   }
   unsigned q_fragment[Config::kStepsQk][4];
   {
-    const LaneOffsets<Config::kChunksQk> q_lane(lane % 16, lane / 16);
+    const LaneOffsets<Config::kChunksQk> q_lane(row_offset + lane % 16, lane / 16);
 #pragma unroll
     for (int step = 0; step < Config::kStepsQk; ++step) {
       load_matrix_x4(q_fragment[step], q_tile + q_lane.at(step, 0));
@@ -896,24 +937,29 @@ __device__ __forceinline__ void forward_decode_mma(const DecodeParams& d) {
       commit_copies();
       const unsigned k_tile = k_tiles + stage * Config::kKBytes;
       const unsigned v_tile = v_tiles + stage * Config::kVBytes;
-      const int warp_first = tile_start(index) + warp * Config::kWarpKeys;
-      float score[1][2][4];
+      const int warp_first = tile_start(index) + key_offset;
+      constexpr int kScoreTiles = Config::kScoreTiles;
+      float score[1][kScoreTiles][4];
 #pragma unroll
-      for (int j = 0; j < 2; ++j) {
+      for (int j = 0; j < kScoreTiles; ++j) {
 #pragma unroll
         for (int e = 0; e < 4; ++e) score[0][j][e] = 0.0f;
       }
 #pragma unroll
       for (int step = 0; step < Config::kStepsQk; ++step) {
-        unsigned k_fragment[4];
-        load_matrix_x4(k_fragment, k_tile + k_lane.at(step, warp * Config::kWarpKeys));
-        mma_16x8x16(Tag{}, score[0][0], q_fragment[step], k_fragment[0], k_fragment[1]);
-        mma_16x8x16(Tag{}, score[0][1], q_fragment[step], k_fragment[2], k_fragment[3]);
+#pragma unroll
+        for (int pair = 0; pair < kScoreTiles / 2; ++pair) {
+          unsigned k_fragment[4];
+          load_matrix_x4(k_fragment, k_tile + k_lane.at(step, key_offset + pair * 16));
+          mma_16x8x16(Tag{}, score[0][2 * pair], q_fragment[step], k_fragment[0], k_fragment[1]);
+          mma_16x8x16(Tag{}, score[0][2 * pair + 1], q_fragment[step], k_fragment[2],
+                      k_fragment[3]);
+        }
       }
       // Logits, each row with its own head; keys at or past `end` (the split's or the cache's)
       // are removed.
 #pragma unroll
-      for (int j = 0; j < 2; ++j) {
+      for (int j = 0; j < kScoreTiles; ++j) {
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
           const int kv = warp_first + j * 8 + 2 * quad_lane + e % 2;
@@ -924,25 +970,31 @@ __device__ __forceinline__ void forward_decode_mma(const DecodeParams& d) {
         }
       }
       online_softmax(score, row_max, row_sum, output, Modifier::kForwardToLog2);
-      unsigned p_fragment[4];
-      p_fragment[0] = pack_pair(Tag{}, score[0][0][0], score[0][0][1]);
-      p_fragment[1] = pack_pair(Tag{}, score[0][0][2], score[0][0][3]);
-      p_fragment[2] = pack_pair(Tag{}, score[0][1][0], score[0][1][1]);
-      p_fragment[3] = pack_pair(Tag{}, score[0][1][2], score[0][1][3]);
+      // O += P V, 16 keys a step: the S accumulators of two adjacent key tiles form one A
+      // fragment.
 #pragma unroll
-      for (int pair = 0; pair < Config::kStepsV; ++pair) {
-        unsigned v_fragment[4];
-        load_matrix_x4_transposed(v_fragment, v_tile + v_lane.at(pair, warp * Config::kWarpKeys));
-        mma_16x8x16(Tag{}, output[0][2 * pair], p_fragment, v_fragment[0], v_fragment[1]);
-        mma_16x8x16(Tag{}, output[0][2 * pair + 1], p_fragment, v_fragment[2], v_fragment[3]);
+      for (int step = 0; step < kScoreTiles / 2; ++step) {
+        unsigned p_fragment[4];
+        p_fragment[0] = pack_pair(Tag{}, score[0][2 * step][0], score[0][2 * step][1]);
+        p_fragment[1] = pack_pair(Tag{}, score[0][2 * step][2], score[0][2 * step][3]);
+        p_fragment[2] = pack_pair(Tag{}, score[0][2 * step + 1][0], score[0][2 * step + 1][1]);
+        p_fragment[3] = pack_pair(Tag{}, score[0][2 * step + 1][2], score[0][2 * step + 1][3]);
+#pragma unroll
+        for (int pair = 0; pair < Config::kStepsV; ++pair) {
+          unsigned v_fragment[4];
+          load_matrix_x4_transposed(v_fragment,
+                                    v_tile + v_lane.at(pair, key_offset + step * 16));
+          mma_16x8x16(Tag{}, output[0][2 * pair], p_fragment, v_fragment[0], v_fragment[1]);
+          mma_16x8x16(Tag{}, output[0][2 * pair + 1], p_fragment, v_fragment[2], v_fragment[3]);
+        }
       }
     }
     wait_copies<0>();
     __syncthreads();  // the pass's stages and list are no longer read
   }
   // Every warp is done with the tiles (the last pass ended with a barrier): the merge reuses them.
-  merge_and_store_rows<Config, Modifier>(d, sequence, shared, row_first, split, poisoned, output,
-                                         row_max, row_sum);
+  merge_and_store_rows<Config, Modifier>(d, sequence, shared, row_first, row_offset, split,
+                                         poisoned, output, row_max, row_sum);
 }
 
 // Merges the splits' partial rows (forward_decode with d.splits > 1): one warp per (head, query
