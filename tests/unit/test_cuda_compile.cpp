@@ -461,7 +461,7 @@ TEST(CudaDecodeCompile, PagedCacheTranslationUnitsAreProvenAndCompile) {
        true,
        true,
        40},
-      // Head dim 256 keeps 16 rows per block (64 would not leave registers for the rows).
+      // Head dim 256 keeps 16 rows per block (64 spill there: kPrefillMaxDim in tile_plan.cpp).
       {{"prefill_bf16_d256", DType::kBF16, 256, 256, "", "q >= kv", {}, {}, Layout::kBSHD, {}},
        2,
        1,

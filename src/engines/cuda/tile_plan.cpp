@@ -44,7 +44,9 @@ constexpr int kDecodeFallbackRows = 8;
 // head (the GQA group times the new tokens) and head dims up to kPrefillMaxDim, each block takes
 // kPrefillRows rows, a warp's 16 rows against whole tiles (DecodeMmaConfig::kRowSplit), so each
 // tile it loads serves four times the rows. Its ring has the bytes the 16-row kernel's Q and ring
-// take together, so two blocks still share a multiprocessor at head dim 128.
+// take together, so two blocks still share a multiprocessor at head dim 128. At head dim 256 the
+// 64-row kernel spills (255 registers, 40 bytes of spill stores; ptxas, sm_90a) and one block
+// fills a multiprocessor's shared memory, so wider heads keep 16 rows.
 constexpr int kPrefillRows = 64;
 constexpr int kPrefillMaxDim = 128;
 // The fp32 kernel's rows per classified block: 4 of its blocks share one class row.
