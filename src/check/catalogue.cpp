@@ -233,8 +233,9 @@ std::vector<Case> non_finite_cases() {
       }
     }
     const Shape decode{4, 8, 2, 1, 300, 64, 64};
-    for (const auto& [modifier, mask] : std::vector<std::pair<const char*, const char*>>{
-             {"softcap30", "window"}, {"alibi", "none"}}) {
+    for (const auto& [modifier, mask] :
+         std::vector<std::pair<const char*, const char*>>{{"softcap30", "window"},
+                                                          {"alibi", "none"}}) {
       for (Planted planted : {Planted::kNanValue, Planted::kInfKey, Planted::kNanQuery}) {
         Case c = paged_case(decode, Layout::kBSHD, dtype, modifier, mask, 16);
         c.planted = planted;

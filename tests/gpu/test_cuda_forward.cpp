@@ -278,8 +278,7 @@ ProblemDesc small_desc(const std::string& score_mod) {
   return desc;
 }
 
-// ---- paged KV cache
-// ------------------------------------------------------------------------------
+// ---- paged KV cache ------------------------------------------------------------------------------
 
 // One decoding step (or a chunk of `tokens` new tokens) of three sequences against a cache of 8
 // pages of 16 tokens (capacity 64): the same pool and query, run with page tables that place
