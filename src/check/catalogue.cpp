@@ -326,10 +326,12 @@ std::vector<Case> cases(Tier tier) {
   }
   // 5. A paged KV cache: decoding (one or two new tokens per sequence, GQA up to 8:1) and chunked
   //    prefill (ragged thd chunks; 40-token chunks at GQA 4:1, 160 packed rows per kv head, which
-  //    the cuda engine takes 64 at a time), page sizes 1, 16 and 64, lengths from the query count
-  //    to the capacity and an empty slot, in every storage dtype; long caches whose keys are split.
+  //    the cuda engine takes 64 at a time; chunks of 130 and 200 tokens, which it takes 128 at a
+  //    time on sm_90's wgmma forward), page sizes 1, 16 and 64, lengths from the query count to the
+  //    capacity and an empty slot, in every storage dtype; long caches whose keys are split.
   const Shape decode{4, 8, 1, 1, 300, 64, 64}, decode2{4, 4, 2, 2, 129, 128, 128};
   const Shape prefill{3, 4, 4, 37, 200, 64, 64}, prefill_gqa{2, 8, 2, 40, 700, 128, 128};
+  const Shape prefill_long{4, 4, 2, 130, 400, 128, 128}, prefill_long64{2, 2, 1, 200, 500, 64, 64};
   const std::vector<std::pair<std::string, std::string>> paged_mods =
       tier == Tier::kQuick
           ? std::vector<std::pair<std::string, std::string>>{{"softcap30", "causal"},
@@ -348,6 +350,8 @@ std::vector<Case> cases(Tier tier) {
     }
     result.push_back(paged_case(decode2, Layout::kBSHD, DType::kBF16, modifier, mask, 1));
     result.push_back(paged_case(prefill_gqa, Layout::kBSHD, DType::kBF16, modifier, mask, 16));
+    result.push_back(paged_case(prefill_long, Layout::kBSHD, DType::kBF16, modifier, mask, 16));
+    result.push_back(paged_case(prefill_long64, Layout::kBSHD, DType::kF16, modifier, mask, 64));
   }
   // Caches long enough that the cpu engine splits their keys (2048 per split): a full one, a
   // half-full one, a one-token one and an empty slot; a window leaves the first splits empty.

@@ -280,14 +280,30 @@ ProblemDesc small_desc(const std::string& score_mod) {
 
 // ---- paged KV cache ------------------------------------------------------------------------------
 
-// One decoding step (or a chunk of `tokens` new tokens) of three sequences against a cache of 8
-// pages of 16 tokens (capacity 64): the same pool and query, run with page tables that place
-// sequence 0's pages in order and scrambled, give the same bits (the kernel's arithmetic depends
-// on positions, not pages); a used page id outside the pool (sequence 1) and a length past the
-// capacity (sequence 2) give NaN rows without reading past the pool, and leave sequence 0's rows
-// alone. In bf16 on tensor cores and in fp32 on the fp32 units (the two paged-cache kernels);
-// 16 new tokens at GQA 4:1 make 64 packed rows, the tensor-core kernel's chunked-prefill blocks.
-void check_paged_cache_tables(DType dtype, std::int64_t tokens, std::int64_t heads_q) {
+// Three sequences in a pool of `pages` pages of `page_size` tokens, four page-table entries each:
+// sequence 0's pages in order (`ordered`, 12 entries, with `lengths`), then moved (`moves`, pages
+// copied from -> to) and scrambled (`scrambled`, `scrambled_lengths`), where sequence 1 uses a
+// page id outside the pool and sequence 2's length passes the capacity.
+struct PagedTables {
+  std::int64_t page_size;
+  std::int64_t pages;
+  std::vector<int> ordered;
+  std::vector<int> lengths;
+  std::vector<std::pair<int, int>> moves;
+  std::vector<int> scrambled;
+  std::vector<int> scrambled_lengths;
+};
+
+// One decoding step (or a chunk of `tokens` new tokens) of three sequences against a paged cache
+// (`tables`): the same pool and query, run with page tables that place sequence 0's pages in
+// order and scrambled, give the same bits (the kernel's arithmetic depends on positions, not
+// pages); a used page id outside the pool (sequence 1) and a length past the capacity
+// (sequence 2) give NaN rows without reading past the pool, and leave sequence 0's rows alone.
+// In bf16 on tensor cores and in fp32 on the fp32 units (the two paged-cache kernels); 16 new
+// tokens at GQA 4:1 make 64 packed rows, the tensor-core kernel's chunked-prefill blocks; from
+// 128 new tokens sm_90 runs the wgmma forward over the cache.
+void check_paged_cache_tables(DType dtype, std::int64_t tokens, std::int64_t heads_q,
+                              const PagedTables& tables) {
   const std::shared_ptr<const Engine> owner = device_engine();  // outlives its memory and plan
   const Engine& engine = *owner;
   ProblemDesc desc;
@@ -298,7 +314,7 @@ void check_paged_cache_tables(DType dtype, std::int64_t tokens, std::int64_t hea
   desc.head_dim_qk = 64;
   desc.dtype = dtype;
   desc.device = Device::kCuda;
-  desc.kv_cache = KvCacheDesc{8, 16, 4};
+  desc.kv_cache = KvCacheDesc{tables.pages, tables.page_size, 4};
   desc.score_mod = ir::parse("30 * tanh(score / 30)", desc.scope());
   desc.mask_mod = ir::parse("q - kv < 33", desc.scope());
   const Problem problem(desc);
@@ -311,12 +327,16 @@ void check_paged_cache_tables(DType dtype, std::int64_t tokens, std::int64_t hea
   const DeviceMemory& memory = *engine.memory();
   DeviceTensor dq(memory, q), dk(memory, k), dv(memory, v);
   const std::unique_ptr<Plan> plan = engine.plan(problem);
-  EXPECT_NE(plan->info().description.find(dtype == DType::kF32 ? "fp32 units" : "tensor cores"),
+  const std::string& description = plan->info().description;
+  const bool wgmma =
+      dtype != DType::kF32 && tokens >= 128 && description.find("(sm_90") != std::string::npos;
+  EXPECT_NE(description.find(dtype == DType::kF32 ? "fp32 units"
+                             : wgmma              ? "chunked prefill on the tensor-core (wgmma"
+                                                  : "tensor cores"),
             std::string::npos)
-      << plan->info().description;
+      << description;
   const bool prefill = dtype != DType::kF32 && tokens * heads_q / desc.heads_kv >= 64;
-  EXPECT_EQ(plan->info().description.find("chunked prefill") != std::string::npos, prefill)
-      << plan->info().description;
+  EXPECT_EQ(description.find("chunked prefill") != std::string::npos, prefill) << description;
   // One run on pools `k_pool` and `v_pool` with the given page table (3 x 4) and lengths.
   const auto run = [&](const DeviceTensor& k_pool, const DeviceTensor& v_pool,
                        const std::vector<int>& table, const std::vector<int>& lengths) {
@@ -340,15 +360,13 @@ void check_paged_cache_tables(DType dtype, std::int64_t tokens, std::int64_t hea
     plan->forward(args);
     return DeviceOutputs{out.download(), lse.download()};
   };
-  // Sequence 0 holds 40 tokens in pages 0, 1, 2 (in order) or 5, 2, 7 (scrambled, with the same
-  // contents copied there first); sequences 1 and 2 are valid in the first run.
-  const DeviceOutputs ordered =
-      run(dk, dv, {0, 1, 2, -1, 3, 4, -1, -1, 6, -1, -1, -1}, {40, 20, 16});
-  // Copy pages 0, 1, 2 to 5, 2, 7 in the host pool, through a second pool on the device.
+  // Sequences 1 and 2 are valid in the first run.
+  const DeviceOutputs ordered = run(dk, dv, tables.ordered, tables.lengths);
+  // The moves in the host pool, through a second pool on the device.
   HostTensor moved = k.to(dtype);
   HostTensor moved_v = v.to(dtype);
-  const std::int64_t page_values = 16 * desc.heads_kv * 64;
-  for (const auto& [from, to] : std::vector<std::pair<int, int>>{{2, 7}, {1, 2}, {0, 5}}) {
+  const std::int64_t page_values = tables.page_size * desc.heads_kv * 64;
+  for (const auto& [from, to] : tables.moves) {
     for (std::int64_t e = 0; e < page_values; ++e) {
       moved.set(to * page_values + e, k.at(from * page_values + e));
       moved_v.set(to * page_values + e, v.at(from * page_values + e));
@@ -356,7 +374,7 @@ void check_paged_cache_tables(DType dtype, std::int64_t tokens, std::int64_t hea
   }
   DeviceTensor dk_moved(memory, moved), dv_moved(memory, moved_v);
   const DeviceOutputs scrambled =
-      run(dk_moved, dv_moved, {5, 2, 7, -1, 3, 99, -1, -1, 6, -1, -1, -1}, {40, 20, 70});
+      run(dk_moved, dv_moved, tables.scrambled, tables.scrambled_lengths);
   const HostTensor& o = scrambled.out;
   const HostTensor& l = scrambled.lse;
   // o: (batch 3, tokens, heads, 64); lse: (3, heads, tokens).
@@ -388,11 +406,29 @@ void check_paged_cache_tables(DType dtype, std::int64_t tokens, std::int64_t hea
 
 TEST(CudaPagedCache, PagesDoNotChangeBitsAndInvalidTablesGiveNanRows) {
   SKIP_WITHOUT_DEVICE();
+  // Pages of 16 (capacity 64): sequence 0 holds 40 tokens in pages 0, 1, 2, then 5, 2, 7.
+  const PagedTables small{16,
+                          8,
+                          {0, 1, 2, -1, 3, 4, -1, -1, 6, -1, -1, -1},
+                          {40, 20, 16},
+                          {{2, 7}, {1, 2}, {0, 5}},
+                          {5, 2, 7, -1, 3, 99, -1, -1, 6, -1, -1, -1},
+                          {40, 20, 70}};
+  // Pages of 64 (capacity 256) for 130-token chunks: sequence 0 holds 160 tokens.
+  const PagedTables large{64,
+                          12,
+                          {0, 1, 2, -1, 3, 4, 10, -1, 6, 8, 9, -1},
+                          {160, 140, 130},
+                          {{2, 7}, {1, 2}, {0, 5}},
+                          {5, 2, 7, -1, 3, 99, 10, -1, 6, 8, 9, -1},
+                          {160, 140, 300}};
   for (const DType dtype : {DType::kBF16, DType::kF32}) {
     SCOPED_TRACE(to_string(dtype));
-    check_paged_cache_tables(dtype, 1, 4);
+    check_paged_cache_tables(dtype, 1, 4, small);
     SCOPED_TRACE("chunked prefill: 16 new tokens, GQA 4:1");
-    check_paged_cache_tables(dtype, 16, 8);
+    check_paged_cache_tables(dtype, 16, 8, small);
+    SCOPED_TRACE("chunked prefill: 130 new tokens, GQA 2:1");
+    check_paged_cache_tables(dtype, 130, 4, large);
   }
 }
 

@@ -320,10 +320,11 @@ TEST(CudaBackwardCompile, GeneratedBackwardTranslationUnitsCompile) {
 // backward, every catalogue case of the shared list; its Modifier is proven equal to the request
 // as the engine's own sources are (a changed function is refused), and it compiles for sm_90.
 // A paged-cache problem (forward only) of make_problem's modifiers: `tokens` new tokens per
-// sequence (bshd; one: decoding) or chunked prefill (thd, sequences of `tokens` + 4 and 3 new
-// tokens), capacity 512 in pages of 16.
+// sequence (bshd; one: decoding) or chunked prefill (thd, sequences of `tokens` + 4 and
+// `second_tokens` new tokens), capacity `max_pages` pages of 16.
 Problem make_cache_problem(const GeneratedCase& c, std::int64_t heads_q, std::int64_t heads_kv,
-                           std::int64_t tokens = 1) {
+                           std::int64_t tokens = 1, std::int64_t second_tokens = 3,
+                           std::int64_t max_pages = 32) {
   ProblemDesc desc;
   desc.batch = 2;
   desc.heads_q = heads_q;
@@ -337,10 +338,10 @@ Problem make_cache_problem(const GeneratedCase& c, std::int64_t heads_q, std::in
   desc.params = c.params;
   desc.seq_len_q = tokens;
   if (c.layout == Layout::kTHD) {
-    desc.cu_seqlens_q = {0, tokens + 4, tokens + 7};
+    desc.cu_seqlens_q = {0, tokens + 4, tokens + 4 + second_tokens};
     desc.seq_len_q = 0;
   }
-  desc.kv_cache = KvCacheDesc{64, 16, 32};
+  desc.kv_cache = KvCacheDesc{64, 16, max_pages};
   if (!c.score_mod.empty()) desc.score_mod = ir::parse(c.score_mod, desc.scope());
   if (!c.mask_mod.empty()) desc.mask_mod = ir::parse(c.mask_mod, desc.scope());
   return Problem(std::move(desc));
@@ -350,8 +351,11 @@ Problem make_cache_problem(const GeneratedCase& c, std::int64_t heads_q, std::in
 // tensor cores (bf16/fp16, head dims multiples of 8, 16-byte pool strides): 16 packed rows per
 // block, 64 for chunked prefill (at least 64 packed rows per sequence and kv head, head dims up
 // to 128); else on the fp32 units, rows per block from the GQA group and the new tokens, 16-byte
-// loads where the head dim allows. The plan proof holds for its Modifier and NVRTC compiles it
-// for sm_90. A cache problem is never given a training kernel.
+// loads where the head dim allows. On sm_90, chunked prefill with at least 128 new tokens in
+// every sequence, wgmma head dims and (with a mask) a capacity the kernel's tile list holds takes
+// the wgmma forward over the cache (forward_prefill_wgmma). The plan proof holds for its Modifier
+// and NVRTC compiles it for sm_90 (sm_90a for wgmma). A cache problem is never given a training
+// kernel.
 TEST(CudaDecodeCompile, PagedCacheTranslationUnitsAreProvenAndCompile) {
   SKIP_WITHOUT_CUDA_ENGINE();
   constexpr int kCapability = 90;
@@ -363,6 +367,9 @@ TEST(CudaDecodeCompile, PagedCacheTranslationUnitsAreProvenAndCompile) {
     bool vector;
     bool tensor_cores;
     std::int64_t tokens = 1;
+    bool wgmma = false;  // chunked prefill on the wgmma forward (rows: its 128 per block)
+    std::int64_t second_tokens = 3;  // thd: the second sequence's new tokens
+    std::int64_t max_pages = 32;
   };
   const std::vector<DecodeCase> cases = {
       {{"decode_bf16_d128_softcap_window", DType::kBF16, 128, 128, "30 * tanh(score / 30)",
@@ -389,36 +396,74 @@ TEST(CudaDecodeCompile, PagedCacheTranslationUnitsAreProvenAndCompile) {
        64, true, true, 40},
       // Head dim 256 keeps 16 rows per block (64 spill there: kPrefillMaxDim in tile_plan.cpp).
       {{"prefill_bf16_d256", DType::kBF16, 256, 256, "", "q >= kv", {}, {}, Layout::kBSHD, {}}, 2,
-       1, 16, true, true, 64}};
+       1, 16, true, true, 64},
+      // From 128 new tokens in every sequence: the wgmma forward over the cache.
+      {{"prefill_wgmma_bf16_d128_softcap_causal", DType::kBF16, 128, 128, "30 * tanh(score / 30)",
+        "q >= kv", {}, {}, Layout::kBSHD, {}},
+       8, 2, 128, true, true, 200, true},
+      {{"prefill_wgmma_f16_d64_alibi_head_window_thd", DType::kF16, 64, 64,
+        "score - exp2(-8.0 * (h + 1) / 8) * abs(q - kv)", "q >= kv && q - kv < 100", {}, {},
+        Layout::kTHD, {}},
+       4, 4, 128, true, true, 140, true, 128},
+      {{"prefill_wgmma_bf16_d192_v128", DType::kBF16, 192, 128, "", "", {}, {}, Layout::kBSHD, {}},
+       2, 1, 128, true, true, 128, true},
+      {{"prefill_wgmma_bf16_d256_causal", DType::kBF16, 256, 256, "", "q >= kv", {}, {},
+        Layout::kBSHD, {}},
+       2, 1, 128, true, true, 300, true},
+      // A mixed batch (a sequence decoding beside the chunk), a head dim wgmma lacks, and a masked
+      // cache longer than the tile list holds keep the mma.sync kernel.
+      {{"prefill_mixed_thd", DType::kBF16, 128, 128, "", "q >= kv", {}, {}, Layout::kTHD, {}}, 8,
+       2, 64, true, true, 200, false, 1},
+      {{"prefill_bf16_d80_long", DType::kBF16, 80, 80, "", "", {}, {}, Layout::kBSHD, {}}, 2, 1,
+       64, true, true, 200},
+      {{"prefill_bf16_d128_masked_long_cache", DType::kBF16, 128, 128, "", "q >= kv", {}, {},
+        Layout::kBSHD, {}},
+       2, 1, 64, true, true, 200, false, 3, 6200}};
   for (const DecodeCase& d : cases) {
     SCOPED_TRACE(d.c.name);
-    const Problem problem = make_cache_problem(d.c, d.heads_q, d.heads_kv, d.tokens);
+    const Problem problem = make_cache_problem(d.c, d.heads_q, d.heads_kv, d.tokens,
+                                               d.second_tokens, d.max_pages);
     const cuda::KernelSelection selection = cuda::choose_kernel(problem, kCapability);
     ASSERT_TRUE(selection.reason.empty()) << selection.reason;
     ASSERT_EQ(selection.choice.kind, cuda::KernelKind::kDecode);
     EXPECT_EQ(selection.choice.block_m, d.rows);
     EXPECT_EQ(selection.choice.vector_loads, d.vector);
     EXPECT_EQ(selection.choice.tensor_cores, d.tensor_cores);
+    EXPECT_EQ(selection.choice.paged_wgmma, d.wgmma);
+    EXPECT_EQ(selection.choice.architecture_suffix(), d.wgmma ? "a" : "");
+    // Without wgmma (another device, or FLEXATTN_CUDA_WGMMA=0) prefill keeps the mma.sync kernel.
+    EXPECT_FALSE(cuda::choose_kernel(problem, 89).choice.paged_wgmma);
+    EXPECT_FALSE(cuda::choose_kernel(problem, kCapability, false).choice.paged_wgmma);
     const cuda::BindingSelection bindings = cuda::bind_modifier(problem);
     ASSERT_TRUE(bindings.reason.empty()) << bindings.reason;
     const std::string source =
         cuda::generate_translation_unit(problem, bindings.bindings, selection.choice, nullptr);
-    EXPECT_NE(source.find(fmt::format("flexattn_kernels::{}<FlexattnConfig",
-                                      d.tensor_cores ? "forward_decode_mma" : "forward_decode")),
+    const char* kernel = d.wgmma          ? "forward_prefill_wgmma"
+                         : d.tensor_cores ? "forward_decode_mma"
+                                          : "forward_decode";
+    EXPECT_NE(source.find(fmt::format("flexattn_kernels::{}<FlexattnConfig", kernel)),
               std::string::npos);
-    EXPECT_NE(source.find(d.tensor_cores ? "DecodeMmaConfig<" : "DecodeConfig<"),
-              std::string::npos);
+    const char* config_type = d.wgmma ? "using FlexattnConfig = flexattn_kernels::WgmmaConfig<"
+                              : d.tensor_cores ? "DecodeMmaConfig<"
+                                               : "DecodeConfig<";
+    EXPECT_NE(source.find(config_type), std::string::npos);
+    if (d.wgmma) {
+      EXPECT_NE(source.find("void __launch_bounds__(FlexattnConfig::kBlockThreads, "
+                            "FlexattnConfig::kMinBlocks)"),
+                std::string::npos);
+    }
     // 64-row blocks name their row count (the 16-row default keeps its type, and cache key).
     const std::size_t config = source.find("using FlexattnConfig = ");
     ASSERT_NE(config, std::string::npos);
     const std::string line = source.substr(config, source.find('\n', config) - config);
-    EXPECT_EQ(line.ends_with(", 64>;"), d.rows == 64) << line;
+    EXPECT_EQ(line.ends_with(", 64>;"), !d.wgmma && d.rows == 64) << line;
     EXPECT_NE(source.find(fmt::format("void __launch_bounds__(flexattn_kernels::"
                                       "kDecodeCombineThreads) {}(",
                                       cuda::kDecodeCombineName)),
               std::string::npos);
     EXPECT_TRUE(cuda::prove_modifier_source(problem, bindings.bindings, source).proven);
-    expect_compiles(source, d.c.name + ".cu", kCapability);
+    expect_compiles(source, d.c.name + ".cu", kCapability,
+                    selection.choice.architecture_suffix());
   }
 }
 

@@ -242,8 +242,9 @@ std::string generate_modifier_source(const Problem& problem, const ModifierBindi
   text += fmt::format("using FlexattnConfig = {};\n", choice.config_type());
   if (choice.kind == KernelKind::kDecode) {
     // The paged-cache kernel and its split combination (no backward: caches are forward only).
+    // (Chunked prefill on the wgmma forward: its launch's threads, a producer's included.)
     text += fmt::format(
-        "extern \"C\" __global__ void __launch_bounds__(FlexattnConfig::kThreads) {}(\n"
+        "extern \"C\" __global__ void __launch_bounds__({}) {}(\n"
         "    const flexattn_kernels::DecodeParams params) {{\n"
         "  flexattn_kernels::{}<FlexattnConfig, flexattn_generated::Modifier>(params);\n"
         "}}\n"
@@ -251,6 +252,8 @@ std::string generate_modifier_source(const Problem& problem, const ModifierBindi
         "{}(\n"
         "    const flexattn_kernels::DecodeParams params) {{\n"
         "  flexattn_kernels::decode_combine<{}, {}>(params);\n}}\n",
+        choice.paged_wgmma ? "FlexattnConfig::kBlockThreads, FlexattnConfig::kMinBlocks"
+                           : "FlexattnConfig::kThreads",
         kKernelName, choice.kernel_template(), kDecodeCombineName, element_tag(problem.dtype()),
         problem.head_dim_v());
     return text;

@@ -12,6 +12,7 @@
 
 #include "engines/cuda/codegen.hpp"
 #include "engines/cuda/driver.hpp"
+#include "engines/cuda/graph_lowering.hpp"
 #include "engines/cuda/kernel_cache.hpp"
 #include "engines/cuda/kernels/params.cuh"
 #include "engines/cuda/launch_support.hpp"
@@ -259,6 +260,12 @@ struct DecodeSplits {
 DecodeSplits decode_splits(const Problem& problem, const KernelChoice& choice,
                            int multiprocessors) {
   DecodeSplits result;
+  if (choice.paged_wgmma) {
+    // The wgmma forward: one split, blocks of block_m queries of one query head.
+    result.keys_per_split = static_cast<int>(problem.seq_len_kv());
+    result.row_blocks = static_cast<unsigned>(ceil_div(problem.seq_len_q(), choice.block_m));
+    return result;
+  }
   const std::int64_t group = problem.heads_q() / problem.heads_kv();
   result.row_blocks = static_cast<unsigned>(ceil_div(group * problem.seq_len_q(), choice.block_m));
   const std::int64_t blocks = problem.batch() * problem.heads_kv() * result.row_blocks;
@@ -387,6 +394,10 @@ class CudaPlan final : public Plan {
       const KvCacheDesc& pools = *problem.kv_cache();
       p.max_pages = static_cast<int>(pools.max_pages);
       p.page_size = static_cast<int>(pools.page_size);
+      p.page_shift = -1;
+      for (int shift = 0; shift < 31; ++shift) {
+        if (std::int64_t{1} << shift == pools.page_size) p.page_shift = shift;
+      }
       p.pages = static_cast<int>(pools.pages);
       p.splits = d.splits.splits;
       p.keys_per_split = d.splits.keys_per_split;
@@ -583,6 +594,11 @@ class CudaPlan final : public Plan {
     bind_views(args, static_cast<float*>(args.lse.data), p.fwd);
     p.page_table = static_cast<const int*>(args.page_table.data);
     p.cache_lens = static_cast<const int*>(args.cache_lens.data);
+    if (choice_.paged_wgmma) {
+      // The wgmma forward also copies Q and stores O 16 bytes at a time.
+      check_chunk_aligned("q", args.q.data);
+      check_chunk_aligned("out", args.out.data);
+    }
     if (choice_.vector_loads) {
       for (const auto& [name, view] : {std::pair{"k", &args.k}, std::pair{"v", &args.v}}) {
         if (reinterpret_cast<std::uintptr_t>(view->data) % kChunkAlignment != 0) {
@@ -602,10 +618,14 @@ class CudaPlan final : public Plan {
       p.partial_o = reinterpret_cast<float*>(scratch.address());
       p.partial_lse = reinterpret_cast<float*>(scratch.address() + align_scratch(d.partial_o_bytes));
     }
-    launch(forward_.function,
-           {d.splits.row_blocks * static_cast<unsigned>(d.splits.splits),
-            static_cast<unsigned>(problem_.heads_kv()), batch()},
-           choice_.threads(), choice_.shared_bytes, stream, &p, "paged-cache forward");
+    // The wgmma forward: (query blocks, query heads, batch); else (splits x row blocks, kv heads,
+    // batch).
+    const Grid grid = choice_.paged_wgmma
+                          ? Grid{d.splits.row_blocks, heads_q(), batch()}
+                          : Grid{d.splits.row_blocks * static_cast<unsigned>(d.splits.splits),
+                                 static_cast<unsigned>(problem_.heads_kv()), batch()};
+    launch(forward_.function, grid, choice_.threads(), choice_.shared_bytes, stream, &p,
+           "paged-cache forward");
     if (d.splits.splits > 1) {
       const std::int64_t rows = problem_.heads_q() * static_cast<std::int64_t>(p.tokens_q);
       launch(d.combine,
@@ -721,8 +741,16 @@ class CudaEngine final : public Engine {
     if (decode) {
       const DecodeSplits splits =
           decode_splits(problem, lowering.choice, driver_->multiprocessors());
-      tile_text = fmt::format("keys in {} split(s) of {}, {} row block(s) per kv head",
-                              splits.splits, splits.keys_per_split, splits.row_blocks);
+      tile_text =
+          lowering.choice.paged_wgmma
+              ? fmt::format(
+                    "{} query block(s) per query head, each over the cache's tiles ({})",
+                    splits.row_blocks,
+                    keeps_everything(problem.mask_mod())
+                        ? "all of them"
+                        : "those the mask keeps, listed per block and evaluated per element")
+              : fmt::format("keys in {} split(s) of {}, {} row block(s) per kv head", splits.splits,
+                            splits.keys_per_split, splits.row_blocks);
     }
     PlanInfo info;
     info.engine = std::string(kEngineName);

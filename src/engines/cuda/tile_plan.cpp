@@ -4,6 +4,8 @@
 
 #include <algorithm>
 
+#include "engines/cuda/graph_lowering.hpp"
+#include "engines/cuda/kernels/params.cuh"
 #include "flexattn/analysis.hpp"
 #include "flexattn/error.hpp"
 
@@ -49,6 +51,9 @@ constexpr int kDecodeFallbackRows = 8;
 // fills a multiprocessor's shared memory, so wider heads keep 16 rows.
 constexpr int kPrefillRows = 64;
 constexpr int kPrefillMaxDim = 128;
+// On sm_90 chunked prefill takes the wgmma forward over the paged cache (prefill_on_wgmma) from
+// this many new tokens per sequence: one 128-row block of one query head.
+constexpr std::int64_t kPrefillWgmmaTokens = 128;
 // The fp32 kernel's rows per classified block: 4 of its blocks share one class row.
 constexpr int kSimtClassBlockQ = 64;
 // wgmma (kernels/forward_wgmma.cuh): two warpgroups of 64 rows; 128-key tiles (each S = Q K^T is
@@ -294,6 +299,38 @@ KernelChoice decode_choice(const Problem& problem) {
   return c;
 }
 
+// Chunked prefill on sm_90: `decode` (decode_choice's tensor-core kernel) becomes the wgmma
+// forward over the paged cache (forward_prefill_wgmma) when every sequence brings at least
+// kPrefillWgmmaTokens new tokens (one 128-row block of one query head; a sequence with fewer,
+// decoding in a mixed batch above all, is better served by the mma.sync kernel, whose packed GQA
+// rows share each key read and whose splits spread a long cache), the head dims are the wgmma
+// kernel's, every view's strides are whole 16-byte chunks (Q is copied and O stored 16 bytes at
+// a time), and, with a mask, the tiles of the cache's capacity fit the kernel's list
+// (kPrefillListCapacity).
+void prefill_on_wgmma(const Problem& problem, KernelChoice& decode) {
+  std::int64_t fewest_tokens = problem.seq_len_q();
+  for (std::int64_t b = 0; b < problem.batch(); ++b) {
+    fewest_tokens = std::min(fewest_tokens, problem.seq_len_q_of(b));
+  }
+  if (!decode.tensor_cores || fewest_tokens < kPrefillWgmmaTokens ||
+      !wgmma_forward_head_dims(problem.head_dim_qk(), problem.head_dim_v()) ||
+      !strides_chunk_aligned(problem)) {
+    return;
+  }
+  KernelChoice c = wgmma_choice(problem);
+  if (!keeps_everything(problem.mask_mod()) &&
+      (problem.seq_len_kv() + c.block_n - 1) / c.block_n > flexattn_kernels::kPrefillListCapacity) {
+    return;
+  }
+  c.kind = KernelKind::kDecode;
+  c.paged_wgmma = true;
+  c.tensor_cores = true;
+  c.vector_loads = true;
+  c.class_block_q = 0;
+  c.take_turns = c.turns_possible();
+  decode = c;
+}
+
 // What neither the forward nor the backward kernels serve (both hold the same dtypes and head
 // dims); empty when the problem is served.
 std::string unserved_reason(const Problem& problem) {
@@ -420,11 +457,11 @@ int KernelChoice::threads() const {
 }
 
 bool KernelChoice::turns_possible() const {
-  return kind == KernelKind::kWgmma && pipelined && warps == kWgmmaWarps;
+  return (kind == KernelKind::kWgmma || paged_wgmma) && pipelined && warps == kWgmmaWarps;
 }
 
 std::string KernelChoice::config_type() const {
-  if (kind == KernelKind::kWgmma) {
+  if (kind == KernelKind::kWgmma || paged_wgmma) {
     // The trailing arguments only where they differ from their defaults (turns off, two
     // warpgroups, one block per multiprocessor), so the default shapes keep their cache keys.
     std::string tail;
@@ -469,16 +506,23 @@ std::string KernelChoice::kernel_template() const {
     case KernelKind::kSimt:
       return "forward_simt";
     case KernelKind::kDecode:
+      if (paged_wgmma) return "forward_prefill_wgmma";
       return tensor_cores ? "forward_decode_mma" : "forward_decode";
   }
   throw_internal("cuda: unknown kernel kind");
 }
 
 std::string KernelChoice::architecture_suffix() const {
-  return kind == KernelKind::kWgmma ? "a" : "";
+  return kind == KernelKind::kWgmma || paged_wgmma ? "a" : "";
 }
 
 std::string KernelChoice::describe() const {
+  if (paged_wgmma) {
+    KernelChoice forward = *this;
+    forward.kind = KernelKind::kWgmma;
+    forward.paged_wgmma = false;
+    return "paged-cache chunked prefill on the " + forward.describe();
+  }
   if (kind == KernelKind::kWgmma) {
     return fmt::format(
         "tensor-core (wgmma, sm_90a) {}, {}x{} tiles, {} warps, {} stages{}{}, head dims {} and "
@@ -558,6 +602,7 @@ KernelSelection choose_kernel(const Problem& problem, int capability, bool allow
   if (!selection.reason.empty()) return selection;
   if (problem.kv_cache()) {
     selection.choice = decode_choice(problem);
+    if (allow_wgmma && capability == kWgmmaCapability) prefill_on_wgmma(problem, selection.choice);
     return selection;
   }
   const DType dtype = problem.dtype();

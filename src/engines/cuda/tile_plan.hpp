@@ -46,6 +46,9 @@ struct KernelChoice {
   bool vector_loads = false;
   // decode: the tensor-core variant (mma.sync over 16 packed query rows, DecodeMmaConfig).
   bool tensor_cores = false;
+  // decode, sm_90: chunked prefill on the wgmma forward (forward_prefill_wgmma, WgmmaConfig; the
+  // wgmma fields above describe it).
+  bool paged_wgmma = false;
   int min_blocks = 0;      // mma: thread blocks per multiprocessor the registers must allow
   int shared_bytes = 0;
 

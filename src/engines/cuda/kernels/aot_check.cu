@@ -408,3 +408,23 @@ FLEXATTN_AOT_DECODE_MMA(aot_decode_mma_bf16_d256, IdentityModifier, BFloat16Tag,
 FLEXATTN_AOT_PREFILL_MMA(aot_prefill_mma_bf16_d128_softcap, CausalSoftcapModifier, BFloat16Tag,
                          128, 128, 128, 128, 2)
 FLEXATTN_AOT_PREFILL_MMA(aot_prefill_mma_f16_d64, IdentityModifier, HalfTag, 64, 64, 64, 64, 4)
+
+// Chunked prefill on sm_90 on the wgmma forward over the paged cache: the shapes wgmma_choice
+// picks (head dim 128 with its producer and turns; 64 two blocks per multiprocessor; 256).
+#define FLEXATTN_AOT_PREFILL_WGMMA(name, modifier, ...)                                      \
+  extern "C" __global__ void __launch_bounds__(WgmmaConfig<__VA_ARGS__>::kBlockThreads,     \
+                                               WgmmaConfig<__VA_ARGS__>::kMinBlocks)        \
+      name(const flexattn_kernels::DecodeParams params) {                                   \
+    flexattn_kernels::forward_prefill_wgmma<WgmmaConfig<__VA_ARGS__>, modifier>(params);    \
+  }
+
+FLEXATTN_AOT_PREFILL_WGMMA(aot_prefill_wgmma_bf16_d128_softcap, CausalSoftcapModifier,
+                           BFloat16Tag, 128, 128, 128, 3, true,
+                           1024 + 128 * 256 + 3 * 2 * 128 * 256 + 64, true, 2, 1, false, true)
+FLEXATTN_AOT_PREFILL_WGMMA(aot_prefill_wgmma_bf16_d128, IdentityModifier, BFloat16Tag, 128, 128,
+                           128, 3, true, 1024 + 128 * 256 + 3 * 2 * 128 * 256 + 64, true, 2, 1,
+                           false, true)
+FLEXATTN_AOT_PREFILL_WGMMA(aot_prefill_wgmma_f16_d64_softcap, CausalSoftcapModifier, HalfTag, 64,
+                           64, 128, 2, false, 1024 + 128 * 128 + 2 * 2 * 128 * 128, false, 2, 2)
+FLEXATTN_AOT_PREFILL_WGMMA(aot_prefill_wgmma_bf16_d256_softcap, CausalSoftcapModifier,
+                           BFloat16Tag, 256, 256, 64, 2, false, 1024 + 128 * 512 + 2 * 2 * 64 * 512)

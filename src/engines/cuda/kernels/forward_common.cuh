@@ -326,16 +326,35 @@ struct OrderedDot<Float32Tag> {
   static constexpr bool kValue = true;
 };
 
-// Output row `row` (a position in the sequence) of head `head`, and its LSE, computed by one warp
+// Where exact_forward_row finds a sequence's keys and values (element indices of their rows in
+// the k and v views, for kv head head_kv) and a query row's position (the modifiers' `q`): a
+// dense sequence's keys from kv_offset, queries at positions 0, 1, ... (PagedKeyRows,
+// forward_wgmma.cuh: through a page table, queries aligned to the end of the cache).
+struct DenseKeyRows {
+  int batch;
+  int kv_offset;
+  __device__ __forceinline__ long long key(const ForwardParams& p, int kv, int head_kv) const {
+    return row_index(p.k, batch, kv_offset + kv, head_kv);
+  }
+  __device__ __forceinline__ long long value(const ForwardParams& p, int kv, int head_kv) const {
+    return row_index(p.v, batch, kv_offset + kv, head_kv);
+  }
+  __device__ __forceinline__ int position(int row) const { return row; }
+};
+
+// Output row `row` (a query of the sequence) of head `head`, and its LSE, computed by one warp
 // in fp32 over every key of the sequence, the mask evaluated at every one, with online softmax
 // in the log2 domain (the natural domain for fp32 storage, as forward_simt: OrderedDot); a
-// removed position (mask, or a -inf modified score) is skipped.
-template <class Tag, class Modifier, int kDimQk, int kDimV>
+// removed position (mask, or a -inf modified score) is skipped. `keys`: DenseKeyRows or
+// PagedKeyRows.
+template <class Tag, class Modifier, int kDimQk, int kDimV, class KeyRows>
 __device__ __forceinline__ void exact_forward_row(const ForwardParams& p,
                                                   const typename Modifier::Invariants& invariants,
                                                   const Coordinates& at, const SequenceSpan& span,
-                                                  int batch, int head, int row, int lane) {
+                                                  int batch, int head, int row, int lane,
+                                                  const KeyRows& keys) {
   const int head_kv = head / p.heads_per_kv;
+  const int position = keys.position(row);
   WarpRow<kDimQk> query;
   query.load(Tag{}, p.q.data, row_index(p.q, batch, span.q_offset + row, head), lane);
   WarpRow<kDimV> output;
@@ -344,13 +363,13 @@ __device__ __forceinline__ void exact_forward_row(const ForwardParams& p,
   float row_sum = 0.0f;
   for (int kv = 0; kv < span.kv_len; ++kv) {
     WarpRow<kDimQk> key;
-    key.load(Tag{}, p.k.data, row_index(p.k, batch, span.kv_offset + kv, head_kv), lane);
+    key.load(Tag{}, p.k.data, keys.key(p, kv, head_kv), lane);
     // fp32: the natural domain and dot order of forward_simt (OrderedDot); else log2.
     constexpr bool kNatural = OrderedDot<Tag>::kValue;
-    const float logit =
-        kNatural ? element_logit<Modifier, true, false>(query.ordered_dot(key), p, invariants, at,
-                                                        row, kv)
-                 : element_logit<Modifier, true, true>(query.dot(key), p, invariants, at, row, kv);
+    const float logit = kNatural ? element_logit<Modifier, true, false>(
+                                       query.ordered_dot(key), p, invariants, at, position, kv)
+                                 : element_logit<Modifier, true, true>(
+                                       query.dot(key), p, invariants, at, position, kv);
     if (logit == negative_infinity()) continue;
     // fmaxf ignores a NaN logit; its weight exp(NaN) makes the sum NaN.
     const float new_max = fmaxf(row_max, logit);
@@ -362,7 +381,7 @@ __device__ __forceinline__ void exact_forward_row(const ForwardParams& p,
     for (int c = 0; c < WarpRow<kDimV>::kColumns; ++c) output.value[c] *= correction;
     if (weight != 0.0f) {
       WarpRow<kDimV> value;
-      value.load(Tag{}, p.v.data, row_index(p.v, batch, span.kv_offset + kv, head_kv), lane);
+      value.load(Tag{}, p.v.data, keys.value(p, kv, head_kv), lane);
       output.add(weight, value);
     }
   }
@@ -377,11 +396,13 @@ __device__ __forceinline__ void exact_forward_row(const ForwardParams& p,
 
 // After a forward block stored rows [q_start, q_start + rows) and `flagged` (barrier_any of the
 // threads' non-finite results) is set: the warps recompute the rows whose stored output holds NaN
-// or inf. `warp` and `warps`: this warp among the threads that stored.
-template <class Tag, class Modifier, int kDimQk, int kDimV>
+// or inf. `warp` and `warps`: this warp among the threads that stored. The keys: a dense
+// sequence's, or `keys` (PagedKeyRows).
+template <class Tag, class Modifier, int kDimQk, int kDimV, class KeyRows>
 __device__ __forceinline__ void repair_forward_rows(const ForwardParams& p,
                                                     const SequenceSpan& span, int batch, int head,
-                                                    int q_start, int rows, int warp, int warps) {
+                                                    int q_start, int rows, int warp, int warps,
+                                                    const KeyRows& keys) {
   const int lane = static_cast<int>(threadIdx.x % kWarpSize);
   const Coordinates at{batch, head, span.q_len, span.kv_len};
   const typename Modifier::Invariants invariants = Modifier::prepare(p, at);
@@ -390,9 +411,16 @@ __device__ __forceinline__ void repair_forward_rows(const ForwardParams& p,
     if (stored_row_non_finite<Tag, kDimV>(p.o.data,
                                           row_index(p.o, batch, span.q_offset + row, head), lane)) {
       exact_forward_row<Tag, Modifier, kDimQk, kDimV>(p, invariants, at, span, batch, head, row,
-                                                      lane);
+                                                      lane, keys);
     }
   }
+}
+template <class Tag, class Modifier, int kDimQk, int kDimV>
+__device__ __forceinline__ void repair_forward_rows(const ForwardParams& p,
+                                                    const SequenceSpan& span, int batch, int head,
+                                                    int q_start, int rows, int warp, int warps) {
+  repair_forward_rows<Tag, Modifier, kDimQk, kDimV>(p, span, batch, head, q_start, rows, warp,
+                                                    warps, DenseKeyRows{batch, span.kv_offset});
 }
 
 }  // namespace flexattn_kernels

@@ -256,12 +256,13 @@ __device__ __forceinline__ void produce_tiles(const EntryRange& entries, unsigne
 // After the last tile: O and LSE stored through the Q tile's shared memory once every computing
 // warp is done with Q (and, without a producer, with K and V), and rows that came out non-finite
 // recomputed (repair_forward_rows).
-template <class Config, class Modifier>
+template <class Config, class Modifier, class KeyRows>
 __device__ __forceinline__ void finish_forward_rows(const ForwardParams& p, unsigned char* shared,
                                                     float (&output)[1][Config::kOutputTiles][4],
                                                     float (&row_max)[1][2], float (&row_sum)[1][2],
                                                     const SequenceSpan& span, int batch, int head,
-                                                    int q_start, int thread, int warp) {
+                                                    int q_start, int thread, int warp,
+                                                    const KeyRows& keys) {
   using Tag = typename Config::Tag;
   to_log2_units(row_max, Modifier::kForwardToLog2);
   if constexpr (Config::kProducer) {
@@ -270,7 +271,7 @@ __device__ __forceinline__ void finish_forward_rows(const ForwardParams& p, unsi
     if (store_output<Config, kConsumerBarrier>(p, shared, output, row_max, row_sum, span, batch,
                                                head, q_start, thread)) {
       repair_forward_rows<Tag, Modifier, Config::kDimQk, Config::kDimV>(
-          p, span, batch, head, q_start, Config::kBlockM, warp, Config::kWarps);
+          p, span, batch, head, q_start, Config::kBlockM, warp, Config::kWarps, keys);
     }
   } else {
     wait_copies<0>();
@@ -278,13 +279,194 @@ __device__ __forceinline__ void finish_forward_rows(const ForwardParams& p, unsi
     if (store_output<Config>(p, shared, output, row_max, row_sum, span, batch, head, q_start,
                              thread)) {
       repair_forward_rows<Tag, Modifier, Config::kDimQk, Config::kDimV>(
-          p, span, batch, head, q_start, Config::kBlockM, warp, Config::kWarps);
+          p, span, batch, head, q_start, Config::kBlockM, warp, Config::kWarps, keys);
     }
   }
 }
 
-template <class Config, class Modifier>
-__device__ __forceinline__ void forward_wgmma(const ForwardParams& p) {
+// ---- chunked prefill against a paged KV cache (forward_prefill_wgmma) --------------------------
+//
+// The same kernel over a paged cache (DecodeParams; the pools' views in d.fwd.k and d.fwd.v): a
+// block takes 128 queries of one head of one sequence, as on a dense problem, and its keys are
+// the sequence's cache_lens[b] cached ones, read through the page table. The queries sit at the
+// end of the cache (positions cache_len - q_len + i, the modifiers' `q`); `KV_LEN` is the cache
+// length. The kv tiles come from no host list (the lengths stay on the device): without a mask
+// every tile of the cache; with one, the tiles where it keeps some element of the block's rows,
+// found by evaluating it (prefill_tile_list), each visited with the mask evaluated per element.
+// A length outside {0} U [q_len, capacity] or a used page id outside [0, pages) is never
+// dereferenced: the sequence's rows come out NaN, with LSE NaN (as the decode kernels').
+
+// Where key `key` of a sequence lies in the pools: its page (from the sequence's page-table row)
+// and slot (page_shift: a power-of-two page size takes no division).
+struct PagedSlot {
+  int page;
+  int slot;
+  __device__ __forceinline__ long long row(const SequenceView& pool, int head_kv) const {
+    return page * pool.batch_stride + slot * pool.token_stride + head_kv * pool.head_stride;
+  }
+};
+__device__ __forceinline__ PagedSlot paged_slot(const DecodeParams& d, const int* table, int key) {
+  if (d.page_shift >= 0) {
+    return PagedSlot{__ldg(table + (key >> d.page_shift)), key & (d.page_size - 1)};
+  }
+  return PagedSlot{__ldg(table + key / d.page_size), key % d.page_size};
+}
+
+// A paged sequence's keys for exact_forward_row (repairing non-finite rows), and its queries'
+// positions.
+struct PagedKeyRows {
+  const DecodeParams& d;
+  const int* table;  // the sequence's page-table row
+  int shift;         // cache_len - q_len
+  __device__ __forceinline__ long long key(const ForwardParams& p, int kv, int head_kv) const {
+    return paged_slot(d, table, kv).row(p.k, head_kv);
+  }
+  __device__ __forceinline__ long long value(const ForwardParams& p, int kv, int head_kv) const {
+    return paged_slot(d, table, kv).row(p.v, head_kv);
+  }
+  __device__ __forceinline__ int position(int row) const { return shift + row; }
+};
+
+// Keys [first, first + kRows) of the sequence into a K and a V tile (the swizzled panel layouts)
+// through its page-table row: the key's page is looked up once for both; keys at or past `end`
+// are zero-filled (their scores are removed), never read.
+template <class Config, int kRows, int kThreads>
+__device__ __forceinline__ void load_paged_rows_async(const DecodeParams& d, const int* table,
+                                                      int head_kv, int first, int end,
+                                                      unsigned k_tile, unsigned v_tile,
+                                                      int thread) {
+  constexpr int kChunksK = Config::kChunksQk;
+  constexpr int kChunksV = Config::kChunksV;
+  constexpr int kChunks = kChunksK > kChunksV ? kChunksK : kChunksV;
+  constexpr int kCopies = kRows * kChunks;
+  static_assert(kCopies % kThreads == 0, "every thread copies the same number of chunk pairs");
+  const auto* k_base = static_cast<const unsigned short*>(d.fwd.k.data);
+  const auto* v_base = static_cast<const unsigned short*>(d.fwd.v.data);
+#pragma unroll 1
+  for (int step = 0; step < kCopies / kThreads; ++step) {
+    const int index = step * kThreads + thread;
+    const int row = index / kChunks;
+    const int chunk = index % kChunks;
+    const int key = first + row;
+    const bool inside = key < end;
+    long long k_offset = 0;
+    long long v_offset = 0;
+    if (inside) {
+      const PagedSlot at = paged_slot(d, table, key);
+      k_offset = at.row(d.fwd.k, head_kv) + chunk * kChunkElements;
+      v_offset = at.row(d.fwd.v, head_kv) + chunk * kChunkElements;
+    }
+    if (chunk < kChunksK) {
+      copy_chunk_async(k_tile + Config::KLayout::offset(row, chunk),
+                       inside ? k_base + k_offset : k_base, inside);
+    }
+    if (chunk < kChunksV) {
+      copy_chunk_async(v_tile + Config::VLayout::offset(row, chunk),
+                       inside ? v_base + v_offset : v_base, inside);
+    }
+  }
+}
+
+// Whether the sequence's length or a page id it uses is out of range (the same in every thread;
+// a block barrier).
+template <int kThreads>
+__device__ __forceinline__ bool paged_sequence_poisoned(const DecodeParams& d, const int* table,
+                                                        int q_len, int cache_len, int thread) {
+  const int capacity = d.max_pages * d.page_size;
+  bool poisoned = !(cache_len == 0 || (cache_len >= q_len && cache_len <= capacity));
+  if (!poisoned && cache_len > 0) {
+    const int used = (cache_len - 1) / d.page_size + 1;
+    for (int entry = thread; entry < used; entry += kThreads) {
+      const int page = table[entry];
+      poisoned |= page < 0 || page >= d.pages;
+    }
+  }
+  return barrier_any<-1>(poisoned, kThreads);
+}
+
+// A poisoned sequence's rows [q_start, q_start + kRows): O and LSE NaN.
+template <class Tag, int kRows, int kDimV, int kThreads>
+__device__ __forceinline__ void store_nan_rows(const ForwardParams& p, const SequenceSpan& span,
+                                               int batch, int head, int q_start, int thread) {
+  const float nan = __int_as_float(0x7fc00000);
+  for (int index = thread; index < kRows * kDimV; index += kThreads) {
+    const int row = q_start + index / kDimV;
+    if (row < span.q_len) {
+      store_from_float(Tag{}, p.o.data,
+                       row_index(p.o, batch, span.q_offset + row, head) + index % kDimV, nan);
+    }
+  }
+  if (p.lse != nullptr) {
+    for (int r = thread; r < kRows && q_start + r < span.q_len; r += kThreads) {
+      *lse_address(p, batch, head, span.q_offset + q_start + r) = nan;
+    }
+  }
+}
+
+// With a mask: the kv tiles (of kBlockN keys, before kv_len) where it keeps some element of the
+// block's rows (queries q_start .. of one head, at positions shift + q_start ..), in key order,
+// into `list` (shared memory); returns how many. All kThreads threads take part: warp w
+// evaluates tiles w, w + warps, ..., lane l rows l % 16 (+ 16, ...) over half the tile's keys,
+// stopping at the first kept element; the flags are compacted in order by warp 0. Ends with a
+// block barrier.
+template <class Config, class Modifier, int kThreads>
+__device__ __forceinline__ int prefill_tile_list(const ForwardParams& p, const Coordinates& at,
+                                                 int q_start, int shift, int tiles,
+                                                 unsigned short* list, int thread) {
+  constexpr int kBlockN = Config::kBlockN;
+  constexpr int kHalf = kBlockN / 2;
+  constexpr int kRowGroups = Config::kBlockM / 16;
+  constexpr int kWarps = kThreads / kWarpSize;
+  constexpr int kFlagWords = kPrefillListCapacity / kWarpSize;
+  static_assert(kFlagWords <= kWarpSize, "warp 0 compacts the flags one word a lane");
+  __shared__ unsigned flags[kFlagWords];
+  __shared__ int listed;
+  const int warp = thread / kWarpSize;
+  const int lane = thread % kWarpSize;
+  for (int word = thread; word < kFlagWords; word += kThreads) flags[word] = 0u;
+  __syncthreads();
+  const typename Modifier::Invariants invariants = Modifier::prepare(p, at);
+  for (int t = warp; t < tiles; t += kWarps) {
+    const int key0 = t * kBlockN + (lane / 16) * kHalf;
+    const int key_end = ir_min(key0 + kHalf, at.kv_len);
+    bool keep = false;
+#pragma unroll 1
+    for (int i = 0; i < kRowGroups && !keep; ++i) {
+      const int row = q_start + lane % 16 + 16 * i;
+      if (row < at.q_len) {
+        for (int kv = key0; kv < key_end && !keep; ++kv) {
+          keep = Modifier::mask_mod(invariants, p, at, shift + row, kv);
+        }
+      }
+    }
+    if (__any_sync(0xffffffffu, keep) != 0 && lane == 0)
+      atomicOr(&flags[t / kWarpSize], 1u << (t % kWarpSize));
+  }
+  __syncthreads();
+  if (warp == 0) {
+    const unsigned bits = lane < kFlagWords ? flags[lane] : 0u;
+    const int count = __popc(bits);
+    int before = count;  // inclusive prefix sum over the lanes
+#pragma unroll
+    for (int offset = 1; offset < kWarpSize; offset *= 2) {
+      const int other = __shfl_up_sync(0xffffffffu, before, offset);
+      if (lane >= offset) before += other;
+    }
+    int slot = before - count;
+    for (unsigned rest = bits; rest != 0u; rest &= rest - 1u) {
+      list[slot++] = static_cast<unsigned short>(lane * kWarpSize + __ffs(rest) - 1);
+    }
+    if (lane == kWarpSize - 1) listed = before;
+  }
+  __syncthreads();
+  return listed;
+}
+
+// The wgmma forward of a dense problem (kPaged false: `paged` unused), or of chunked prefill
+// against a paged cache (kPaged, forward_prefill_wgmma).
+template <class Config, class Modifier, bool kPaged = false>
+__device__ __forceinline__ void forward_wgmma(const ForwardParams& p,
+                                              const DecodeParams* paged = nullptr) {
   using Tag = typename Config::Tag;
   using KLayout = typename Config::KLayout;
   using VLayout = typename Config::VLayout;
@@ -311,10 +493,27 @@ __device__ __forceinline__ void forward_wgmma(const ForwardParams& p) {
   const int q_block = place.q_block;
   const int head = place.head;
   const int batch = place.batch;
-  const SequenceSpan span = sequence_span(p, batch);
+  SequenceSpan span = sequence_span(p, batch);
   const int q_start = q_block * kBlockM;
   if (q_start >= span.q_len) return;
   const int head_kv = head / p.heads_per_kv;
+  // Paged: the sequence's page-table row, and its queries' offset from position 0.
+  const int* page_table = nullptr;
+  int shift = 0;
+  if constexpr (kPaged) {
+    static_assert(!Config::kStageTensor, "a paged cache stages no modifier tensor");
+    page_table = paged->page_table + static_cast<long long>(batch) * paged->max_pages;
+    const int cache_len = paged->cache_lens[batch];
+    if (paged_sequence_poisoned<Config::kBlockThreads>(*paged, page_table, span.q_len, cache_len,
+                                                       thread)) {
+      store_nan_rows<Tag, kBlockM, Config::kDimV, Config::kBlockThreads>(p, span, batch, head,
+                                                                         q_start, thread);
+      return;
+    }
+    span.kv_offset = 0;
+    span.kv_len = cache_len;
+    shift = cache_len - span.q_len;
+  }
   const Coordinates at{batch, head, span.q_len, span.kv_len};
 
   const unsigned short* q_source =
@@ -339,27 +538,55 @@ __device__ __forceinline__ void forward_wgmma(const ForwardParams& p) {
                     static_cast<long long>(q_start) * Modifier::kStagedRowStride;
   }
 
-  const EntryRange entries = visited_tiles(p, q_start, kBlockN, span.kv_len);
+  // The kv tiles to visit, each kv_tile << 1 | mixed: the host's list (tile_entries), or paged,
+  // every tile of the cache or (with a mask) those listed in `paged_list`, all mixed.
+  EntryRange entries{0, 0};
+  const unsigned short* paged_list = nullptr;
+  if constexpr (kPaged) {
+    entries.end = (span.kv_len + kBlockN - 1) / kBlockN;
+    if constexpr (Modifier::kHasMask) {
+      __shared__ unsigned short list[kPrefillListCapacity];
+      entries.end = prefill_tile_list<Config, Modifier, Config::kBlockThreads>(
+          p, at, q_start, shift, entries.end, list, thread);
+      paged_list = list;
+    }
+  } else {
+    entries = visited_tiles(p, q_start, kBlockN, span.kv_len);
+  }
+  const auto tile_entry = [&](int entry_index) {
+    if constexpr (kPaged) {
+      return Modifier::kHasMask ? static_cast<int>(paged_list[entry_index]) << 1 | 1
+                                : entry_index << 1;
+    } else {
+      return p.tile_entries[entry_index];
+    }
+  };
 
   // Copies kv tile `entry_index` into `stage`: `loader` of the kLoaderThreads threads that copy.
   auto load_keys_and_values = [&](int entry_index, int stage, int loader) {
     constexpr int kLoaders = Config::kLoaderThreads;
-    const int kv_start = entry_kv_tile(p.tile_entries[entry_index]) * kBlockN;
-    const int rows_valid = span.kv_len - kv_start;
-    load_rows_async<kBlockN, KLayout, Config::kChunksQk, kLoaders>(
-        k_tiles + stage * Config::kKBytes, k_source + kv_start * p.k.token_stride, p.k.token_stride,
-        rows_valid, Config::kChunksQk, loader);
-    load_rows_async<kBlockN, VLayout, Config::kChunksV, kLoaders>(
-        v_tiles + stage * Config::kVBytes, v_source + kv_start * p.v.token_stride, p.v.token_stride,
-        rows_valid, Config::kChunksV, loader);
-    if constexpr (Config::kStageTensor) {
-      // Rows past the queries and columns past the keys are zero-filled (their scores are
-      // masked); the row length is a multiple of 8, so chunks are whole.
-      constexpr int kStagedChunks = kBlockN / kChunkElements;
-      load_rows_async<kBlockM, typename Config::StagedLayout, kStagedChunks, kLoaders>(
-          staged_tiles + stage * Config::kStagedBytes, staged_source + kv_start,
-          Modifier::kStagedRowStride, span.q_len - q_start,
-          ir_min(kStagedChunks, (span.kv_len - kv_start) / kChunkElements), loader);
+    const int kv_start = entry_kv_tile(tile_entry(entry_index)) * kBlockN;
+    if constexpr (kPaged) {
+      load_paged_rows_async<Config, kBlockN, kLoaders>(
+          *paged, page_table, head_kv, kv_start, span.kv_len, k_tiles + stage * Config::kKBytes,
+          v_tiles + stage * Config::kVBytes, loader);
+    } else {
+      const int rows_valid = span.kv_len - kv_start;
+      load_rows_async<kBlockN, KLayout, Config::kChunksQk, kLoaders>(
+          k_tiles + stage * Config::kKBytes, k_source + kv_start * p.k.token_stride,
+          p.k.token_stride, rows_valid, Config::kChunksQk, loader);
+      load_rows_async<kBlockN, VLayout, Config::kChunksV, kLoaders>(
+          v_tiles + stage * Config::kVBytes, v_source + kv_start * p.v.token_stride,
+          p.v.token_stride, rows_valid, Config::kChunksV, loader);
+      if constexpr (Config::kStageTensor) {
+        // Rows past the queries and columns past the keys are zero-filled (their scores are
+        // masked); the row length is a multiple of 8, so chunks are whole.
+        constexpr int kStagedChunks = kBlockN / kChunkElements;
+        load_rows_async<kBlockM, typename Config::StagedLayout, kStagedChunks, kLoaders>(
+            staged_tiles + stage * Config::kStagedBytes, staged_source + kv_start,
+            Modifier::kStagedRowStride, span.q_len - q_start,
+            ir_min(kStagedChunks, (span.kv_len - kv_start) / kChunkElements), loader);
+      }
     }
   };
 
@@ -411,6 +638,10 @@ __device__ __forceinline__ void forward_wgmma(const ForwardParams& p) {
   int query[1][2];                   // the rows' positions, clamped into the sequence
   start_rows(output, row_max, row_sum, query, q_start + warp * Config::kRowsPerWarp + group,
              span.q_len);
+  if constexpr (kPaged) {
+    query[0][0] += shift;
+    query[0][1] += shift;
+  }
   const typename Modifier::Invariants invariants = Modifier::prepare(p, at);
   // The accumulators as the flat lists wgmma takes.
   float(&output_flat)[kOutputTiles * 4] = reinterpret_cast<float(&)[kOutputTiles * 4]>(output);
@@ -454,7 +685,7 @@ __device__ __forceinline__ void forward_wgmma(const ForwardParams& p) {
   // `first`: the row's first tile (it sets a fixed reference, kStaticReference).
   auto probabilities = [&](int entry_index, float(&correction)[1][2], int stage, bool try_small,
                            bool first) {
-    const int entry = p.tile_entries[entry_index];
+    const int entry = tile_entry(entry_index);
     const int kv_start = entry_kv_tile(entry) * kBlockN;
     const int kv_first = kv_start + 2 * quad_lane;
     const StagedTile staged{staged_tiles + stage * Config::kStagedBytes,
@@ -578,8 +809,22 @@ __device__ __forceinline__ void forward_wgmma(const ForwardParams& p) {
       release_stage(iteration);  // K, V and the staged tile read
     }
   }
-  finish_forward_rows<Config, Modifier>(p, shared, output, row_max, row_sum, span, batch, head,
-                                        q_start, thread, warp);
+  if constexpr (kPaged) {
+    finish_forward_rows<Config, Modifier>(p, shared, output, row_max, row_sum, span, batch, head,
+                                          q_start, thread, warp,
+                                          PagedKeyRows{*paged, page_table, shift});
+  } else {
+    finish_forward_rows<Config, Modifier>(p, shared, output, row_max, row_sum, span, batch, head,
+                                          q_start, thread, warp,
+                                          DenseKeyRows{batch, span.kv_offset});
+  }
+}
+
+// Chunked prefill against a paged KV cache on the wgmma forward (above): grid (query blocks of
+// the longest sequence, query heads, batch), one split.
+template <class Config, class Modifier>
+__device__ __forceinline__ void forward_prefill_wgmma(const DecodeParams& d) {
+  forward_wgmma<Config, Modifier, true>(d.fwd, &d);
 }
 
 }  // namespace flexattn_kernels

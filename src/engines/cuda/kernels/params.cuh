@@ -72,7 +72,14 @@ struct DecodeParams {
   int tokens_q;        // query tokens over all sequences (rows of the partial results)
   float* partial_o;    // splits > 1: (splits, heads_q, tokens_q, head_dim_v)
   float* partial_lse;  // splits > 1: (splits, heads_q, tokens_q)
+  int page_shift;      // log2(page_size) where it is a power of two, else -1
 };
+
+// Chunked prefill on the wgmma forward (forward_prefill_wgmma): with a mask, the kv tiles a block
+// visits are listed in shared memory, at most this many (the engine takes the kernel only for
+// caches whose capacity fits; 768 x 2 bytes and the flag words fit beside the head-dim-128
+// kernel's 225 KB).
+constexpr int kPrefillListCapacity = 768;
 
 // Launch geometry of the decode combine kernel: one warp per (head, query token), grid
 // (ceil(heads_q * tokens_q / kDecodeCombineRows)).
