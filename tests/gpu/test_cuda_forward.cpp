@@ -299,7 +299,7 @@ struct PagedTables {
 // order and scrambled, give the same bits (the kernel's arithmetic depends on positions, not
 // pages); a used page id outside the pool (sequence 1) and a length past the capacity
 // (sequence 2) give NaN rows without reading past the pool, and leave sequence 0's rows alone.
-// In bf16 on tensor cores and in fp32 on the fp32 units (the two paged-cache kernels); 16 new
+// In bf16 on tensor cores and in fp32 on the fp32 units (the paged-cache kernels); 16 new
 // tokens at GQA 4:1 make 64 packed rows, the tensor-core kernel's chunked-prefill blocks; from
 // 128 new tokens sm_90 runs the wgmma forward over the cache.
 void check_paged_cache_tables(DType dtype, std::int64_t tokens, std::int64_t heads_q,
