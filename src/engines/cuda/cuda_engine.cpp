@@ -2,6 +2,7 @@
 
 #include <fmt/format.h>
 
+#include <bit>
 #include <cstdlib>
 #include <limits>
 #include <map>
@@ -394,10 +395,8 @@ class CudaPlan final : public Plan {
       const KvCacheDesc& pools = *problem.kv_cache();
       p.max_pages = static_cast<int>(pools.max_pages);
       p.page_size = static_cast<int>(pools.page_size);
-      p.page_shift = -1;
-      for (int shift = 0; shift < 31; ++shift) {
-        if (std::int64_t{1} << shift == pools.page_size) p.page_shift = shift;
-      }
+      const auto page_size = static_cast<std::uint64_t>(pools.page_size);
+      p.page_shift = std::has_single_bit(page_size) ? std::countr_zero(page_size) : -1;
       p.pages = static_cast<int>(pools.pages);
       p.splits = d.splits.splits;
       p.keys_per_split = d.splits.keys_per_split;
