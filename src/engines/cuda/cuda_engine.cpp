@@ -628,7 +628,7 @@ class CudaPlan final : public Plan {
     if (d.splits.splits > 1) {
       const std::int64_t rows = problem_.heads_q() * static_cast<std::int64_t>(p.tokens_q);
       launch(d.combine,
-             {static_cast<unsigned>(ceil_div(rows, flexattn_kernels::kDecodeCombineRows)), 1, 1},
+             {static_cast<unsigned>(rows), 1, 1},
              flexattn_kernels::kDecodeCombineThreads, 0, stream, &p, "paged-cache combine");
     }
     scratch.release();

@@ -997,15 +997,20 @@ __device__ __forceinline__ void forward_decode_mma(const DecodeParams& d) {
                                          poisoned, output, row_max, row_sum);
 }
 
-// Merges the splits' partial rows (forward_decode with d.splits > 1): one warp per (head, query
+// Merges the splits' partial rows (forward_decode with d.splits > 1): one block per (head, query
 // token), weights exp(lse_s - max_s lse_s); a split that kept no key (LSE -inf) adds nothing, a
-// NaN one makes the row NaN.
+// NaN one makes the row NaN. Warp w sums splits w, w + kWarps, ... (so a row's partial rows are
+// read kWarps at a time, not one after another), then warp 0 adds the warps' sums in order.
 template <class Tag, int kDimV>
 __device__ __forceinline__ void decode_combine(const DecodeParams& d) {
+  constexpr int kWarps = kDecodeCombineThreads / kWarpSize;
+  constexpr int kColumns = (kDimV + kWarpSize - 1) / kWarpSize;
+  // Each warp's weighted columns, then its sum of weights.
+  __shared__ float parts[kWarps][kColumns * kWarpSize + 1];
   const ForwardParams& p = d.fwd;
+  const int warp = static_cast<int>(threadIdx.x) / kWarpSize;
   const int lane = static_cast<int>(threadIdx.x) % kWarpSize;
-  const long long row_id = static_cast<long long>(blockIdx.x) * kDecodeCombineRows +
-                           static_cast<int>(threadIdx.x) / kWarpSize;
+  const long long row_id = blockIdx.x;
   const int heads_q = d.heads_q;
   if (row_id >= static_cast<long long>(heads_q) * d.tokens_q) return;
   const int head = static_cast<int>(row_id / d.tokens_q);
@@ -1017,30 +1022,47 @@ __device__ __forceinline__ void decode_combine(const DecodeParams& d) {
   }
   merged_max = warp_max(merged_max);
   const float subtract = safe_max(merged_max);
-  constexpr int kColumns = (kDimV + kWarpSize - 1) / kWarpSize;
   float merged[kColumns];
 #pragma unroll
   for (int c = 0; c < kColumns; ++c) merged[c] = 0.0f;
   float sum = 0.0f;
-  // 32 splits' weights at a time, one per lane, then broadcast: the partial rows' loads do not
-  // wait on their weight's load (the same order of additions as one split after another).
-  for (int base = 0; base < d.splits; base += kWarpSize) {
+  // This warp's splits, 32 of their weights at a time, one per lane, then broadcast: the partial
+  // rows' loads do not wait on their weight's load.
+  const int own_count = (d.splits - warp + kWarps - 1) / kWarps;
+  for (int base = 0; base < own_count; base += kWarpSize) {
     const int own = base + lane;
     const float own_weight =
-        own < d.splits ? expf(d.partial_lse[own * stride + row_id] - subtract) : 0.0f;
-    const int count = ir_min(kWarpSize, d.splits - base);
+        own < own_count ? expf(d.partial_lse[(own * kWarps + warp) * stride + row_id] - subtract)
+                        : 0.0f;
+    const int count = ir_min(kWarpSize, own_count - base);
 #pragma unroll 4
     for (int j = 0; j < count; ++j) {
       const float weight = __shfl_sync(0xffffffffu, own_weight, j);
       if (weight == 0.0f) continue;  // the same in every lane
       sum += weight;
-      const float* row = d.partial_o + ((base + j) * stride + row_id) * kDimV;
+      const float* row = d.partial_o + (((base + j) * kWarps + warp) * stride + row_id) * kDimV;
 #pragma unroll
       for (int c = 0; c < kColumns; ++c) {
         const int column = c * kWarpSize + lane;
         if (column < kDimV) merged[c] = fmaf(weight, row[column], merged[c]);
       }
     }
+  }
+  // The warps' sums through shared memory, added by warp 0 in warp order (the same bits on every
+  // run).
+#pragma unroll
+  for (int c = 0; c < kColumns; ++c) parts[warp][c * kWarpSize + lane] = merged[c];
+  if (lane == 0) parts[warp][kColumns * kWarpSize] = sum;
+  __syncthreads();
+  if (warp != 0) return;
+#pragma unroll
+  for (int c = 0; c < kColumns; ++c) merged[c] = parts[0][c * kWarpSize + lane];
+  sum = parts[0][kColumns * kWarpSize];
+#pragma unroll
+  for (int w = 1; w < kWarps; ++w) {
+#pragma unroll
+    for (int c = 0; c < kColumns; ++c) merged[c] += parts[w][c * kWarpSize + lane];
+    sum += parts[w][kColumns * kWarpSize];
   }
   const RowResult result = finish_row_natural(merged_max, sum);
   // The row's (batch, token): thd rows count through the sequences (views without a batch

@@ -81,10 +81,9 @@ struct DecodeParams {
 // kernel's 225 KB).
 constexpr int kPrefillListCapacity = 768;
 
-// Launch geometry of the decode combine kernel: one warp per (head, query token), grid
-// (ceil(heads_q * tokens_q / kDecodeCombineRows)).
+// Launch geometry of the decode combine kernel: one block per (head, query token), grid
+// (heads_q * tokens_q), its warps sharing the row's splits.
 constexpr int kDecodeCombineThreads = 128;
-constexpr int kDecodeCombineRows = kDecodeCombineThreads / 32;
 
 // ---- backward -------------------------------------------------------------------------------
 
