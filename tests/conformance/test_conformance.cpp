@@ -175,14 +175,18 @@ TEST(Catalogue, QuickTierCoversEveryFeature) {
   EXPECT_TRUE(backward);
 }
 
-// Every planted kind, forward and backward (dO backward only), under a mask and the -inf modifier.
+// Every planted kind, forward and backward (dO backward only), under a mask and the -inf modifier;
+// the wide backward and the wgmma prefill over a paged cache among them.
 TEST(Catalogue, NonFiniteTierPlantsEveryKindForwardAndBackward) {
   std::set<std::pair<std::string, bool>> planted;
   std::set<std::string> masks;
   bool wide_backward = false;
+  bool wgmma_prefill = false;
   for (const Case& c : cases(Tier::kNonFinite)) {
     EXPECT_NE(c.planted, Planted::kNone) << c.name;
     wide_backward = wide_backward || (c.backward && c.shape.head_dim_qk == 256);
+    wgmma_prefill = wgmma_prefill || (c.page_size > 0 && c.shape.seq_len_q >= 128 &&
+                                      c.shape.head_dim_qk == 128 && c.mask == "window");
     planted.emplace(std::string(to_string(c.planted)), c.backward);
     masks.insert(c.mask);
     if (c.modifier == "custom") {
@@ -192,6 +196,7 @@ TEST(Catalogue, NonFiniteTierPlantsEveryKindForwardAndBackward) {
   EXPECT_EQ(planted.size(), 7u);
   EXPECT_TRUE(planted.count({"nando", true}));
   EXPECT_TRUE(wide_backward);   // head dim 256 (the GPU's wide backward kernels)
+  EXPECT_TRUE(wgmma_prefill);   // chunked prefill on sm_90's wgmma forward, repaired rows
   EXPECT_GE(masks.size(), 4u);  // causal, window, document, and none with the -inf modifier
 }
 
