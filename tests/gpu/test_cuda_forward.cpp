@@ -532,6 +532,25 @@ TEST_F(CudaKernelCache, CompilesOnceThenHitsMemoryThenDisk) {
   ASSERT_EQ(entries().size(), 1u);  // no temporary file left behind
 }
 
+// A forward+backward plan compiles two modules at once (the forward's and the backward's, from
+// one source), each its own cache entry; both come back from memory, then from disk.
+TEST_F(CudaKernelCache, ForwardAndBackwardModulesAreCachedApart) {
+  SKIP_WITHOUT_DEVICE();
+  ProblemDesc desc = small_desc("score * 0.625 + 0.25");
+  desc.direction = Direction::kForwardBackward;
+  const Problem problem(std::move(desc));
+  const auto engine = fresh_engine();
+  // The origin is named once when both modules share it ("compiled (NVRTC) in 1.234 s").
+  const std::string cold = engine->plan(problem)->info().description;
+  EXPECT_NE(cold.find("compiled (NVRTC) in"), std::string::npos) << cold;
+  ASSERT_EQ(entries().size(), 2u);
+  const std::string memory = engine->plan(problem)->info().description;
+  EXPECT_NE(memory.find("memory cache in"), std::string::npos) << memory;
+  const std::string disk = fresh_engine()->plan(problem)->info().description;
+  EXPECT_NE(disk.find("disk cache in"), std::string::npos) << disk;
+  ASSERT_EQ(entries().size(), 2u);
+}
+
 TEST_F(CudaKernelCache, CorruptEntryIsRecompiled) {
   SKIP_WITHOUT_DEVICE();
   const Problem problem(small_desc("score * 0.5 - 0.25"));

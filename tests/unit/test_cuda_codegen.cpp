@@ -237,7 +237,8 @@ TEST(CudaCodegenBackward, IntegerTensorsGetNoGradient) {
 
 // A forward-only problem generates what it did before the backward existed (so its kernel cache
 // keys are unchanged): the backward problem's code is the forward's plus the backward members
-// and entry points (for a modifier whose derivative adds no invariants).
+// and entry points (for a modifier whose derivative adds no invariants), the forward's entry
+// point outside the backward's module and the backward's outside the forward's.
 TEST(CudaCodegenBackward, ForwardOnlySourceIsUnchanged) {
   SKIP_WITHOUT_CUDA_ENGINE();
   GeneratedCase softcap{"softcap", DType::kBF16, 64, 64, "30 * tanh(score / 30)", "q >= kv",
@@ -253,8 +254,14 @@ TEST(CudaCodegenBackward, ForwardOnlySourceIsUnchanged) {
   ASSERT_NE(members, std::string::npos);
   ASSERT_NE(members_end, std::string::npos);
   backward.erase(members, members_end - members);
-  const std::size_t entry_points = backward.find("using FlexattnBackwardConfig");
+  const std::string forward_guard = "#ifndef FLEXATTN_BACKWARD_MODULE\n";
+  const std::size_t guard = backward.find(forward_guard);
+  ASSERT_NE(guard, std::string::npos);
+  backward.erase(guard, forward_guard.size());
+  const std::size_t entry_points =
+      backward.find("#endif\n#ifndef FLEXATTN_FORWARD_MODULE\nusing FlexattnBackwardConfig");
   ASSERT_NE(entry_points, std::string::npos);
+  EXPECT_TRUE(backward.ends_with("}\n#endif\n"));
   backward.erase(entry_points);
   EXPECT_EQ(backward, forward);
 }

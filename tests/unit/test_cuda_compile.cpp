@@ -4,7 +4,10 @@
 #include <fmt/format.h>
 #include <gtest/gtest.h>
 
+#include <cctype>
+#include <map>
 #include <string>
+#include <string_view>
 #include <tuple>
 #include <utility>
 #include <vector>
@@ -570,6 +573,136 @@ std::string compile_errors(const std::string& source, const std::string& name) {
   destroy(&program);
   return result == NVRTC_SUCCESS ? std::string() : log;
 }
+
+// The PTX NVRTC generates for `source` (for `architecture`, a virtual one such as compute_90a),
+// with the macro `define` defined when not empty; empty on failure.
+std::string ptx_of(const std::string& source, const char* architecture, const std::string& define) {
+  const auto create = nvrtc_function<decltype(&nvrtcCreateProgram)>("nvrtcCreateProgram");
+  const auto compile = nvrtc_function<decltype(&nvrtcCompileProgram)>("nvrtcCompileProgram");
+  const auto ptx_size = nvrtc_function<decltype(&nvrtcGetPTXSize)>("nvrtcGetPTXSize");
+  const auto get_ptx = nvrtc_function<decltype(&nvrtcGetPTX)>("nvrtcGetPTX");
+  const auto destroy = nvrtc_function<decltype(&nvrtcDestroyProgram)>("nvrtcDestroyProgram");
+  if (!create || !compile || !ptx_size || !get_ptx || !destroy) return {};
+  nvrtcProgram program = nullptr;
+  if (create(&program, source.c_str(), "module.cu", 0, nullptr, nullptr) != NVRTC_SUCCESS)
+    return {};
+  const std::string macro = "-D" + define;
+  std::vector<const char*> options = {architecture, "-std=c++17"};
+  if (!define.empty()) options.push_back(macro.c_str());
+  std::string ptx;
+  std::size_t size = 0;
+  if (compile(program, static_cast<int>(options.size()), options.data()) == NVRTC_SUCCESS &&
+      ptx_size(program, &size) == NVRTC_SUCCESS && size > 1) {
+    ptx.resize(size);
+    get_ptx(program, ptx.data());
+    ptx.resize(size - 1);
+  }
+  destroy(&program);
+  return ptx;
+}
+
+// Each kernel entry of a PTX module by name: its text from `.visible .entry` to the closing
+// brace, with the labels' and local depots' function numbers (their order in the module) erased.
+std::map<std::string, std::string> ptx_entries(const std::string& ptx) {
+  const auto without_numbers = [](const std::string& text) {
+    std::string result;
+    result.reserve(text.size());
+    for (std::size_t i = 0; i < text.size();) {
+      bool numbered = false;
+      for (const std::string_view prefix :
+           {std::string_view("$L__BB"), std::string_view("__local_depot")}) {
+        if (text.compare(i, prefix.size(), prefix) == 0) {
+          result += prefix;
+          i += prefix.size();
+          while (i < text.size() && std::isdigit(static_cast<unsigned char>(text[i]))) ++i;
+          numbered = true;
+          break;
+        }
+      }
+      if (!numbered) result += text[i++];
+    }
+    return result;
+  };
+  std::map<std::string, std::string> entries;
+  const std::string marker = ".visible .entry ";
+  for (std::size_t at = ptx.find(marker); at != std::string::npos;) {
+    const std::size_t next = ptx.find(marker, at + marker.size());
+    std::string text = ptx.substr(at, next == std::string::npos ? std::string::npos : next - at);
+    const std::size_t end = text.rfind("\n}\n");
+    if (end != std::string::npos) text.erase(end + 3);
+    const std::size_t name_end = text.find('(');
+    entries[text.substr(marker.size(), name_end - marker.size())] = without_numbers(text);
+    at = next;
+  }
+  return entries;
+}
+
+#if FLEXATTN_HAVE_CUDA
+// A unit with a backward compiles as two modules (the engine compiles them at once): with
+// kForwardModuleDefine the forward's kernel alone, with kBackwardModuleDefine the backward's four,
+// and each kernel's PTX is the one the whole unit gives it, so splitting changes no kernel. The
+// wgmma kernels (sm_90a) and the mma.sync ones (sm_80).
+TEST(CudaBackwardCompile, ForwardAndBackwardModulesHoldTheUnitsKernelsUnchanged) {
+  SKIP_WITHOUT_CUDA_ENGINE();
+  const TensorDecl slopes{DType::kF32, {4}};
+  const std::vector<std::pair<GeneratedCase, int>> units = {{{"wgmma_bf16_d128_softcap_causal",
+                                                              DType::kBF16,
+                                                              128,
+                                                              128,
+                                                              "30 * tanh(score / 30)",
+                                                              "q >= kv",
+                                                              {},
+                                                              {},
+                                                              Layout::kBSHD,
+                                                              {}},
+                                                             90},
+                                                            {{"mma_f16_d64_alibi_thd",
+                                                              DType::kF16,
+                                                              64,
+                                                              64,
+                                                              "score + slopes[h] * (kv - q)",
+                                                              "",
+                                                              {{"slopes", slopes}},
+                                                              {},
+                                                              Layout::kTHD,
+                                                              {}},
+                                                             80}};
+  for (const auto& [c, capability] : units) {
+    SCOPED_TRACE(c.name);
+    const Problem problem = make_backward_problem(c);
+    const cuda::KernelSelection selection = cuda::choose_kernel(problem, capability);
+    ASSERT_TRUE(selection.reason.empty()) << selection.reason;
+    const cuda::BindingSelection bindings = cuda::bind_modifier(problem);
+    const cuda::BackwardCode backward =
+        cuda::backward_code(problem, cuda::choose_backward_kernel(problem, capability).choice);
+    const std::string source =
+        cuda::generate_translation_unit(problem, bindings.bindings, selection.choice, &backward);
+    const std::string architecture = fmt::format("--gpu-architecture=compute_{}{}", capability,
+                                                 selection.choice.architecture_suffix());
+    const auto whole = ptx_entries(ptx_of(source, architecture.c_str(), ""));
+    const auto forward =
+        ptx_entries(ptx_of(source, architecture.c_str(), std::string(cuda::kForwardModuleDefine)));
+    const auto backward_module =
+        ptx_entries(ptx_of(source, architecture.c_str(), std::string(cuda::kBackwardModuleDefine)));
+    ASSERT_EQ(whole.size(), 5u);
+    std::vector<std::string> forward_names;
+    for (const auto& [name, text] : forward) forward_names.push_back(name);
+    EXPECT_EQ(forward_names, std::vector<std::string>{std::string(cuda::kKernelName)});
+    std::vector<std::string> backward_names;
+    for (const auto& [name, text] : backward_module) backward_names.push_back(name);
+    EXPECT_EQ(backward_names,
+              (std::vector<std::string>{
+                  std::string(cuda::kBackwardDeltaName), std::string(cuda::kBackwardDkdvName),
+                  std::string(cuda::kBackwardDqName), std::string(cuda::kBackwardFinalizeName)}));
+    for (const auto& [name, text] : whole) {
+      const auto& module = name == cuda::kKernelName ? forward : backward_module;
+      const auto found = module.find(name);
+      ASSERT_NE(found, module.end()) << name;
+      EXPECT_TRUE(found->second == text) << name << ": its PTX differs in its own module";
+    }
+  }
+}
+#endif
 
 TEST(CudaCodegen, GeneratedSourcesCompileWithNvrtc) {
   SKIP_WITHOUT_CUDA_ENGINE();

@@ -259,14 +259,17 @@ std::string generate_modifier_source(const Problem& problem, const ModifierBindi
     return text;
   }
   const bool tensor_cores = choice.kind != KernelKind::kSimt;
-  text += fmt::format(
+  const std::string forward_entry = fmt::format(
       "extern \"C\" __global__ void __launch_bounds__(FlexattnConfig::{}{}) {}(\n"
       "    const flexattn_kernels::ForwardParams params) {{\n"
       "  flexattn_kernels::{}<FlexattnConfig, flexattn_generated::Modifier>(params);\n}}\n",
       choice.kind == KernelKind::kWgmma ? "kBlockThreads" : "kThreads",
       tensor_cores ? ", FlexattnConfig::kMinBlocks" : "", kKernelName, choice.kernel_template());
-  if (backward != nullptr) text += backward_entry_points(problem, backward->choice);
-  return text;
+  if (backward == nullptr) return text + forward_entry;
+  // The forward's and the backward's modules (kForwardModuleDefine, kBackwardModuleDefine).
+  return text + fmt::format("#ifndef {}\n{}#endif\n#ifndef {}\n{}#endif\n", kBackwardModuleDefine,
+                            forward_entry, kForwardModuleDefine,
+                            backward_entry_points(problem, backward->choice));
 }
 
 std::string generate_translation_unit(const Problem& problem, const ModifierBindings& bindings,

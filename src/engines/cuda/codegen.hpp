@@ -21,6 +21,12 @@ inline constexpr std::string_view kBackwardDeltaName = "flexattn_backward_delta"
 inline constexpr std::string_view kBackwardDkdvName = "flexattn_backward_dkdv";
 inline constexpr std::string_view kBackwardDqName = "flexattn_backward_dq";
 inline constexpr std::string_view kBackwardFinalizeName = "flexattn_backward_finalize";
+// A translation unit with a backward compiles as two modules, at once: the forward's
+// (kForwardModuleDefine defined: kKernelName alone) and the backward's (kBackwardModuleDefine:
+// the four backward kernels). Undefined, the unit holds all five. Each kernel's code is the same
+// in either form (test_cuda_compile compares their PTX).
+inline constexpr std::string_view kForwardModuleDefine = "FLEXATTN_FORWARD_MODULE";
+inline constexpr std::string_view kBackwardModuleDefine = "FLEXATTN_BACKWARD_MODULE";
 // A paged-cache problem's module: kKernelName (forward_decode) and the split combination.
 inline constexpr std::string_view kDecodeCombineName = "flexattn_decode_combine";
 // The non-finite repair module's kernels (generate_repair_translation_unit).

@@ -3,7 +3,9 @@
 #include <fmt/format.h>
 
 #include <bit>
+#include <chrono>
 #include <cstdlib>
+#include <future>
 #include <limits>
 #include <map>
 #include <optional>
@@ -148,27 +150,37 @@ std::string architecture_suffix(const Lowering& lowering) {
   return lowering.backward ? lowering.backward->choice.architecture_suffix() : std::string();
 }
 
-// The kernels of the module: the forward, and the backward's four when gradients are wanted,
-// each with the dynamic shared memory it is launched with.
-// `forward` is the forward kernel's choice (lowering.choice, or its unstaged_choice).
-std::vector<KernelFunction> kernel_functions(const Lowering& lowering,
-                                             const KernelChoice& forward) {
+// The forward's module: its kernel (with a decode, the split combination too), with the dynamic
+// shared memory it is launched with. `forward`: lowering.choice, or its unstaged_choice.
+std::vector<KernelFunction> forward_functions(const KernelChoice& forward) {
   if (forward.kind == KernelKind::kDecode) {
     return {{std::string(kKernelName), forward.shared_bytes, true},
             {std::string(kDecodeCombineName), 0}};
   }
-  std::vector<KernelFunction> functions = {
-      {std::string(kKernelName), forward.shared_bytes,
-       forward.kind == KernelKind::kWgmma && forward.min_blocks > 1}};
-  if (lowering.backward) {
-    const BackwardChoice& backward = lowering.backward->choice;
-    functions.push_back({std::string(kBackwardDeltaName), 0});
-    functions.push_back({std::string(kBackwardDkdvName), backward.dkdv_shared_bytes()});
-    functions.push_back({std::string(kBackwardDqName), backward.dq_shared_bytes()});
-    functions.push_back({std::string(kBackwardFinalizeName), 0});
-  }
-  return functions;
+  return {{std::string(kKernelName), forward.shared_bytes,
+           forward.kind == KernelKind::kWgmma && forward.min_blocks > 1}};
 }
+
+// The backward's module (when gradients are wanted): its four kernels.
+std::vector<KernelFunction> backward_functions(const BackwardChoice& backward) {
+  return {{std::string(kBackwardDeltaName), 0},
+          {std::string(kBackwardDkdvName), backward.dkdv_shared_bytes()},
+          {std::string(kBackwardDqName), backward.dq_shared_bytes()},
+          {std::string(kBackwardFinalizeName), 0}};
+}
+
+// A plan's compiled modules: the forward's, and the backward's when gradients are wanted
+// (compiled at the same time, each from the one source with its module's define).
+struct PlanKernels {
+  KernelLookup forward;
+  std::optional<KernelLookup> backward;
+  std::string origin;    // both modules' origins, once when they agree
+  double seconds = 0.0;  // to obtain both
+  std::string keys() const {
+    return backward ? fmt::format("{} + {}", forward.key.substr(0, 16), backward->key.substr(0, 16))
+                    : forward.key.substr(0, 16);
+  }
+};
 
 // The tensor-core kernels copy 16-byte chunks: each argument must start on one.
 void check_chunk_aligned(std::string_view name, const void* data) {
@@ -297,6 +309,7 @@ struct UnstagedForward {
   std::string source;
   std::vector<KernelFunction> functions;
   std::string suffix;
+  std::string_view define;  // kForwardModuleDefine when the source holds a backward
   std::shared_ptr<KernelCache> cache;
   mutable std::mutex mutex;
   mutable std::shared_ptr<const CompiledKernel> kernel;
@@ -305,7 +318,7 @@ struct UnstagedForward {
   CUfunction get() const {
     const std::lock_guard<std::mutex> lock(mutex);
     if (function == nullptr) {
-      KernelLookup lookup = cache->get(source, functions, suffix);
+      KernelLookup lookup = cache->get(source, functions, suffix, define);
       function = lookup.kernel->function(kKernelName);
       kernel = std::move(lookup.kernel);
     }
@@ -353,7 +366,7 @@ struct BackwardState {
 class CudaPlan final : public Plan {
  public:
   CudaPlan(PlanInfo info, const Problem& problem, std::shared_ptr<const Driver> driver,
-           const Lowering& lowering, KernelLookup kernel, const TileList& tiles,
+           const Lowering& lowering, PlanKernels kernels, const TileList& tiles,
            const TileList* backward_tiles, const TileList* dkdv_tiles,
            const std::shared_ptr<KernelCache>& cache)
       : Plan(std::move(info)),
@@ -362,7 +375,8 @@ class CudaPlan final : public Plan {
         choice_(lowering.choice),
         staged_tensor_(lowering.choice.stage_tensor ? stageable_tensor(problem) : std::string()),
         bindings_(lowering.bindings),
-        kernel_(std::move(kernel.kernel)) {
+        kernel_(std::move(kernels.forward.kernel)),
+        backward_kernel_(kernels.backward ? std::move(kernels.backward->kernel) : nullptr) {
     const ForwardParams base =
         base_forward_params(problem, bindings_, driver_, cu_seqlens_q_, cu_seqlens_kv_);
     const TensorView lse = problem.expected("lse");
@@ -412,7 +426,8 @@ class CudaPlan final : public Plan {
       unstaged_ = std::make_unique<UnstagedForward>();
       unstaged_->choice = *lowering.unstaged_choice;
       unstaged_->source = lowering.unstaged_source;
-      unstaged_->functions = kernel_functions(lowering, *lowering.unstaged_choice);
+      unstaged_->functions = forward_functions(*lowering.unstaged_choice);
+      unstaged_->define = lowering.backward ? kForwardModuleDefine : std::string_view();
       unstaged_->suffix = architecture_suffix(lowering);
       unstaged_->cache = cache;
     }
@@ -421,10 +436,11 @@ class CudaPlan final : public Plan {
       if (backward_tiles == nullptr) throw_internal("cuda: a backward plan without its tiles");
       BackwardState& b = backward_.emplace();
       b.choice = lowering.backward->choice;
-      b.delta = kernel_->function(kBackwardDeltaName);
-      b.dkdv = kernel_->function(kBackwardDkdvName);
-      b.dq = kernel_->function(kBackwardDqName);
-      b.finalize = kernel_->function(kBackwardFinalizeName);
+      if (backward_kernel_ == nullptr) throw_internal("cuda: a backward plan without its module");
+      b.delta = backward_kernel_->function(kBackwardDeltaName);
+      b.dkdv = backward_kernel_->function(kBackwardDkdvName);
+      b.dq = backward_kernel_->function(kBackwardDqName);
+      b.finalize = backward_kernel_->function(kBackwardFinalizeName);
       // The dK/dV kernel walks the kv-major order of its own tiles (wgmma: 128 keys).
       const KvTileList transposed =
           transpose_tiles(dkdv_tiles != nullptr ? *dkdv_tiles : *backward_tiles);
@@ -648,7 +664,8 @@ class CudaPlan final : public Plan {
   KernelChoice choice_;
   std::string staged_tensor_;  // the tensor the forward stages in shared memory, if any
   ModifierBindings bindings_;
-  std::shared_ptr<const CompiledKernel> kernel_;
+  std::shared_ptr<const CompiledKernel> kernel_;           // the forward's module
+  std::shared_ptr<const CompiledKernel> backward_kernel_;  // the backward's, when wanted
   DeviceBuffer cu_seqlens_q_;
   DeviceBuffer cu_seqlens_kv_;
   ForwardState forward_;
@@ -693,7 +710,12 @@ class CudaEngine final : public Engine {
     result.support = lower_problem(problem, lowering, capability());
     if (!result.support || stage == Stage::kCheck) return result;
 
-    const std::vector<KernelFunction> functions = kernel_functions(lowering, lowering.choice);
+    std::vector<KernelFunction> functions = forward_functions(lowering.choice);
+    if (lowering.backward) {
+      for (KernelFunction& function : backward_functions(lowering.backward->choice)) {
+        functions.push_back(std::move(function));
+      }
+    }
     const int shared_limit = driver_->max_shared_memory_per_block();
     for (const KernelFunction& function : functions) {
       if (function.shared_bytes > shared_limit) {
@@ -733,7 +755,7 @@ class CudaEngine final : public Engine {
                       proof.failure));
       return result;
     }
-    KernelLookup kernel = kernels_->get(lowering.source, functions, architecture_suffix(lowering));
+    PlanKernels kernels = compile_modules(lowering);
 
     std::string tile_text = fmt::format("{} of {} kv tiles visited ({} with the mask evaluated)",
                                         tiles.tiles - tiles.skipped, tiles.tiles, tiles.mixed);
@@ -753,17 +775,17 @@ class CudaEngine final : public Engine {
     }
     PlanInfo info;
     info.engine = std::string(kEngineName);
-    info.description = fmt::format(
-        "{}; {}{}; kernel {} on {} (sm_{}{}), {} in {:.3f} s", lowering.choice.describe(),
-        tile_text, backward_text, kernel.key.substr(0, 16), driver_->device_name(),
-        driver_->compute_capability(), architecture_suffix(lowering), kernel.origin,
-        kernel.seconds);
+    info.description =
+        fmt::format("{}; {}{}; kernel {} on {} (sm_{}{}), {} in {:.3f} s",
+                    lowering.choice.describe(), tile_text, backward_text, kernels.keys(),
+                    driver_->device_name(), driver_->compute_capability(),
+                    architecture_suffix(lowering), kernels.origin, kernels.seconds);
     const ProofHashes hashes = proof_hashes(problem, proof);
     info.lowered_hash = hashes.lowered_hash;
     info.lowered_backward_hash = hashes.lowered_backward_hash;
     info.signature = problem.signature();
     result.plan = std::make_unique<CudaPlan>(
-        std::move(info), problem, driver_, lowering, std::move(kernel), tiles,
+        std::move(info), problem, driver_, lowering, std::move(kernels), tiles,
         backward_tiles ? &*backward_tiles : nullptr, dkdv_tiles ? &*dkdv_tiles : nullptr, kernels_);
     return result;
   }
@@ -771,12 +793,55 @@ class CudaEngine final : public Engine {
  private:
   int capability() const { return driver_->availability() ? driver_->compute_capability() : 0; }
 
+  // The plan's modules. With a backward, its module compiles on a second thread while this one
+  // compiles the forward's: NVRTC optimises and assembles each program's kernels on every core
+  // (--split-compile=0), but its front end and optimiser take a program at a time, and a
+  // forward+backward unit took their sum.
+  PlanKernels compile_modules(const Lowering& lowering) const {
+    const auto start = std::chrono::steady_clock::now();
+    const std::string suffix = architecture_suffix(lowering);
+    PlanKernels kernels;
+    if (!lowering.backward) {
+      kernels.forward = kernels_->get(lowering.source, forward_functions(lowering.choice), suffix);
+      kernels.origin = kernels.forward.origin;
+      kernels.seconds = kernels.forward.seconds;
+      return kernels;
+    }
+    // (The future's destructor waits for the backward's thread, also when the forward throws.)
+    std::future<KernelLookup> backward = std::async(std::launch::async, [this, &lowering, &suffix] {
+      return kernels_->get(lowering.source, backward_functions(lowering.backward->choice), suffix,
+                           kBackwardModuleDefine);
+    });
+    kernels.forward = kernels_->get(lowering.source, forward_functions(lowering.choice), suffix,
+                                    kForwardModuleDefine);
+    kernels.backward = backward.get();
+    kernels.origin = kernels.forward.origin == kernels.backward->origin
+                         ? kernels.forward.origin
+                         : kernels.forward.origin + " and " + kernels.backward->origin;
+    kernels.seconds =
+        std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+    return kernels;
+  }
+
   std::shared_ptr<const Driver> driver_;
   DriverMemory memory_;
   std::shared_ptr<KernelCache> kernels_;  // shared with the plans (their unstaged forwards)
 };
 
 }  // namespace
+
+PlanSource plan_source(const Problem& problem, int capability) {
+  Lowering lowering;
+  PlanSource result;
+  if (const Support support = lower_problem(problem, lowering, capability); !support) {
+    result.reason = support.reason();
+    return result;
+  }
+  result.source = lowering.source;
+  result.suffix = architecture_suffix(lowering);
+  result.backward = lowering.backward.has_value();
+  return result;
+}
 
 ProofHashes plan_proof_hashes(const Problem& problem, int capability) {
   Lowering lowering;

@@ -13,6 +13,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <fstream>
+#include <future>
 #include <iterator>
 #include <random>
 #include <system_error>
@@ -205,7 +206,8 @@ std::filesystem::path cache_directory() {
 }
 
 std::vector<char> compile_to_cubin(const std::string& source, const std::string& source_name,
-                                   int capability, std::string_view suffix) {
+                                   int capability, std::string_view suffix,
+                                   std::string_view define) {
   const Nvrtc& api = loaded_nvrtc();
   nvrtcProgram program = nullptr;
   check_nvrtc(
@@ -217,8 +219,9 @@ std::vector<char> compile_to_cubin(const std::string& source, const std::string&
   // head dim 128, softcap, sm_90a) compiled in 3.0 - 3.6 s with one thread and 1.9 - 2.3 s with
   // two (the 2-core development machine, 2026-12-03); a forward-only module (one kernel)
   // gains nothing.
-  const std::array<const char*, 3> options = {architecture.c_str(), "-std=c++17",
-                                              "--split-compile=0"};
+  std::vector<const char*> options = {architecture.c_str(), "-std=c++17", "--split-compile=0"};
+  const std::string macro = fmt::format("-D{}", define);
+  if (!define.empty()) options.push_back(macro.c_str());
   const nvrtcResult compiled =
       api.compile_program(program, static_cast<int>(options.size()), options.data());
   if (compiled != NVRTC_SUCCESS) {
@@ -296,43 +299,73 @@ CompiledKernel::~CompiledKernel() {
 }
 
 KernelLookup KernelCache::get(const std::string& source,
-                              const std::vector<KernelFunction>& functions,
-                              std::string_view suffix) {
+                              const std::vector<KernelFunction>& functions, std::string_view suffix,
+                              std::string_view define) {
   const auto start = std::chrono::steady_clock::now();
   // The names are in the source; the shared bytes are set when loading, so they are part of the
   // in-memory entry ("|shared 98304" for a forward-only module, as before the backward existed).
   std::vector<int> shared;
   for (const KernelFunction& kernel : functions) shared.push_back(kernel.shared_bytes);
-  const std::string versions =
+  std::string versions =
       fmt::format("|sm_{}{}|nvrtc {}|driver {}|shared {}", driver_->compute_capability(), suffix,
                   nvrtc_version(), driver_->driver_version(), fmt::join(shared, ","));
+  if (!define.empty()) versions += fmt::format("|define {}", define);
   KernelLookup lookup;
   lookup.key = fmt::format("{:016x}{:016x}", fnv1a(versions, fnv1a(source, kFnvOffset)),
                            fnv1a(versions, fnv1a(source, kSecondOffset)));
   const auto elapsed = [&start] {
     return std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
   };
-  const std::lock_guard lock(mutex_);
-  if (const auto found = kernels_.find(lookup.key); found != kernels_.end()) {
-    lookup.kernel = found->second;
-    lookup.origin = "memory cache";
-    lookup.seconds = elapsed();
-    return lookup;
+  // In memory, or being obtained by another thread (then its result, or its error); else this
+  // thread obtains it, outside the lock, so different modules compile at once.
+  std::promise<Module> promise;
+  {
+    std::unique_lock lock(mutex_);
+    if (const auto found = kernels_.find(lookup.key); found != kernels_.end()) {
+      lookup.kernel = found->second;
+      lookup.origin = "memory cache";
+      lookup.seconds = elapsed();
+      return lookup;
+    }
+    if (const auto found = pending_.find(lookup.key); found != pending_.end()) {
+      const std::shared_future<Module> obtained = found->second;
+      lock.unlock();
+      lookup.kernel = obtained.get();
+      lookup.origin = "memory cache";
+      lookup.seconds = elapsed();
+      return lookup;
+    }
+    pending_.emplace(lookup.key, promise.get_future().share());
   }
-  const std::filesystem::path directory = cache_directory();
-  const std::filesystem::path entry =
-      directory.empty() ? std::filesystem::path() : directory / (lookup.key + ".cubin");
-  std::vector<char> cubin = entry.empty() ? std::vector<char>() : read_entry(entry, lookup.key);
-  if (!cubin.empty()) {
-    lookup.origin = "disk cache";
-  } else {
-    cubin = compile_to_cubin(source, "flexattn_" + lookup.key + ".cu",
-                             driver_->compute_capability(), suffix);
-    if (!entry.empty()) write_entry(entry, lookup.key, cubin);
-    lookup.origin = "compiled (NVRTC)";
+  try {
+    const std::filesystem::path directory = cache_directory();
+    const std::filesystem::path entry =
+        directory.empty() ? std::filesystem::path() : directory / (lookup.key + ".cubin");
+    std::vector<char> cubin = entry.empty() ? std::vector<char>() : read_entry(entry, lookup.key);
+    if (!cubin.empty()) {
+      lookup.origin = "disk cache";
+    } else {
+      cubin = compile_to_cubin(source, "flexattn_" + lookup.key + ".cu",
+                               driver_->compute_capability(), suffix, define);
+      if (!entry.empty()) write_entry(entry, lookup.key, cubin);
+      lookup.origin = "compiled (NVRTC)";
+    }
+    lookup.kernel = std::make_shared<CompiledKernel>(driver_, cubin, functions);
+  } catch (...) {
+    // Nothing is kept: the waiting threads get the error, a later call tries again.
+    {
+      const std::lock_guard lock(mutex_);
+      pending_.erase(lookup.key);
+    }
+    promise.set_exception(std::current_exception());
+    throw;
   }
-  lookup.kernel = std::make_shared<CompiledKernel>(driver_, cubin, functions);
-  kernels_.emplace(lookup.key, lookup.kernel);
+  {
+    const std::lock_guard lock(mutex_);
+    kernels_.emplace(lookup.key, lookup.kernel);
+    pending_.erase(lookup.key);
+  }
+  promise.set_value(lookup.kernel);
   lookup.seconds = elapsed();
   return lookup;
 }

@@ -10,6 +10,7 @@
 #include <cstdint>
 #include <filesystem>
 #include <functional>
+#include <future>
 #include <map>
 #include <memory>
 #include <mutex>
@@ -22,10 +23,13 @@
 namespace flexattn::cuda {
 
 // Compiles `source` to a cubin for compute capability `capability` (e.g. 90; `suffix` "a" for
-// the architecture-specific target sm_90a that wgmma needs). Needs no GPU.
+// the architecture-specific target sm_90a that wgmma needs), with the macro `define` defined when
+// it is not empty. Needs no GPU. Safe to call from several threads at once (NVRTC compiles
+// separate programs concurrently).
 // Throws Error(kCompile) with NVRTC's log and the source name on failure.
 std::vector<char> compile_to_cubin(const std::string& source, const std::string& source_name,
-                                   int capability, std::string_view suffix = "");
+                                   int capability, std::string_view suffix = "",
+                                   std::string_view define = "");
 // "13.0"
 std::string nvrtc_version();
 // Whether NVRTC (opened at run time, like the driver) can be used, and why not.
@@ -69,15 +73,20 @@ struct KernelLookup {
 class KernelCache {
  public:
   explicit KernelCache(std::shared_ptr<const Driver> driver) : driver_(std::move(driver)) {}
-  // The module of `source` compiled for the device's architecture plus `suffix` ("a": sm_90a),
-  // with each of `functions` set up for its dynamic shared memory.
+  // The module of `source` (with the macro `define` defined, when not empty) compiled for the
+  // device's architecture plus `suffix` ("a": sm_90a), with each of `functions` set up for its
+  // dynamic shared memory. Threads asking for different modules compile them at once; a thread
+  // asking for a module another is compiling waits for it and shares it.
   KernelLookup get(const std::string& source, const std::vector<KernelFunction>& functions,
-                   std::string_view suffix = "");
+                   std::string_view suffix = "", std::string_view define = "");
 
  private:
+  using Module = std::shared_ptr<const CompiledKernel>;
   std::shared_ptr<const Driver> driver_;
   std::mutex mutex_;
-  std::map<std::string, std::shared_ptr<const CompiledKernel>> kernels_;
+  std::map<std::string, Module> kernels_;
+  // Modules being compiled or read, by key: the first asker's result, shared with later ones.
+  std::map<std::string, std::shared_future<Module>> pending_;
 };
 
 }  // namespace flexattn::cuda
