@@ -6,8 +6,8 @@
 set -euo pipefail
 root="${1:-$(dirname "$0")/../..}"
 script="$root/scripts/gpu"
-subcommands=(check test quick backward bench sweep dims cudnn qualify-cudnn sanitize profile
-  kernel-times env help)
+subcommands=(check test quick backward bench sweep dims cudnn qualify-cudnn sanitize paged python
+  jit profile kernel-times env help)
 scratch="$(mktemp -d)"
 trap 'rm -rf "$scratch"' EXIT
 # Nothing below gets past argument parsing; should something, its output stays in the scratch.
@@ -54,7 +54,7 @@ expect_usage_error "an unknown subcommand"
 grep -q '^usage: ' "$scratch/stdout" || fail "an unknown subcommand: no usage"
 
 # Every subcommand that takes options refuses one it does not know.
-for subcommand in check quick backward bench sweep dims cudnn qualify-cudnn env; do
+for subcommand in check quick backward bench sweep dims cudnn qualify-cudnn env paged jit; do
   run_gpu "$subcommand" --no-such-option
   expect_usage_error "$subcommand --no-such-option"
 done
@@ -62,6 +62,8 @@ run_gpu test
 expect_usage_error "test without a program"
 run_gpu sanitize test_cuda_forward
 expect_usage_error "sanitize without a filter"
+run_gpu jit --repeats 0
+expect_usage_error "jit with a bad --repeats"
 run_gpu dims --pass sideways
 expect_usage_error "dims with a bad --pass"
 run_gpu dims --head-dims 256,x
