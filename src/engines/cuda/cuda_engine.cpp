@@ -10,6 +10,7 @@
 #include <map>
 #include <optional>
 #include <string>
+#include <system_error>
 #include <utility>
 #include <vector>
 
@@ -807,14 +808,20 @@ class CudaEngine final : public Engine {
       kernels.seconds = kernels.forward.seconds;
       return kernels;
     }
-    // (The future's destructor waits for the backward's thread, also when the forward throws.)
-    std::future<KernelLookup> backward = std::async(std::launch::async, [this, &lowering, &suffix] {
+    const auto backward_module = [this, &lowering, &suffix] {
       return kernels_->get(lowering.source, backward_functions(lowering.backward->choice), suffix,
                            kBackwardModuleDefine);
-    });
+    };
+    // (The future's destructor waits for the backward's thread, also when the forward throws.
+    // Where no thread can be started, the two compile one after the other.)
+    std::future<KernelLookup> backward;
+    try {
+      backward = std::async(std::launch::async, backward_module);
+    } catch (const std::system_error&) {
+    }
     kernels.forward = kernels_->get(lowering.source, forward_functions(lowering.choice), suffix,
                                     kForwardModuleDefine);
-    kernels.backward = backward.get();
+    kernels.backward = backward.valid() ? backward.get() : backward_module();
     kernels.origin = kernels.forward.origin == kernels.backward->origin
                          ? kernels.forward.origin
                          : kernels.forward.origin + " and " + kernels.backward->origin;
