@@ -574,6 +574,7 @@ std::string compile_errors(const std::string& source, const std::string& name) {
   return result == NVRTC_SUCCESS ? std::string() : log;
 }
 
+#if FLEXATTN_HAVE_CUDA
 // The PTX NVRTC generates for `source` (for `architecture`, a virtual one such as compute_90a),
 // with the macro `define` defined when not empty; empty on failure.
 std::string ptx_of(const std::string& source, const char* architecture, const std::string& define) {
@@ -637,7 +638,6 @@ std::map<std::string, std::string> ptx_entries(const std::string& ptx) {
   return entries;
 }
 
-#if FLEXATTN_HAVE_CUDA
 // A unit with a backward compiles as two modules (the engine compiles them at once): with
 // kForwardModuleDefine the forward's kernel alone, with kBackwardModuleDefine the backward's four,
 // and each kernel's PTX is the one the whole unit gives it, so splitting changes no kernel. The
