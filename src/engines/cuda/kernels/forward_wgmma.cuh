@@ -477,6 +477,115 @@ __device__ __forceinline__ int prefill_tile_list(const ForwardParams& p, const C
   return listed;
 }
 
+// Chunked prefill: the block's sequence as the cache holds it (`span`'s keys become the
+// cache_len cached ones from position 0, and `shift` = cache_len - q_len places its queries), with
+// `page_table` its row of the table; or false once the block has stored NaN rows for a sequence
+// whose length or page ids are out of range (paged_sequence_poisoned).
+template <class Config>
+__device__ __forceinline__ bool start_paged_block(const ForwardParams& p, const DecodeParams& paged,
+                                                  int batch, int head, int q_start, int thread,
+                                                  SequenceSpan& span, int& shift,
+                                                  const int*& page_table) {
+  page_table = paged.page_table + static_cast<long long>(batch) * paged.max_pages;
+  const int cache_len = paged.cache_lens[batch];
+  if (paged_sequence_poisoned<Config::kBlockThreads>(paged, page_table, span.q_len, cache_len,
+                                                     thread)) {
+    store_nan_rows<typename Config::Tag, Config::kBlockM, Config::kDimV, Config::kBlockThreads>(
+        p, span, batch, head, q_start, thread);
+    return false;
+  }
+  span.kv_offset = 0;
+  span.kv_len = cache_len;
+  shift = cache_len - span.q_len;
+  return true;
+}
+
+// Where a block's K and V rows (and its staged tensor's) come from: the dense views from the
+// sequence's first key, or (kPaged) the pools through the sequence's page-table row.
+struct KvTileSources {
+  const unsigned short* k;  // dense: the sequence's key 0 in its kv head
+  const unsigned short* v;
+  const unsigned short* staged;  // kStageTensor: the block's first row of the staged tensor
+  const DecodeParams* paged;     // kPaged: the pools and the page table
+  const int* page_table;         // kPaged: the sequence's row of it
+  int head_kv;
+  int kv_len;
+  int q_rows;  // the block's query rows (for the staged tensor's tile)
+};
+
+// Copies the kv tile starting at key kv_start into one stage's K and V tiles (and staged tile):
+// `loader` of the Config::kLoaderThreads threads that copy.
+template <class Config, class Modifier, bool kPaged>
+__device__ __forceinline__ void copy_kv_tile(const ForwardParams& p, const KvTileSources& from,
+                                             int kv_start, unsigned k_tile, unsigned v_tile,
+                                             unsigned staged_tile, int loader) {
+  constexpr int kLoaders = Config::kLoaderThreads;
+  constexpr int kBlockN = Config::kBlockN;
+  if constexpr (kPaged) {
+    load_paged_rows_async<Config, kBlockN, kLoaders>(*from.paged, from.page_table, from.head_kv,
+                                                     kv_start, from.kv_len, k_tile, v_tile, loader);
+  } else {
+    const int rows_valid = from.kv_len - kv_start;
+    load_rows_async<kBlockN, typename Config::KLayout, Config::kChunksQk, kLoaders>(
+        k_tile, from.k + kv_start * p.k.token_stride, p.k.token_stride, rows_valid,
+        Config::kChunksQk, loader);
+    load_rows_async<kBlockN, typename Config::VLayout, Config::kChunksV, kLoaders>(
+        v_tile, from.v + kv_start * p.v.token_stride, p.v.token_stride, rows_valid,
+        Config::kChunksV, loader);
+    if constexpr (Config::kStageTensor) {
+      // Rows past the queries and columns past the keys are zero-filled (their scores are
+      // masked); the row length is a multiple of 8, so chunks are whole.
+      constexpr int kStagedChunks = kBlockN / kChunkElements;
+      load_rows_async<Config::kBlockM, typename Config::StagedLayout, kStagedChunks, kLoaders>(
+          staged_tile, from.staged + kv_start, Modifier::kStagedRowStride, from.q_rows,
+          ir_min(kStagedChunks, (from.kv_len - kv_start) / kChunkElements), loader);
+    }
+  }
+}
+
+// With Config::kStageTensor, the block's first row (query q_start) of the tensor the modifier
+// stages, in global memory; else null.
+template <class Config, class Modifier>
+__device__ __forceinline__ const unsigned short* staged_rows(const ForwardParams& p,
+                                                             const Coordinates& at, int q_start) {
+  if constexpr (Config::kStageTensor) {
+    static_assert(Modifier::kStagedTensor >= 0, "the modifier reads a stageable tensor");
+    return static_cast<const unsigned short*>(p.tensors[Modifier::kStagedTensor].data) +
+           Modifier::staged_origin(Modifier::prepare(p, at), p, at) +
+           static_cast<long long>(q_start) * Modifier::kStagedRowStride;
+  } else {
+    return nullptr;
+  }
+}
+
+// The computing threads' first copies: the block's `q_rows` rows of Q into `q_tile` (visible to
+// both warpgroups on return when a producer copies K and V), and without a producer the first kv
+// tiles (`load_tile(entry_index, stage, thread)`): tile 0 when pipelined (each iteration copies
+// the next one), else the first kStages - 1.
+template <class Config, class LoadTile>
+__device__ __forceinline__ void load_query_and_first_tiles(const ForwardParams& p, unsigned q_tile,
+                                                           const unsigned short* q_source,
+                                                           int q_rows, const EntryRange& entries,
+                                                           int thread, const LoadTile& load_tile) {
+  load_rows_async<Config::kBlockM, typename Config::QLayout, Config::kChunksQk, Config::kThreads>(
+      q_tile, q_source, p.q.token_stride, q_rows, Config::kChunksQk, thread);
+  commit_copies();
+  if constexpr (Config::kProducer) {
+    wait_copies<0>();
+    fence_async_shared();
+    named_barrier_sync<kConsumerBarrier>(Config::kThreads);  // Q visible to both warpgroups
+  } else if constexpr (Config::kPipelined) {
+    if (entries.begin < entries.end) load_tile(entries.begin, 0, thread);
+    commit_copies();
+  } else {
+#pragma unroll
+    for (int stage = 0; stage < Config::kStages - 1; ++stage) {
+      if (entries.begin + stage < entries.end) load_tile(entries.begin + stage, stage, thread);
+      commit_copies();
+    }
+  }
+}
+
 // The wgmma forward of a dense problem (kPaged false: `paged` unused), or of chunked prefill
 // against a paged cache (kPaged, forward_prefill_wgmma).
 template <class Config, class Modifier, bool kPaged = false>
@@ -484,7 +593,6 @@ __device__ __forceinline__ void forward_wgmma(const ForwardParams& p,
                                               const DecodeParams* paged = nullptr) {
   using Tag = typename Config::Tag;
   using KLayout = typename Config::KLayout;
-  using VLayout = typename Config::VLayout;
   constexpr int kBlockM = Config::kBlockM;
   constexpr int kBlockN = Config::kBlockN;
   constexpr int kStages = Config::kStages;
@@ -517,17 +625,10 @@ __device__ __forceinline__ void forward_wgmma(const ForwardParams& p,
   int shift = 0;
   if constexpr (kPaged) {
     static_assert(!Config::kStageTensor, "a paged cache stages no modifier tensor");
-    page_table = paged->page_table + static_cast<long long>(batch) * paged->max_pages;
-    const int cache_len = paged->cache_lens[batch];
-    if (paged_sequence_poisoned<Config::kBlockThreads>(*paged, page_table, span.q_len, cache_len,
-                                                       thread)) {
-      store_nan_rows<Tag, kBlockM, Config::kDimV, Config::kBlockThreads>(p, span, batch, head,
-                                                                         q_start, thread);
+    if (!start_paged_block<Config>(p, *paged, batch, head, q_start, thread, span, shift,
+                                   page_table)) {
       return;
     }
-    span.kv_offset = 0;
-    span.kv_len = cache_len;
-    shift = cache_len - span.q_len;
   }
   const Coordinates at{batch, head, span.q_len, span.kv_len};
 
@@ -545,13 +646,7 @@ __device__ __forceinline__ void forward_wgmma(const ForwardParams& p,
   const unsigned staged_tiles = v_tiles + kStages * Config::kVBytes;
   // With kProducer: the stages' full and empty barriers.
   const unsigned barriers = staged_tiles + kStages * Config::kStagedBytes;
-  const unsigned short* staged_source = nullptr;
-  if constexpr (Config::kStageTensor) {
-    static_assert(Modifier::kStagedTensor >= 0, "the modifier reads a stageable tensor");
-    staged_source = static_cast<const unsigned short*>(p.tensors[Modifier::kStagedTensor].data) +
-                    Modifier::staged_origin(Modifier::prepare(p, at), p, at) +
-                    static_cast<long long>(q_start) * Modifier::kStagedRowStride;
-  }
+  const unsigned short* staged_source = staged_rows<Config, Modifier>(p, at, q_start);
 
   // The kv tiles to visit, each kv_tile << 1 | mixed: the host's list (tile_entries), or paged,
   // every tile of the cache or (with a mask) those listed in `paged_list`, all mixed.
@@ -578,31 +673,13 @@ __device__ __forceinline__ void forward_wgmma(const ForwardParams& p,
   };
 
   // Copies kv tile `entry_index` into `stage`: `loader` of the kLoaderThreads threads that copy.
+  const KvTileSources sources{k_source,   v_source, staged_source, paged,
+                              page_table, head_kv,  span.kv_len,   span.q_len - q_start};
   auto load_keys_and_values = [&](int entry_index, int stage, int loader) {
-    constexpr int kLoaders = Config::kLoaderThreads;
-    const int kv_start = entry_kv_tile(tile_entry(entry_index)) * kBlockN;
-    if constexpr (kPaged) {
-      load_paged_rows_async<Config, kBlockN, kLoaders>(
-          *paged, page_table, head_kv, kv_start, span.kv_len, k_tiles + stage * Config::kKBytes,
-          v_tiles + stage * Config::kVBytes, loader);
-    } else {
-      const int rows_valid = span.kv_len - kv_start;
-      load_rows_async<kBlockN, KLayout, Config::kChunksQk, kLoaders>(
-          k_tiles + stage * Config::kKBytes, k_source + kv_start * p.k.token_stride,
-          p.k.token_stride, rows_valid, Config::kChunksQk, loader);
-      load_rows_async<kBlockN, VLayout, Config::kChunksV, kLoaders>(
-          v_tiles + stage * Config::kVBytes, v_source + kv_start * p.v.token_stride,
-          p.v.token_stride, rows_valid, Config::kChunksV, loader);
-      if constexpr (Config::kStageTensor) {
-        // Rows past the queries and columns past the keys are zero-filled (their scores are
-        // masked); the row length is a multiple of 8, so chunks are whole.
-        constexpr int kStagedChunks = kBlockN / kChunkElements;
-        load_rows_async<kBlockM, typename Config::StagedLayout, kStagedChunks, kLoaders>(
-            staged_tiles + stage * Config::kStagedBytes, staged_source + kv_start,
-            Modifier::kStagedRowStride, span.q_len - q_start,
-            ir_min(kStagedChunks, (span.kv_len - kv_start) / kChunkElements), loader);
-      }
-    }
+    copy_kv_tile<Config, Modifier, kPaged>(
+        p, sources, entry_kv_tile(tile_entry(entry_index)) * kBlockN,
+        k_tiles + stage * Config::kKBytes, v_tiles + stage * Config::kVBytes,
+        staged_tiles + stage * Config::kStagedBytes, loader);
   };
 
   if constexpr (Config::kProducer) {
@@ -616,26 +693,8 @@ __device__ __forceinline__ void forward_wgmma(const ForwardParams& p,
     claim_registers<Config::kConsumerRegisters>();
   }
 
-  load_rows_async<kBlockM, typename Config::QLayout, Config::kChunksQk, kThreads>(
-      q_tile, q_source, p.q.token_stride, span.q_len - q_start, Config::kChunksQk, thread);
-  commit_copies();
-  if constexpr (Config::kProducer) {
-    wait_copies<0>();
-    fence_async_shared();
-    named_barrier_sync<kConsumerBarrier>(kThreads);  // Q visible to both warpgroups
-  } else if constexpr (Config::kPipelined) {
-    // Tile 0 now; each iteration copies the next one (one tile ahead, see the loop).
-    if (entries.begin < entries.end) load_keys_and_values(entries.begin, 0, thread);
-    commit_copies();
-  } else {
-#pragma unroll
-    for (int stage = 0; stage < kStages - 1; ++stage) {
-      if (entries.begin + stage < entries.end) {
-        load_keys_and_values(entries.begin + stage, stage, thread);
-      }
-      commit_copies();
-    }
-  }
+  load_query_and_first_tiles<Config>(p, q_tile, q_source, span.q_len - q_start, entries, thread,
+                                     load_keys_and_values);
   // With kProducer: waits until tile `iteration` (of this block's list) is in its stage.
   auto await_stage = [&](int iteration) {
     barrier_wait(full_barrier<kStages>(barriers, iteration % kStages), (iteration / kStages) & 1);
