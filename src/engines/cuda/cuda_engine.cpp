@@ -795,9 +795,9 @@ class CudaEngine final : public Engine {
   int capability() const { return driver_->availability() ? driver_->compute_capability() : 0; }
 
   // The plan's modules. With a backward, its module compiles on a second thread while this one
-  // compiles the forward's: NVRTC optimises and assembles each program's kernels on every core
-  // (--split-compile=0), but its front end and optimiser take a program at a time, and a
-  // forward+backward unit took their sum.
+  // compiles the forward's: within one program NVRTC assembles the kernels on every core
+  // (--split-compile=0), but its front end and optimizer took a forward+backward unit's kernels
+  // one after another (docs/measurements/2026-12-07-cpu-jit-two-modules.txt).
   PlanKernels compile_modules(const Lowering& lowering) const {
     const auto start = std::chrono::steady_clock::now();
     const std::string suffix = architecture_suffix(lowering);
