@@ -37,6 +37,33 @@ namespace {
 using namespace test;
 
 #if FLEXATTN_HAVE_CUDA
+// Two units the compile tests share: softcap 30 + causal in bf16 at head dim 128 (bshd), and
+// ALiBi with slopes from the head index in fp16 at head dim 64 (thd).
+GeneratedCase softcap_causal_bf16_d128() {
+  return {"bf16_d128_softcap_causal",
+          DType::kBF16,
+          128,
+          128,
+          "30 * tanh(score / 30)",
+          "q >= kv",
+          {},
+          {},
+          Layout::kBSHD,
+          {}};
+}
+GeneratedCase alibi_thd_f16_d64() {
+  return {"f16_d64_alibi_thd",
+          DType::kF16,
+          64,
+          64,
+          "score + slopes[h] * (kv - q)",
+          "",
+          {{"slopes", TensorDecl{DType::kF32, {4}}}},
+          {},
+          Layout::kTHD,
+          {}};
+}
+
 // NVRTC compiles `source` to a cubin (no GPU needed); a compile error is the test's failure.
 void expect_compiles(const std::string& source, const std::string& name, int capability,
                      const std::string& suffix = "") {
@@ -54,29 +81,8 @@ void expect_compiles(const std::string& source, const std::string& name, int cap
 TEST(CudaForwardCompile, WgmmaTranslationUnitsCompileForSm90a) {
   SKIP_WITHOUT_CUDA_ENGINE();
   constexpr int kCapability = 90;
-  const TensorDecl slopes{DType::kF32, {4}};
-  for (const auto& [c, backward] : {std::pair{GeneratedCase{"wgmma_bf16_d128_softcap_causal",
-                                                            DType::kBF16,
-                                                            128,
-                                                            128,
-                                                            "30 * tanh(score / 30)",
-                                                            "q >= kv",
-                                                            {},
-                                                            {},
-                                                            Layout::kBSHD,
-                                                            {}},
-                                              false},
-                                    std::pair{GeneratedCase{"wgmma_f16_d64_alibi_thd",
-                                                            DType::kF16,
-                                                            64,
-                                                            64,
-                                                            "score + slopes[h] * (kv - q)",
-                                                            "",
-                                                            {{"slopes", slopes}},
-                                                            {},
-                                                            Layout::kTHD,
-                                                            {}},
-                                              true}}) {
+  for (const auto& [c, backward] :
+       {std::pair{softcap_causal_bf16_d128(), false}, std::pair{alibi_thd_f16_d64(), true}}) {
     SCOPED_TRACE(c.name);
     const Problem problem = backward ? make_backward_problem(c) : make_problem(c);
     const cuda::KernelSelection selection = cuda::choose_kernel(problem, kCapability);
@@ -644,29 +650,8 @@ std::map<std::string, std::string> ptx_entries(const std::string& ptx) {
 // wgmma kernels (sm_90a) and the mma.sync ones (sm_80).
 TEST(CudaBackwardCompile, ForwardAndBackwardModulesHoldTheUnitsKernelsUnchanged) {
   SKIP_WITHOUT_CUDA_ENGINE();
-  const TensorDecl slopes{DType::kF32, {4}};
-  const std::vector<std::pair<GeneratedCase, int>> units = {{{"wgmma_bf16_d128_softcap_causal",
-                                                              DType::kBF16,
-                                                              128,
-                                                              128,
-                                                              "30 * tanh(score / 30)",
-                                                              "q >= kv",
-                                                              {},
-                                                              {},
-                                                              Layout::kBSHD,
-                                                              {}},
-                                                             90},
-                                                            {{"mma_f16_d64_alibi_thd",
-                                                              DType::kF16,
-                                                              64,
-                                                              64,
-                                                              "score + slopes[h] * (kv - q)",
-                                                              "",
-                                                              {{"slopes", slopes}},
-                                                              {},
-                                                              Layout::kTHD,
-                                                              {}},
-                                                             80}};
+  const std::vector<std::pair<GeneratedCase, int>> units = {{softcap_causal_bf16_d128(), 90},
+                                                            {alibi_thd_f16_d64(), 80}};
   for (const auto& [c, capability] : units) {
     SCOPED_TRACE(c.name);
     const Problem problem = make_backward_problem(c);

@@ -846,7 +846,6 @@ PlanSource plan_source(const Problem& problem, int capability) {
   }
   result.source = lowering.source;
   result.suffix = architecture_suffix(lowering);
-  result.backward = lowering.backward.has_value();
   return result;
 }
 

@@ -22,7 +22,6 @@ namespace cuda {
 struct PlanSource {
   std::string source;
   std::string suffix;
-  bool backward = false;
   std::string reason;
 };
 PlanSource plan_source(const Problem& problem, int capability);
