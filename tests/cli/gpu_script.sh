@@ -69,8 +69,35 @@ expect_usage_error "dims with a bad --pass"
 run_gpu dims --head-dims 256,x
 expect_usage_error "dims with a bad --head-dims"
 
+# scripts/sanitizer-summary on logs shaped as compute-sanitizer writes them: memcheck clean,
+# racecheck clean (its summary counts hazards, then errors), racecheck with errors, and a run
+# stopped before its summary. Only the clean ones count; the others name their tests.
+summary="$root/scripts/sanitizer-summary"
+logs="$scratch/sanitizer"
+mkdir -p "$logs"
+printf '%s\n' '[ RUN      ] A.one' '[       OK ] A.one (5 ms)' \
+  '========= ERROR SUMMARY: 0 errors' > "$logs/memcheck-clean"
+printf '%s\n' '[ RUN      ] A.two' \
+  '========= RACECHECK SUMMARY: 0 hazards displayed (0 errors, 0 warnings)' > "$logs/race-clean"
+printf '%s\n' '[ RUN      ] B.one' '[ RUN      ] B.two' \
+  '========= RACECHECK SUMMARY: 2 hazards displayed (2 errors, 0 warnings)' > "$logs/race-errors"
+printf '%s\n' '[ RUN      ] C.one' 'flexattn: stopped at the deadline (100 s)' > "$logs/stopped"
+code=0
+bash "$summary" "$logs"/memcheck-clean "$logs"/race-clean > "$scratch/stdout" || code=$?
+[[ "$code" == 0 ]] || fail "sanitizer-summary, clean logs: exit $code, expected 0"
+grep -qx '2 of 2 clean' "$scratch/stdout" || fail "sanitizer-summary does not count 2 clean logs"
+code=0
+bash "$summary" "$logs"/* > "$scratch/stdout" || code=$?
+[[ "$code" == 1 ]] || fail "sanitizer-summary, logs with errors: exit $code, expected 1"
+grep -qx '2 of 4 clean' "$scratch/stdout" || fail "sanitizer-summary does not count 2 of 4 clean"
+grep -qx 'race-errors: RACECHECK SUMMARY: 2 hazards displayed (2 errors, 0 warnings); tests: B.one B.two' \
+  "$scratch/stdout" || fail "sanitizer-summary does not name the racecheck errors and their tests"
+grep -qx 'stopped: no summary (stopped or crashed); tests: C.one' "$scratch/stdout" ||
+  fail "sanitizer-summary does not name a log without a summary"
+if [[ "${failures}" != 0 ]]; then cat "$scratch/stdout"; fi
+
 if command -v shellcheck > /dev/null; then
-  shellcheck "$script" "$0" || fail "shellcheck"
+  shellcheck "$script" "$summary" "$0" || fail "shellcheck"
 else
   echo "shellcheck is not installed: skipped"
 fi
