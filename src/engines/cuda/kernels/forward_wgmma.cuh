@@ -334,6 +334,61 @@ struct PagedKeyRows {
 // (a shuffle), so a tile's page-table reads are all in flight at once instead of each copy
 // waiting for its own. With pages of one token that took the prefill from 168 to 239 TFLOP/s on
 // an H100; with pages of 16 it stayed at 244 (docs/performance.md).
+//
+// Where a warp's 32 lanes copy whole rows (K's and V's chunks of a row number 16 or 32), each
+// lane copies the same chunk of every row it visits (paged_row_copies): its tile, pool and
+// swizzle are set once, and a copy costs a shuffle, a few adds and the cp.async. The general
+// order (below) computes every copy's row, chunk and swizzle.
+template <class Config, int kRows, int kThreads, bool kSameLayout>
+__device__ __forceinline__ void paged_row_copies(const DecodeParams& d, int first, int end,
+                                                 unsigned k_tile, unsigned v_tile, int warp_first,
+                                                 int lane, long long k_row, long long v_row) {
+  using Layout = typename Config::KLayout;
+  static_assert(Layout::kRowBytes == Config::VLayout::kRowBytes &&
+                    Layout::kPanelBytes == Config::VLayout::kPanelBytes,
+                "K's and V's panels hold the same rows alike");
+  constexpr int kChunksK = Config::kChunksQk;
+  constexpr int kRowCopies = kChunksK + Config::kChunksV;
+  constexpr int kWarpRows = kRows / (kThreads / kWarpSize);
+  constexpr int kRowsPerStep = kWarpSize / kRowCopies;  // 1 or 2, a power of two
+  static_assert(kWarpSize % kRowCopies == 0 && kSwizzleRows % kRowsPerStep == 0 &&
+                    kWarpRows % kSwizzleRows == 0,
+                "whole rows a step, a warp's rows in whole swizzle periods");
+  constexpr long long kValueBytes = 2;  // bf16 / fp16
+  const int sub_row = lane / kRowCopies;  // the lane's row within a step
+  const int copy = lane % kRowCopies;
+  const bool key = copy < kChunksK;
+  const int chunk = key ? copy : copy - kChunksK;
+  // Row first_row + r of the tile: Layout::offset(first_row + r, chunk) is row_base + r * 128 +
+  // ((chunk % 8) ^ ((first_row + r) % 8)) * 16, where first_row % 8 is sub_row (warp_first is a
+  // multiple of 8) and r a multiple of kRowsPerStep > sub_row, so (first_row + r) % 8 is
+  // sub_row ^ (r % 8).
+  const int first_row = warp_first + sub_row;
+  const unsigned row_base = (key ? k_tile : v_tile) +
+                            static_cast<unsigned>(chunk / kSwizzleRows) * Layout::kPanelBytes +
+                            static_cast<unsigned>(first_row) * Layout::kRowBytes;
+  const int swizzle = (chunk % kSwizzleRows) ^ sub_row;
+  // The lane's chunk in its pool, and the rows' places in bytes.
+  const char* pool = static_cast<const char*>(key ? d.fwd.k.data : d.fwd.v.data) +
+                     chunk * kChunkBytes;
+  const long long k_place = k_row * kValueBytes;
+  const long long v_place = v_row * kValueBytes;
+  const int rows_inside = end - first - first_row;  // step rows r < rows_inside are keys
+#pragma unroll 1
+  for (int r = 0; r < kWarpRows; r += kRowsPerStep) {
+    const int holder = r + sub_row;  // the lane that read this row's place
+    long long place = __shfl_sync(0xffffffffu, k_place, holder);
+    if constexpr (!kSameLayout) {
+      const long long v_at = __shfl_sync(0xffffffffu, v_place, holder);
+      if (!key) place = v_at;
+    }
+    const unsigned destination = row_base + static_cast<unsigned>(r) * Layout::kRowBytes +
+                                 (static_cast<unsigned>(swizzle ^ r) % kSwizzleRows) * kChunkBytes;
+    // Rows past `end` have place 0 (never read: their copies zero-fill).
+    copy_chunk_async(destination, pool + place, r < rows_inside);
+  }
+}
+
 template <class Config, int kRows, int kThreads>
 __device__ __forceinline__ void load_paged_rows_async(const DecodeParams& d, const int* table,
                                                       int head_kv, int first, int end,
@@ -361,6 +416,16 @@ __device__ __forceinline__ void load_paged_rows_async(const DecodeParams& d, con
     const PagedSlot at = paged_slot(d, table, first + warp_first + lane);
     k_row = at.row(k_pool, head_kv);
     v_row = at.row(v_pool, head_kv);
+  }
+  if constexpr (kWarpSize % kRowCopies == 0 && kWarpRows % kSwizzleRows == 0) {
+    if (same_layout) {
+      paged_row_copies<Config, kRows, kThreads, true>(d, first, end, k_tile, v_tile, warp_first,
+                                                      lane, k_row, v_row);
+    } else {
+      paged_row_copies<Config, kRows, kThreads, false>(d, first, end, k_tile, v_tile, warp_first,
+                                                       lane, k_row, v_row);
+    }
+    return;
   }
   const auto* k_base = static_cast<const unsigned short*>(k_pool.data);
   const auto* v_base = static_cast<const unsigned short*>(v_pool.data);
