@@ -374,7 +374,7 @@ __device__ __forceinline__ void paged_row_copies(const DecodeParams& d, int firs
   const long long k_place = k_row * kValueBytes;
   const long long v_place = v_row * kValueBytes;
   const int rows_inside = end - first - first_row;  // step rows r < rows_inside are keys
-#pragma unroll 1
+#pragma unroll 4
   for (int r = 0; r < kWarpRows; r += kRowsPerStep) {
     const int holder = r + sub_row;  // the lane that read this row's place
     long long place = __shfl_sync(0xffffffffu, k_place, holder);
