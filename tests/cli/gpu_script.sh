@@ -60,6 +60,13 @@ for subcommand in check quick backward bench sweep dims cudnn qualify-cudnn env 
 done
 run_gpu test
 expect_usage_error "test without a program"
+run_gpu test test_cuda_forward --unfinished -- '*'
+expect_usage_error "test with --unfinished and a filter"
+grep -q 'exclude each other' "$scratch/stderr" || fail "test --unfinished -- FILTER: wrong error"
+run_gpu test test_no_such_program --unfinished
+expect_usage_error "test --unfinished with nothing recorded"
+grep -q 'no unfinished tests of test_no_such_program' "$scratch/stderr" ||
+  fail "test --unfinished with nothing recorded: wrong error"
 run_gpu sanitize test_cuda_forward
 expect_usage_error "sanitize without a filter"
 run_gpu jit --repeats 0
@@ -96,8 +103,27 @@ grep -qx 'stopped: no summary (stopped or crashed); tests: C.one' "$scratch/stdo
   fail "sanitizer-summary does not name a log without a summary"
 if [[ "${failures}" != 0 ]]; then cat "$scratch/stdout"; fi
 
+# scripts/gtest-unfinished: the listed tests without a verdict in the logs (a parameterised test's
+# FAILED line names it before ", where"); the one running at the deadline and the ones never
+# started are unfinished, a failed one is not.
+unfinished="$root/scripts/gtest-unfinished"
+printf '%s\n' 'Running main() from gtest_main.cc' 'Cache.' '  Compiles' '  Corrupt' \
+  'Matrix/Conformance.' '  Forward/a_case  # GetParam() = a' '  Forward/b_case  # GetParam() = b' \
+  '  Forward/c_case  # GetParam() = c' > "$logs/list"
+printf '%s\n' '[ RUN      ] Cache.Compiles' '[       OK ] Cache.Compiles (5 ms)' \
+  '[ RUN      ] Matrix/Conformance.Forward/a_case' \
+  '[  FAILED  ] Matrix/Conformance.Forward/a_case, where GetParam() = a (3 ms)' \
+  '[ RUN      ] Matrix/Conformance.Forward/b_case' 'flexattn: stopped at the deadline (100 s)' \
+  '[  FAILED  ] 1 test, listed below:' > "$logs/shard-0"
+printf '%s\n' '[ RUN      ] Cache.Corrupt' '[  SKIPPED ] Cache.Corrupt (0 ms)' > "$logs/shard-1"
+bash "$unfinished" "$logs/list" "$logs/shard-0" "$logs/shard-1" > "$scratch/stdout" ||
+  fail "gtest-unfinished: exit $?"
+printf '%s\n' 'Matrix/Conformance.Forward/b_case' 'Matrix/Conformance.Forward/c_case' |
+  cmp -s - "$scratch/stdout" || { fail "gtest-unfinished lists:"; cat "$scratch/stdout"; }
+
+
 if command -v shellcheck > /dev/null; then
-  shellcheck "$script" "$summary" "$0" || fail "shellcheck"
+  shellcheck "$script" "$summary" "$unfinished" "$0" || fail "shellcheck"
 else
   echo "shellcheck is not installed: skipped"
 fi
