@@ -6,8 +6,8 @@
 set -euo pipefail
 root="${1:-$(dirname "$0")/../..}"
 script="$root/scripts/gpu"
-subcommands=(check test quick backward bench sweep dims cudnn qualify-cudnn sanitize paged python
-  jit profile kernel-times env help)
+subcommands=(check test quick backward bench sweep dims cudnn qualify-cudnn sanitize paged inference
+  python jit profile kernel-times env help)
 scratch="$(mktemp -d)"
 trap 'rm -rf "$scratch"' EXIT
 # Nothing below gets past argument parsing; should something, its output stays in the scratch.
@@ -54,7 +54,8 @@ expect_usage_error "an unknown subcommand"
 grep -q '^usage: ' "$scratch/stdout" || fail "an unknown subcommand: no usage"
 
 # Every subcommand that takes options refuses one it does not know.
-for subcommand in check quick backward bench sweep dims cudnn qualify-cudnn env paged jit; do
+for subcommand in check quick backward bench sweep dims cudnn qualify-cudnn env paged jit \
+  inference; do
   run_gpu "$subcommand" --no-such-option
   expect_usage_error "$subcommand --no-such-option"
 done
