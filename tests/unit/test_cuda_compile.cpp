@@ -235,16 +235,7 @@ TEST(CudaForwardCompile, StagedTensorCompilesForSm90a) {
 TEST(CudaForwardCompile, WgmmaProducerTakingTurnsCompilesForSm90a) {
   SKIP_WITHOUT_CUDA_ENGINE();
   constexpr int kCapability = 90;
-  const Problem problem = make_problem(GeneratedCase{"turns",
-                                                     DType::kBF16,
-                                                     128,
-                                                     128,
-                                                     "30 * tanh(score / 30)",
-                                                     "q >= kv",
-                                                     {},
-                                                     {},
-                                                     Layout::kBSHD,
-                                                     {}});
+  const Problem problem = make_problem(softcap_causal_bf16_d128());
   cuda::KernelChoice choice = cuda::choose_kernel(problem, kCapability).choice;
   ASSERT_TRUE(choice.pipelined);
   ASSERT_TRUE(choice.producer);
@@ -304,17 +295,7 @@ TEST(CudaBackwardCompile, GeneratedBackwardTranslationUnitsCompile) {
     expect_compiles(source, c.name + ".cu", kCapability);
   }
   // The wgmma backward at head dim 128, softcap and causal, for sm_90a.
-  const GeneratedCase wgmma{"bwd_bf16_d128_softcap_wgmma",
-                            DType::kBF16,
-                            128,
-                            128,
-                            "30 * tanh(score / 30)",
-                            "q >= kv",
-                            {},
-                            {},
-                            Layout::kBSHD,
-                            {}};
-  const Problem problem = make_backward_problem(wgmma);
+  const Problem problem = make_backward_problem(softcap_causal_bf16_d128());
   const cuda::KernelSelection selection = cuda::choose_kernel(problem, kCapability);
   const cuda::BackwardCode code =
       cuda::backward_code(problem, cuda::choose_backward_kernel(problem, kCapability).choice);
@@ -322,7 +303,7 @@ TEST(CudaBackwardCompile, GeneratedBackwardTranslationUnitsCompile) {
   const std::string source = cuda::generate_translation_unit(
       problem, cuda::bind_modifier(problem).bindings, selection.choice, &code);
   EXPECT_NE(source.find(code.choice.wgmma_config_type()), std::string::npos) << source;
-  expect_compiles(source, wgmma.name + ".cu", kCapability, "a");
+  expect_compiles(source, "bwd_bf16_d128_softcap_wgmma.cu", kCapability, "a");
 }
 
 // The non-finite repair module the cudnn engine runs after its graphs (repair.hpp): forward and
@@ -483,17 +464,7 @@ TEST(CudaRepairCompile, RepairTranslationUnitsAreProvenAndCompile) {
   std::vector<std::pair<GeneratedCase, bool>> repairs;
   for (const GeneratedCase& c : cases()) repairs.emplace_back(c, false);
   const TensorDecl slopes{DType::kF32, {4}};
-  repairs.emplace_back(GeneratedCase{"repair_bwd_bf16_d128_softcap_causal",
-                                     DType::kBF16,
-                                     128,
-                                     128,
-                                     "30 * tanh(score / 30)",
-                                     "q >= kv",
-                                     {},
-                                     {},
-                                     Layout::kBSHD,
-                                     {}},
-                       true);
+  repairs.emplace_back(softcap_causal_bf16_d128(), true);
   repairs.emplace_back(GeneratedCase{"repair_bwd_f16_d192_v128_alibi_thd",
                                      DType::kF16,
                                      192,
@@ -506,7 +477,7 @@ TEST(CudaRepairCompile, RepairTranslationUnitsAreProvenAndCompile) {
                                      {}},
                        true);
   for (const auto& [c, backward] : repairs) {
-    SCOPED_TRACE(c.name);
+    SCOPED_TRACE(c.name + (backward ? " (backward)" : ""));
     const Problem problem = backward ? make_backward_problem(c) : make_problem(c);
     const cuda::RepairLowering lowering = cuda::make_non_finite_repair(problem, driver, false);
     ASSERT_TRUE(lowering.support) << lowering.support.reason();
@@ -525,7 +496,7 @@ TEST(CudaRepairCompile, RepairTranslationUnitsAreProvenAndCompile) {
                 wanted)
           << name;
     }
-    expect_compiles(source, c.name + "_repair.cu", kCapability);
+    expect_compiles(source, c.name + (backward ? "_bwd" : "") + "_repair.cu", kCapability);
   }
   // A changed function in the repair's Modifier: the proof refuses the source.
   const Problem softcap = make_backward_problem(repairs[repairs.size() - 2].first);
