@@ -4,6 +4,7 @@
 
 #include <algorithm>
 #include <array>
+#include <bit>
 #include <cmath>
 #include <limits>
 #include <random>
@@ -76,6 +77,68 @@ TEST(CpuKernels, GemmMatchesFloat64ForEveryShapeAndOrientation) {
               }
             }
           }
+        }
+      }
+    }
+  }
+}
+
+// The narrow product of a decoding step: every column count 0 .. 8, row counts around the AVX2
+// blocks (8, 16 and 32 rows, and the rows past them), padded leading dimensions; C's columns past
+// n untouched.
+TEST(CpuKernels, NarrowAccumulateMatchesFloat64ForEveryColumnCount) {
+  constexpr std::int64_t kColumns = kVectorWidth, kLdc = kVectorWidth + 5;
+  for (const Kernels* set : kernel_sets()) {
+    for (std::int64_t n = 0; n <= kColumns; ++n) {
+      for (std::int64_t m : {1, 3, 5, 8, 13, 16, 24, 37, 64}) {
+        for (std::int64_t k : {1, 5, 8, 13, 64, 130}) {
+          const std::string what = std::string(set->isa) + " n=" + std::to_string(n) +
+                                   " m=" + std::to_string(m) + " k=" + std::to_string(k);
+          // A (k x m) rows lda apart, B (k x n) rows ldb apart.
+          const std::int64_t lda = m + 3, ldb = kColumns + 3;
+          const auto a = random_values(static_cast<std::size_t>(k * lda), 4);
+          const auto b = random_values(static_cast<std::size_t>(k * ldb), 5);
+          const auto initial = random_values(static_cast<std::size_t>(m * kLdc), 3);
+          std::vector<float> c = initial;
+          set->narrow_accumulate({m, n, k, a.data(), lda, b.data(), ldb, c.data(), kLdc});
+          for (std::int64_t i = 0; i < m; ++i) {
+            for (std::int64_t j = 0; j < kLdc; ++j) {
+              const float got = c[static_cast<std::size_t>(i * kLdc + j)];
+              const float before = initial[static_cast<std::size_t>(i * kLdc + j)];
+              if (j >= n) {
+                ASSERT_EQ(got, before) << what << " column " << j;
+                continue;
+              }
+              double expected = before;
+              for (std::int64_t p = 0; p < k; ++p) {
+                expected += static_cast<double>(a[static_cast<std::size_t>(p * lda + i)]) *
+                            b[static_cast<std::size_t>(p * ldb + j)];
+              }
+              ASSERT_NEAR(got, expected, kProductTolerance) << what << " at " << i << "," << j;
+            }
+          }
+        }
+      }
+    }
+  }
+}
+
+TEST(CpuKernels, SixteenBitConversionsMatchTheScalarOnesForEveryPattern) {
+  constexpr std::int64_t kPatterns = 1 << 16;
+  std::vector<std::uint16_t> bits(kPatterns + 3);
+  for (std::int64_t i = 0; i < kPatterns + 3; ++i)
+    bits[static_cast<std::size_t>(i)] = static_cast<std::uint16_t>(i);
+  for (const Kernels* set : kernel_sets()) {
+    for (const bool brain : {false, true}) {
+      std::vector<float> out(bits.size());
+      (brain ? set->bfloat16_to_float : set->half_to_float)(bits.data(), out.data(), kPatterns + 3);
+      for (std::size_t i = 0; i < bits.size(); ++i) {
+        const float expected = brain ? to_float(BFloat16{bits[i]}) : to_float(Half{bits[i]});
+        if (std::isnan(expected)) {
+          ASSERT_TRUE(std::isnan(out[i])) << set->isa << " " << brain << " " << i;
+        } else {
+          ASSERT_EQ(std::bit_cast<std::uint32_t>(out[i]), std::bit_cast<std::uint32_t>(expected))
+              << set->isa << (brain ? " bf16 " : " fp16 ") << i;
         }
       }
     }

@@ -69,6 +69,21 @@ RowsView cache_rows(const TensorView& pool, const TensorView& page_table, const 
   return {buffer, dim};
 }
 
+// Prefetches what cache_rows would read (prefetch_rows, page by page).
+void prefetch_cache_rows(const TensorView& pool, const TensorView& page_table,
+                         const KvCacheDesc& cache, std::int64_t b, std::int64_t h_kv,
+                         std::int64_t k0, std::int64_t nk, std::int64_t dim) {
+  const auto* pages = static_cast<const std::int32_t*>(page_table.data) + b * cache.max_pages;
+  for (std::int64_t s = k0; s < k0 + nk;) {
+    const std::int64_t page = pages[s / cache.page_size], slot = s % cache.page_size;
+    const std::int64_t count = std::min(cache.page_size - slot, k0 + nk - s);
+    prefetch_rows(
+        pool,
+        {{page * pool.strides[0] + h_kv * pool.strides[2], pool.strides[1]}, slot, count, dim});
+    s += count;
+  }
+}
+
 }  // namespace
 
 void CpuPlan::run_forward(const ForwardArgs& args) const { forward_pass(args, nullptr, nullptr); }
@@ -210,6 +225,11 @@ void CpuPlan::forward_pass(const ForwardArgs& args, const TensorView* dout,
       read_rows_transposed(args.q, q_block, scale, s.queries_t.data() + g * nq, ld,
                            g + 1 < heads_per_task ? nq : lanes - g * nq, s.scratch.data());
     }
+    // A forward alone with at most one vector of query rows per head (a decoding step) adds
+    // P V through narrow_accumulate, eight lanes at a time, so padding lanes cost nothing. A
+    // lane's result does not depend on which others share its eight, so a packed GQA group
+    // still equals its heads run one by one, bit for bit.
+    const bool narrow = forward_alone && nq <= kVectorWidth;
     const SequenceRows k_rows = cache ? SequenceRows{} : sequence_rows(p, args.k, false, b, h_kv);
     const SequenceRows v_rows = cache ? SequenceRows{} : sequence_rows(p, args.v, false, b, h_kv);
     std::fill_n(s.row_max.begin(), lanes, kNegativeInfinity);
@@ -240,6 +260,19 @@ void CpuPlan::forward_pass(const ForwardArgs& args, const TensorView* dout,
       const TileClass tile_class = tile_grid.at(qt, kt);
       if (tile_class == TileClass::kAllFalse) continue;  // proven fully masked: skipped
       const std::int64_t k0 = kt * block_k, nk = std::min(block_k, kv_len - k0);
+      // The next tile's K and V rows start loading while this one is read and multiplied: a
+      // head's rows lie heads_kv * head_dim apart (4 KiB at 8 heads of 128 fp32), one per page
+      // of memory, where the hardware prefetchers stop.
+      if (kt + 1 < item.end_tile) {
+        const std::int64_t next = k0 + block_k, count = std::min(block_k, kv_len - next);
+        if (cache) {
+          prefetch_cache_rows(args.k, args.page_table, *cache, b, h_kv, next, count, dim_qk);
+          prefetch_cache_rows(args.v, args.page_table, *cache, b, h_kv, next, count, dim_v);
+        } else {
+          prefetch_rows(args.k, {k_rows, next, count, dim_qk});
+          prefetch_rows(args.v, {v_rows, next, count, dim_v});
+        }
+      }
       const RowsView keys = cache ? cache_rows(args.k, args.page_table, *cache, b, h_kv, k0, nk,
                                                dim_qk, s.keys.data())
                                   : float_rows(args.k, {k_rows, k0, nk, dim_qk}, s.keys.data());
@@ -278,11 +311,18 @@ void CpuPlan::forward_pass(const ForwardArgs& args, const TensorView* dout,
                                                s.row_sum.data(), s.alpha.data());
       if (with_output) {
         if (rescale) kernel.scale_columns(s.out_t.data(), dim_v, lanes, ld, s.alpha.data());
-        gemm_skipping_zeros(
-            kernel,
-            {dim_v, lanes, nk, values.rows, 1, values.ld, probs, ld, s.out_t.data(), ld, true},
-            DataOperand::kA, finite_v.at(b, h_kv, kt, values.rows, values.ld, nk, dim_v),
-            s.cleaned);
+        const bool finite = finite_v.at(b, h_kv, kt, values.rows, values.ld, nk, dim_v);
+        if (narrow && finite) {
+          for (std::int64_t j = 0; j < used; j += kVectorWidth) {
+            kernel.narrow_accumulate({dim_v, std::min(kVectorWidth, used - j), nk, values.rows,
+                                      values.ld, probs + j, ld, s.out_t.data() + j, ld});
+          }
+        } else {
+          gemm_skipping_zeros(
+              kernel,
+              {dim_v, lanes, nk, values.rows, 1, values.ld, probs, ld, s.out_t.data(), ld, true},
+              DataOperand::kA, finite, s.cleaned);
+        }
       }
       if (dout != nullptr) {  // D += P . dP, rescaled like the sum: dP^T = V dO^T in `scores`
         // (column_dot skips P = 0, where dP may be NaN from a masked non-finite V row)

@@ -29,6 +29,22 @@ struct GemmOperands {
 };
 
 using GemmFunction = void (*)(const GemmOperands& operands);
+
+// O^T += V^T P^T for at most kVectorWidth query columns (a decoding step's rows), vectorised
+// along the head dim instead of the columns, so a column past n costs nothing:
+// C(i, j) += sum_p A(p, i) B(p, j) with A(p, i) = a[p * lda + i] (V's rows) and B(p, j) =
+// b[p * ldb + j] (P^T's rows), C row-major with ldc; columns past n are untouched. n <=
+// kVectorWidth. Each element's terms are summed in p order, as in GemmFunction.
+struct NarrowOperands {
+  std::int64_t m = 0, n = 0, k = 0;
+  const float* a = nullptr;
+  std::int64_t lda = 0;
+  const float* b = nullptr;
+  std::int64_t ldb = 0;
+  float* c = nullptr;
+  std::int64_t ldc = 0;
+};
+using NarrowFunction = void (*)(const NarrowOperands& operands);
 // out[i] = f(in[i]) for i < count; in and out may be the same array.
 using UnaryFunction = void (*)(const float* in, float* out, std::int64_t count);
 // tile[r * ld + c] = exp(tile[r * ld + c] - shift[c]) * scale[c] for r < rows, c < width (a
@@ -56,19 +72,20 @@ using ColumnDotFunction = void (*)(const float* a, const float* b, std::int64_t 
 using SoftmaxGradientFunction = void (*)(const float* probs, const float* dmod, float* ds,
                                          float* ds_raw, std::int64_t rows, std::int64_t width,
                                          std::int64_t ld, const float* delta);
-// out[i] = float(IEEE binary16 bits in[i]).
+// out[i] = float(IEEE binary16 bits in[i]), or of bfloat16 bits in[i].
 using HalfToFloatFunction = void (*)(const std::uint16_t* in, float* out, std::int64_t count);
 
 struct Kernels {
   std::string_view isa;  // "avx2+fma" or "generic"
   GemmFunction gemm;
+  NarrowFunction narrow_accumulate;
   UnaryFunction exp, tanh, sigmoid;
   ExpShiftedFunction exp_shifted;
   SoftmaxStepFunction softmax_step;
   ScaleColumnsFunction scale_columns;
   ColumnDotFunction column_dot;
   SoftmaxGradientFunction softmax_gradient;
-  HalfToFloatFunction half_to_float;
+  HalfToFloatFunction half_to_float, bfloat16_to_float;
 };
 
 // The best set for this CPU (chosen once with __builtin_cpu_supports).

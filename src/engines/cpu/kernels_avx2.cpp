@@ -95,6 +95,124 @@ FLEXATTN_AVX2 void gemm_avx2(const GemmOperands& g) {
   for (; j < g.n; j += kFloats) row_blocks<1>(g, j);
 }
 
+// ---- the narrow product (kernels.hpp): at most 8 columns, vectorised along the rows of C ----
+
+// A maskload/maskstore mask of lanes [0, count), count in 0 .. 8.
+FLEXATTN_AVX2 inline __m256i first_lanes(std::int64_t count) {
+  return _mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(count)),
+                            _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+}
+
+// x[r] lane j becomes x[j] lane r.
+FLEXATTN_AVX2 inline void transpose8(__m256 (&x)[kFloats]) {
+  const __m256 t0 = _mm256_unpacklo_ps(x[0], x[1]);
+  const __m256 t1 = _mm256_unpackhi_ps(x[0], x[1]);
+  const __m256 t2 = _mm256_unpacklo_ps(x[2], x[3]);
+  const __m256 t3 = _mm256_unpackhi_ps(x[2], x[3]);
+  const __m256 t4 = _mm256_unpacklo_ps(x[4], x[5]);
+  const __m256 t5 = _mm256_unpackhi_ps(x[4], x[5]);
+  const __m256 t6 = _mm256_unpacklo_ps(x[6], x[7]);
+  const __m256 t7 = _mm256_unpackhi_ps(x[6], x[7]);
+  // u_c: column c of rows 0 .. 3 (low half) and column c + 4 (high half); u_{c+4} rows 4 .. 7
+  const __m256 u0 = _mm256_shuffle_ps(t0, t2, _MM_SHUFFLE(1, 0, 1, 0));
+  const __m256 u1 = _mm256_shuffle_ps(t0, t2, _MM_SHUFFLE(3, 2, 3, 2));
+  const __m256 u2 = _mm256_shuffle_ps(t1, t3, _MM_SHUFFLE(1, 0, 1, 0));
+  const __m256 u3 = _mm256_shuffle_ps(t1, t3, _MM_SHUFFLE(3, 2, 3, 2));
+  const __m256 u4 = _mm256_shuffle_ps(t4, t6, _MM_SHUFFLE(1, 0, 1, 0));
+  const __m256 u5 = _mm256_shuffle_ps(t4, t6, _MM_SHUFFLE(3, 2, 3, 2));
+  const __m256 u6 = _mm256_shuffle_ps(t5, t7, _MM_SHUFFLE(1, 0, 1, 0));
+  const __m256 u7 = _mm256_shuffle_ps(t5, t7, _MM_SHUFFLE(3, 2, 3, 2));
+  x[0] = _mm256_permute2f128_ps(u0, u4, 0x20);
+  x[1] = _mm256_permute2f128_ps(u1, u5, 0x20);
+  x[2] = _mm256_permute2f128_ps(u2, u6, 0x20);
+  x[3] = _mm256_permute2f128_ps(u3, u7, 0x20);
+  x[4] = _mm256_permute2f128_ps(u0, u4, 0x31);
+  x[5] = _mm256_permute2f128_ps(u1, u5, 0x31);
+  x[6] = _mm256_permute2f128_ps(u2, u6, 0x31);
+  x[7] = _mm256_permute2f128_ps(u3, u7, 0x31);
+}
+
+// Rows i0 .. i0 + 8 kVectors - 1 of C += A^T B with kN columns: a vector of A's row p (8
+// consecutive i) times B(p, j) broadcast, summed over p in registers, then transposed into C's
+// rows.
+template <int kN, int kVectors>
+FLEXATTN_AVX2 inline void narrow_accumulate_rows(const NarrowOperands& g, std::int64_t i0) {
+  const std::int64_t k = g.k, lda = g.lda, ldb = g.ldb;
+  const float* a = g.a + i0;
+  __m256 acc[kVectors][kN];
+#pragma GCC unroll 4
+  for (int v = 0; v < kVectors; ++v) {
+#pragma GCC unroll 8
+    for (int j = 0; j < kN; ++j) acc[v][j] = _mm256_setzero_ps();
+  }
+  for (std::int64_t p = 0; p < k; ++p) {
+    __m256 a_part[kVectors];
+#pragma GCC unroll 4
+    for (int v = 0; v < kVectors; ++v) a_part[v] = _mm256_loadu_ps(a + p * lda + kFloats * v);
+    const float* b_row = g.b + p * ldb;
+#pragma GCC unroll 8
+    for (int j = 0; j < kN; ++j) {
+      const __m256 b_value = _mm256_broadcast_ss(b_row + j);
+#pragma GCC unroll 4
+      for (int v = 0; v < kVectors; ++v) acc[v][j] = _mm256_fmadd_ps(a_part[v], b_value, acc[v][j]);
+    }
+  }
+  const __m256i mask = first_lanes(kN);
+#pragma GCC unroll 4
+  for (int v = 0; v < kVectors; ++v) {
+    __m256 rows[kFloats];
+#pragma GCC unroll 8
+    for (int j = 0; j < kFloats; ++j) rows[j] = j < kN ? acc[v][j] : _mm256_setzero_ps();
+    transpose8(rows);
+#pragma GCC unroll 8
+    for (int r = 0; r < kFloats; ++r) {
+      float* c_row = g.c + (i0 + kFloats * v + r) * g.ldc;
+      _mm256_maskstore_ps(c_row, mask, _mm256_add_ps(_mm256_maskload_ps(c_row, mask), rows[r]));
+    }
+  }
+}
+
+template <int kN>
+FLEXATTN_AVX2 void narrow_accumulate_columns(const NarrowOperands& g) {
+  // Accumulators (kVectors x kN), A's vectors and one broadcast within the 16 ymm registers.
+  constexpr int kVectors = kN <= 2 ? 4 : kN <= 4 ? 2 : 1;
+  std::int64_t i = 0;
+  for (; i + kFloats * kVectors <= g.m; i += kFloats * kVectors) {
+    narrow_accumulate_rows<kN, kVectors>(g, i);
+  }
+  for (; i + kFloats <= g.m; i += kFloats) narrow_accumulate_rows<kN, 1>(g, i);
+  for (; i < g.m; ++i) {  // rows past the last whole vector
+    float* c_row = g.c + i * g.ldc;
+    for (std::int64_t p = 0; p < g.k; ++p) {
+      const float a = g.a[p * g.lda + i];
+      for (int j = 0; j < kN; ++j) c_row[j] += a * g.b[p * g.ldb + j];
+    }
+  }
+}
+
+FLEXATTN_AVX2 void narrow_accumulate_avx2(const NarrowOperands& g) {
+  switch (g.n) {
+    case 0:
+      return;
+    case 1:
+      return narrow_accumulate_columns<1>(g);
+    case 2:
+      return narrow_accumulate_columns<2>(g);
+    case 3:
+      return narrow_accumulate_columns<3>(g);
+    case 4:
+      return narrow_accumulate_columns<4>(g);
+    case 5:
+      return narrow_accumulate_columns<5>(g);
+    case 6:
+      return narrow_accumulate_columns<6>(g);
+    case 7:
+      return narrow_accumulate_columns<7>(g);
+    default:
+      return narrow_accumulate_columns<8>(g);
+  }
+}
+
 // exp(x) for 8 floats: Cody-Waite range reduction x = n ln2 + r, |r| <= ln2 / 2, and the
 // degree-6 minimax polynomial of Cephes' expf (max error about 1 ulp). exp(-inf) and everything
 // below the smallest normal float is exactly 0 (the softmax relies on masked scores giving 0);
@@ -282,6 +400,17 @@ FLEXATTN_AVX2 void half_to_float_avx2(const std::uint16_t* in, float* out, std::
   for (; i < count; ++i) out[i] = to_float(Half{in[i]});
 }
 
+// bfloat16 is the high half of a float: widen to 32 bits and shift.
+FLEXATTN_AVX2 void bfloat16_to_float_avx2(const std::uint16_t* in, float* out, std::int64_t count) {
+  std::int64_t i = 0;
+  for (; i + kFloats <= count; i += kFloats) {
+    const __m128i bits = _mm_loadu_si128(reinterpret_cast<const __m128i*>(in + i));
+    _mm256_storeu_ps(out + i,
+                     _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(bits), 16)));
+  }
+  for (; i < count; ++i) out[i] = to_float(BFloat16{in[i]});
+}
+
 }  // namespace
 
 const Kernels* avx2_kernels() {
@@ -293,12 +422,19 @@ const Kernels* avx2_kernels() {
     const bool f16c = __get_cpuid(1, &eax, &ebx, &ecx, &edx) != 0 && (ecx & bit_F16C) != 0;
     return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && f16c;
   }();
-  static const Kernels kAvx2{"avx2+fma",        gemm_avx2,
-                             exp_avx2,          tanh_avx2,
-                             sigmoid_avx2,      exp_shifted_avx2,
-                             softmax_step_avx2, scale_columns_avx2,
-                             column_dot_avx2,   softmax_gradient_avx2,
-                             half_to_float_avx2};
+  static const Kernels kAvx2{"avx2+fma",
+                             gemm_avx2,
+                             narrow_accumulate_avx2,
+                             exp_avx2,
+                             tanh_avx2,
+                             sigmoid_avx2,
+                             exp_shifted_avx2,
+                             softmax_step_avx2,
+                             scale_columns_avx2,
+                             column_dot_avx2,
+                             softmax_gradient_avx2,
+                             half_to_float_avx2,
+                             bfloat16_to_float_avx2};
   return kSupported ? &kAvx2 : nullptr;
 }
 

@@ -23,6 +23,17 @@ void gemm_generic(const GemmOperands& g) {
   }
 }
 
+void narrow_accumulate_generic(const NarrowOperands& g) {
+  for (std::int64_t i = 0; i < g.m; ++i) {
+    float* c_row = g.c + i * g.ldc;
+    for (std::int64_t p = 0; p < g.k; ++p) {
+      const float a = g.a[p * g.lda + i];
+      const float* b_row = g.b + p * g.ldb;
+      for (std::int64_t j = 0; j < g.n; ++j) c_row[j] += a * b_row[j];
+    }
+  }
+}
+
 void exp_generic(const float* in, float* out, std::int64_t count) {
   for (std::int64_t i = 0; i < count; ++i) out[i] = std::exp(in[i]);
 }
@@ -102,11 +113,16 @@ void half_to_float_generic(const std::uint16_t* in, float* out, std::int64_t cou
   for (std::int64_t i = 0; i < count; ++i) out[i] = to_float(Half{in[i]});
 }
 
+void bfloat16_to_float_generic(const std::uint16_t* in, float* out, std::int64_t count) {
+  for (std::int64_t i = 0; i < count; ++i) out[i] = to_float(BFloat16{in[i]});
+}
+
 }  // namespace
 
 const Kernels& generic_kernels() {
   static const Kernels kGeneric{"generic",
                                 gemm_generic,
+                                narrow_accumulate_generic,
                                 exp_generic,
                                 tanh_generic,
                                 sigmoid_generic,
@@ -115,7 +131,8 @@ const Kernels& generic_kernels() {
                                 scale_columns_generic,
                                 column_dot_generic,
                                 softmax_gradient_generic,
-                                half_to_float_generic};
+                                half_to_float_generic,
+                                bfloat16_to_float_generic};
   return kGeneric;
 }
 

@@ -24,11 +24,10 @@ void convert_to_float(const TensorView& view, std::int64_t offset, std::int64_t 
     case DType::kF16:
       kernels().half_to_float(static_cast<const std::uint16_t*>(view.data) + offset, out, count);
       return;
-    case DType::kBF16: {
-      const BFloat16* in = static_cast<const BFloat16*>(view.data) + offset;
-      for (std::int64_t i = 0; i < count; ++i) out[i] = to_float(in[i]);
+    case DType::kBF16:
+      kernels().bfloat16_to_float(static_cast<const std::uint16_t*>(view.data) + offset, out,
+                                  count);
       return;
-    }
     case DType::kF64: {
       const double* in = static_cast<const double*>(view.data) + offset;
       for (std::int64_t i = 0; i < count; ++i) out[i] = static_cast<float>(in[i]);
@@ -120,6 +119,17 @@ void read_rows(const TensorView& view, const RowBlock& block, float* out, std::i
       filled = columns;
     }
     std::fill(row + filled, row + out_columns, 0.0f);
+  }
+}
+
+void prefetch_rows(const TensorView& view, const RowBlock& block) {
+  constexpr std::int64_t kLineBytes = 64;
+  const auto element = static_cast<std::int64_t>(size_of(view.dtype));
+  const std::int64_t bytes = block.columns * element;
+  const auto* base = static_cast<const char*>(view.data);
+  for (std::int64_t r = 0; r < block.count; ++r) {
+    const char* row = base + row_offset(block, r) * element;
+    for (std::int64_t at = 0; at < bytes; at += kLineBytes) __builtin_prefetch(row + at, 0, 1);
   }
 }
 

@@ -45,6 +45,10 @@ RowsView float_rows(const TensorView& view, const RowBlock& block, float* buffer
 void read_rows(const TensorView& view, const RowBlock& block, float* out, std::int64_t ld,
                std::int64_t out_rows, std::int64_t out_columns);
 
+// Asks the CPU to start loading the block's rows into its caches (software prefetches of every
+// cache line of them), so a later read_rows finds them there.
+void prefetch_rows(const TensorView& view, const RowBlock& block);
+
 // Reads the block transposed and scaled: out[c * ld + r] = scale * x[r][c] for c < columns and
 // r < out_rows (zero for r >= count). `scratch` holds count * columns floats.
 void read_rows_transposed(const TensorView& view, const RowBlock& block, float scale, float* out,
