@@ -343,27 +343,41 @@ constexpr std::int64_t kTensorRows = 4, kTensorColumns = 8, kIds = 16;
 // f32 results: float32 evaluation of a few ops against float64.
 constexpr double kTapeTolerance = 2e-6;
 
+// A modifier expression over the score, positions, a parameter p0 and two tensors (tf: float
+// (4, 8); ti: int (16,)), with their values.
+struct TapeSubject {
+  explicit TapeSubject(const std::string& expression)
+      : graph(parse(expression)),
+        tf(DType::kF32, {kTensorRows, kTensorColumns}),
+        ti(DType::kI64, {kIds}) {
+    tf.fill_normal(9);
+    for (std::int64_t i = 0; i < kIds; ++i) ti.set(i, static_cast<double>((i * 7) % 5 - 2));
+    inputs.params["p0"] = 0.75;
+    inputs.tensors["tf"] = tf.view();
+    inputs.tensors["ti"] = ti.view();
+    bindings.params = inputs.params;
+    bindings.tensors = inputs.tensors;
+  }
+  static Graph parse(const std::string& expression) {
+    ir::Scope scope;
+    scope.params = {"p0"};
+    scope.tensors["tf"] = {Type::kF32, 2};
+    scope.tensors["ti"] = {Type::kI32, 1};
+    return Graph(ir::parse(expression, scope));
+  }
+  Graph graph;
+  HostTensor tf, ti;
+  TapeInputs inputs;
+  Bindings bindings;
+};
+
 class TapeTest : public ::testing::TestWithParam<std::string> {};
 
 TEST_P(TapeTest, MatchesEvaluateOnEveryLane) {
-  ir::Scope scope;
-  scope.params = {"p0"};
-  scope.tensors["tf"] = {Type::kF32, 2};
-  scope.tensors["ti"] = {Type::kI32, 1};
-  const Graph graph(ir::parse(GetParam(), scope));
-
-  HostTensor tf(DType::kF32, {kTensorRows, kTensorColumns});
-  tf.fill_normal(9);
-  HostTensor ti(DType::kI64, {kIds});
-  for (std::int64_t i = 0; i < kIds; ++i) ti.set(i, static_cast<double>((i * 7) % 5 - 2));
-  TapeInputs inputs;
-  inputs.params["p0"] = 0.75;
-  inputs.tensors["tf"] = tf.view();
-  inputs.tensors["ti"] = ti.view();
-  Bindings bindings;
-  bindings.params = inputs.params;
-  bindings.tensors = inputs.tensors;
-
+  const TapeSubject subject(GetParam());
+  const Graph& graph = subject.graph;
+  const TapeInputs& inputs = subject.inputs;
+  const Bindings& bindings = subject.bindings;
   constexpr std::int64_t kWidth = 16, kQueryLength = 12, kKeyLength = 9;
   const Tape tape({&graph});
   TapeRunner runner(tape, inputs, kWidth);
@@ -399,6 +413,48 @@ TEST_P(TapeTest, MatchesEvaluateOnEveryLane) {
             ASSERT_NEAR(actual, expected, kTapeTolerance * std::max(1.0, std::fabs(expected)))
                 << GetParam() << " q=" << point.query << " kv=" << key << " score=" << point.score;
           }
+        }
+      }
+    }
+  }
+}
+
+// run_keys, as a decoding task uses it: lanes set to a pattern of 8 (a GQA group's heads and
+// positions, padding lanes repeating the last) twice over, two keys per call; each lane must
+// hold, bit for bit, what run() gives it for its own key (keys past the length clamped alike).
+TEST_P(TapeTest, RunKeysEqualsRunKeyByKey) {
+  const TapeSubject subject(GetParam());
+  constexpr std::int64_t kWidth = 16, kStride = 8, kUsed = 5, kQueryLength = 12, kKeyLength = 9;
+  const Tape tape({&subject.graph});
+  TapeRunner many(tape, subject.inputs, kWidth), one(tape, subject.inputs, kWidth);
+  std::vector<std::int32_t> heads(kWidth), queries(kWidth);
+  for (std::int64_t i = 0; i < kWidth; ++i) {
+    const std::int64_t lane = std::min(i % kStride, kUsed - 1);
+    heads[static_cast<std::size_t>(i)] = static_cast<std::int32_t>(lane % 2);
+    queries[static_cast<std::size_t>(i)] = static_cast<std::int32_t>(3 + lane);
+  }
+  many.set_lanes(1, heads.data(), queries.data(), kWidth, kQueryLength, kKeyLength);
+  one.set_lanes(1, heads.data(), queries.data(), kStride, kQueryLength, kKeyLength);
+  ASSERT_EQ(many.lanes(), kWidth);
+  ASSERT_EQ(one.lanes(), kStride);
+  std::mt19937 generator(11);
+  std::uniform_int_distribution<int> eighths(-24, 24);
+  const Slot out = tape.output(0);
+  for (std::int64_t first = 0; first < kKeyLength; first += 2) {  // the last pair runs past it
+    std::vector<float> scores(kWidth);
+    for (float& score : scores) score = static_cast<float>(eighths(generator)) / 8.0f;
+    many.run_keys(first, kStride, scores.data());
+    for (std::int64_t row = 0; row < kWidth / kStride; ++row) {
+      one.run(first + row, scores.data() + row * kStride);
+      for (std::int64_t lane = 0; lane < kStride; ++lane) {
+        const std::int64_t at = row * kStride + lane;
+        if (out.is_float) {
+          ASSERT_EQ(std::bit_cast<std::uint32_t>(many.floats(out)[at]),
+                    std::bit_cast<std::uint32_t>(one.floats(out)[lane]))
+              << GetParam() << " key " << first + row << " lane " << lane;
+        } else {
+          ASSERT_EQ(many.ints(out)[at], one.ints(out)[lane])
+              << GetParam() << " key " << first + row << " lane " << lane;
         }
       }
     }

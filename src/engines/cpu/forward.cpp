@@ -226,10 +226,14 @@ void CpuPlan::forward_pass(const ForwardArgs& args, const TensorView* dout,
                            g + 1 < heads_per_task ? nq : lanes - g * nq, s.scratch.data());
     }
     // A forward alone with at most one vector of query rows per head (a decoding step) adds
-    // P V through narrow_accumulate, eight lanes at a time, so padding lanes cost nothing. A
-    // lane's result does not depend on which others share its eight, so a packed GQA group
-    // still equals its heads run one by one, bit for bit.
+    // P V through narrow_accumulate, eight lanes at a time, so padding lanes cost nothing. Its
+    // S^T and P^T tiles are compact (a key row every `lanes` floats), so the modifier's tapes
+    // take block_q / lanes keys per call, their lanes the task's pattern repeated (run_keys).
+    // A lane's result depends on no other lane, so a packed GQA group still equals its heads
+    // run one by one, bit for bit.
     const bool narrow = forward_alone && nq <= kVectorWidth;
+    const std::int64_t tile_ld = narrow ? lanes : ld;  // of scores and probs
+    const std::int64_t keys_per_call = narrow ? block_q / lanes : 1;
     const SequenceRows k_rows = cache ? SequenceRows{} : sequence_rows(p, args.k, false, b, h_kv);
     const SequenceRows v_rows = cache ? SequenceRows{} : sequence_rows(p, args.v, false, b, h_kv);
     std::fill_n(s.row_max.begin(), lanes, kNegativeInfinity);
@@ -242,14 +246,19 @@ void CpuPlan::forward_pass(const ForwardArgs& args, const TensorView* dout,
     for (std::int64_t j = 0; with_output && j < dim_v; ++j) {
       std::fill_n(&s.out_t[to_size(j * ld)], lanes, 0.0f);
     }
-    for (std::int64_t i = 0; packed && i < used; ++i) {
-      s.lane_heads[to_size(i)] = static_cast<std::int32_t>(h + i / nq);
-      s.lane_queries[to_size(i)] = static_cast<std::int32_t>(q_offset + q0 + i % nq);
+    // Lane i: lane i % lanes of the task (heads h .. when packed), whose padding lanes repeat
+    // its last row.
+    const std::int64_t pattern_lanes = narrow ? keys_per_call * lanes : used;
+    for (std::int64_t i = 0; (packed || narrow) && i < pattern_lanes; ++i) {
+      const std::int64_t lane = std::min(i % lanes, used - 1);
+      s.lane_heads[to_size(i)] = static_cast<std::int32_t>(packed ? h + lane / nq : h);
+      s.lane_queries[to_size(i)] = static_cast<std::int32_t>(q_offset + q0 + lane % nq);
     }
     for (auto* runner : {&s.score_runner, &s.mask_runner}) {
       if (!*runner) continue;
-      if (packed) {
-        (*runner)->set_lanes(b, s.lane_heads.data(), s.lane_queries.data(), used, q_len, kv_len);
+      if (packed || narrow) {
+        (*runner)->set_lanes(b, s.lane_heads.data(), s.lane_queries.data(), pattern_lanes, q_len,
+                             kv_len);
       } else {
         (*runner)->set_head(b, h, q_len, kv_len);
         (*runner)->set_queries(q0, nq, q_offset);
@@ -279,22 +288,24 @@ void CpuPlan::forward_pass(const ForwardArgs& args, const TensorView* dout,
       const RowsView values = cache ? cache_rows(args.v, args.page_table, *cache, b, h_kv, k0, nk,
                                                  dim_v, s.values.data())
                                     : float_rows(args.v, {v_rows, k0, nk, dim_v}, s.values.data());
-      float* scores = s.scores.data();  // (nk, lanes) of (block_k, ld): S^T
+      float* scores = s.scores.data();  // (nk, lanes) of (block_k, tile_ld): S^T
       float* probs = s.probs.data();    // S'^T, then P^T
 
-      // S^T = K (scale Q)^T, then S' = score_mod(S) row by row, written straight into probs.
+      // S^T = K (scale Q)^T, then S' = score_mod(S), keys_per_call rows at a time (their values
+      // past row nk land in the buffer's spare rows), written straight into probs.
       kernel.gemm({nk, lanes, dim_qk, keys.rows, keys.ld, 1, s.queries_t.data(), ld,
-                   s.score_runner ? scores : probs, ld, false});
-      for (std::int64_t c = 0; s.score_runner && c < nk; ++c) {
-        float* destination = probs + c * ld;
-        s.score_runner->run(k0 + c, scores + c * ld, {&destination, 1});
+                   s.score_runner ? scores : probs, tile_ld, false});
+      for (std::int64_t c = 0; s.score_runner && c < nk; c += keys_per_call) {
+        float* destination = probs + c * tile_ld;
+        s.score_runner->run_keys(k0 + c, lanes, scores + c * tile_ld, {&destination, 1});
       }
       if (tile_class == TileClass::kMixed) {  // kAllTrue tiles skip the mask
         const std::int32_t* keep = s.mask_runner->ints(low.mask_tape.output(0));
-        for (std::int64_t c = 0; c < nk; ++c) {
-          s.mask_runner->run(k0 + c, nullptr);
-          float* row = probs + c * ld;
-          for (std::int64_t r = 0; r < lanes; ++r) {
+        for (std::int64_t c = 0; c < nk; c += keys_per_call) {
+          s.mask_runner->run_keys(k0 + c, lanes, nullptr);
+          float* row = probs + c * tile_ld;
+          const std::int64_t count = std::min(keys_per_call, nk - c) * lanes;
+          for (std::int64_t r = 0; r < count; ++r) {
             row[r] = keep[r] != 0 ? row[r] : kNegativeInfinity;
           }
         }
@@ -302,12 +313,12 @@ void CpuPlan::forward_pass(const ForwardArgs& args, const TensorView* dout,
       // Padding lanes (past used) hold score_mod at a dummy score: masked, so nothing of them
       // is kept (the statistics pass's D and max are per lane, but nothing may depend on them).
       for (std::int64_t c = 0; used < lanes && c < nk; ++c) {
-        std::fill(probs + c * ld + used, probs + c * ld + lanes, kNegativeInfinity);
+        std::fill(probs + c * tile_ld + used, probs + c * tile_ld + lanes, kNegativeInfinity);
       }
 
       // Online softmax: P^T in place, the running max and sum, and O^T rescaled when the max
       // moved; then O^T += V^T P^T.
-      const bool rescale = kernel.softmax_step(probs, nk, lanes, ld, s.row_max.data(),
+      const bool rescale = kernel.softmax_step(probs, nk, lanes, tile_ld, s.row_max.data(),
                                                s.row_sum.data(), s.alpha.data());
       if (with_output) {
         if (rescale) kernel.scale_columns(s.out_t.data(), dim_v, lanes, ld, s.alpha.data());
@@ -315,21 +326,21 @@ void CpuPlan::forward_pass(const ForwardArgs& args, const TensorView* dout,
         if (narrow && finite) {
           for (std::int64_t j = 0; j < used; j += kVectorWidth) {
             kernel.narrow_accumulate({dim_v, std::min(kVectorWidth, used - j), nk, values.rows,
-                                      values.ld, probs + j, ld, s.out_t.data() + j, ld});
+                                      values.ld, probs + j, tile_ld, s.out_t.data() + j, ld});
           }
         } else {
-          gemm_skipping_zeros(
-              kernel,
-              {dim_v, lanes, nk, values.rows, 1, values.ld, probs, ld, s.out_t.data(), ld, true},
-              DataOperand::kA, finite, s.cleaned);
+          gemm_skipping_zeros(kernel,
+                              {dim_v, lanes, nk, values.rows, 1, values.ld, probs, tile_ld,
+                               s.out_t.data(), ld, true},
+                              DataOperand::kA, finite, s.cleaned);
         }
       }
       if (dout != nullptr) {  // D += P . dP, rescaled like the sum: dP^T = V dO^T in `scores`
         // (column_dot skips P = 0, where dP may be NaN from a masked non-finite V row)
         if (rescale) kernel.scale_columns(s.row_delta.data(), 1, lanes, ld, s.alpha.data());
-        kernel.gemm(
-            {nk, lanes, dim_v, values.rows, values.ld, 1, s.out_t.data(), ld, scores, ld, false});
-        kernel.column_dot(probs, scores, nk, lanes, ld, s.row_delta.data());
+        kernel.gemm({nk, lanes, dim_v, values.rows, values.ld, 1, s.out_t.data(), ld, scores,
+                     tile_ld, false});
+        kernel.column_dot(probs, scores, nk, lanes, tile_ld, s.row_delta.data());
       }
     }
 

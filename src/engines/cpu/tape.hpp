@@ -113,6 +113,12 @@ class TapeRunner {
   // the tape does not read the score). Float output i is written to destinations[i] (lanes()
   // values) when that pointer is not null; an output the row computes is written there directly.
   void run(std::int64_t key, const float* score, std::span<float* const> destinations = {});
+  // run() for several keys at once: lane i takes key first_key + i / key_stride (lanes set up
+  // with set_lanes repeating one pattern of key_stride lanes), so a task of few query rows
+  // evaluates lanes() / key_stride keys per call. Each lane computes what run() computes for its
+  // key.
+  void run_keys(std::int64_t first_key, std::int64_t key_stride, const float* score,
+                std::span<float* const> destinations = {});
 
   // The values of `slot` in the last row run() evaluated (an output handed a destination there
   // is read from the destination, not here).

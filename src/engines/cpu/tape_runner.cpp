@@ -154,9 +154,17 @@ void TapeRunner::set_lanes(std::int64_t batch, const std::int32_t* heads,
 }
 
 void TapeRunner::run(std::int64_t key, const float* score, std::span<float* const> destinations) {
+  run_keys(key, lanes_, score, destinations);
+}
+
+void TapeRunner::run_keys(std::int64_t first_key, std::int64_t key_stride, const float* score,
+                          std::span<float* const> destinations) {
   if (key_slot_.index >= 0) {
-    std::fill_n(write_ints_[to_index(key_slot_)], lanes_,
-                static_cast<std::int32_t>(std::min(key, key_length_ - 1)));
+    std::int32_t* keys = write_ints_[to_index(key_slot_)];
+    for (std::int64_t i = 0; i < lanes_; i += key_stride) {
+      std::fill_n(keys + i, std::min(key_stride, lanes_ - i),
+                  static_cast<std::int32_t>(std::min(first_key + i / key_stride, key_length_ - 1)));
+    }
   }
   if (score_slot_.index >= 0) read_floats_[to_index(score_slot_)] = score;
   // Outputs computed by this row's instructions are written straight to their destination
