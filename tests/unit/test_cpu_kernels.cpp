@@ -123,6 +123,35 @@ TEST(CpuKernels, NarrowAccumulateMatchesFloat64ForEveryColumnCount) {
   }
 }
 
+// any_non_finite over every length up to 40 (whole vectors and tails): finite extremes (the
+// largest float, the smallest subnormal, -0) never count; one NaN, +inf or -inf at any position
+// always does.
+TEST(CpuKernels, AnyNonFiniteFindsEachNaNAndInfinityAnywhere) {
+  const float specials[] = {std::numeric_limits<float>::quiet_NaN(), kInfinity, -kInfinity};
+  for (const Kernels* set : kernel_sets()) {
+    for (std::int64_t count = 0; count <= 40; ++count) {
+      std::vector<float> values = random_values(static_cast<std::size_t>(count), 12, -1e30f, 1e30f);
+      for (std::int64_t i = 0; i < count; i += 3) {
+        values[static_cast<std::size_t>(i)] = i % 2 == 0 ? std::numeric_limits<float>::max()
+                                                         : std::numeric_limits<float>::denorm_min();
+      }
+      if (count > 1) values[1] = -0.0f;
+      ASSERT_FALSE(set->any_non_finite(values.data(), count)) << set->isa << " " << count;
+      for (std::int64_t at = 0; at < count; ++at) {
+        for (const float special : specials) {
+          std::vector<float> marked = values;
+          marked[static_cast<std::size_t>(at)] = special;
+          ASSERT_TRUE(set->any_non_finite(marked.data(), count))
+              << set->isa << " " << count << " at " << at << " " << special;
+        }
+      }
+    }
+  }
+}
+
+// Every 16-bit pattern, fp16 and bf16, through each kernel set's conversion (in runs of 8 and
+// a tail) against the scalar conversion of flexattn/dtype.hpp: the same float bit for bit, NaN
+// for NaN.
 TEST(CpuKernels, SixteenBitConversionsMatchTheScalarOnesForEveryPattern) {
   constexpr std::int64_t kPatterns = 1 << 16;
   std::vector<std::uint16_t> bits(kPatterns + 3);

@@ -72,6 +72,8 @@ using ColumnDotFunction = void (*)(const float* a, const float* b, std::int64_t 
 using SoftmaxGradientFunction = void (*)(const float* probs, const float* dmod, float* ds,
                                          float* ds_raw, std::int64_t rows, std::int64_t width,
                                          std::int64_t ld, const float* delta);
+// Whether any of values[0 .. count) is NaN or +-inf.
+using AnyNonFiniteFunction = bool (*)(const float* values, std::int64_t count);
 // out[i] = float(IEEE binary16 bits in[i]), or of bfloat16 bits in[i].
 using HalfToFloatFunction = void (*)(const std::uint16_t* in, float* out, std::int64_t count);
 
@@ -85,6 +87,7 @@ struct Kernels {
   ScaleColumnsFunction scale_columns;
   ColumnDotFunction column_dot;
   SoftmaxGradientFunction softmax_gradient;
+  AnyNonFiniteFunction any_non_finite;
   HalfToFloatFunction half_to_float, bfloat16_to_float;
 };
 

@@ -400,6 +400,20 @@ FLEXATTN_AVX2 void half_to_float_avx2(const std::uint16_t* in, float* out, std::
   for (; i < count; ++i) out[i] = to_float(Half{in[i]});
 }
 
+FLEXATTN_AVX2 bool any_non_finite_avx2(const float* values, std::int64_t count) {
+  const __m256i exponent = _mm256_set1_epi32(0x7f800000);
+  __m256i any = _mm256_setzero_si256();
+  std::int64_t i = 0;
+  for (; i + kFloats <= count; i += kFloats) {
+    const __m256i bits = _mm256_and_si256(
+        _mm256_loadu_si256(reinterpret_cast<const __m256i*>(values + i)), exponent);
+    any = _mm256_or_si256(any, _mm256_cmpeq_epi32(bits, exponent));
+  }
+  bool found = _mm256_testz_si256(any, any) == 0;
+  for (; i < count; ++i) found = found || !(std::fabs(values[i]) <= 3.402823466e38f);
+  return found;
+}
+
 // bfloat16 is the high half of a float: widen to 32 bits and shift.
 FLEXATTN_AVX2 void bfloat16_to_float_avx2(const std::uint16_t* in, float* out, std::int64_t count) {
   std::int64_t i = 0;
@@ -433,6 +447,7 @@ const Kernels* avx2_kernels() {
                              scale_columns_avx2,
                              column_dot_avx2,
                              softmax_gradient_avx2,
+                             any_non_finite_avx2,
                              half_to_float_avx2,
                              bfloat16_to_float_avx2};
   return kSupported ? &kAvx2 : nullptr;

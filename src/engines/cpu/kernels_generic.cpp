@@ -1,5 +1,6 @@
 // The portable tile vocabulary: plain loops the compiler may vectorise for the baseline ISA.
 #include <algorithm>
+#include <bit>
 #include <cmath>
 #include <limits>
 
@@ -113,6 +114,18 @@ void half_to_float_generic(const std::uint16_t* in, float* out, std::int64_t cou
   for (std::int64_t i = 0; i < count; ++i) out[i] = to_float(Half{in[i]});
 }
 
+// An OR of integer compares of the exponent bits (all ones for NaN and +-inf only), which
+// vectorises with baseline SSE2.
+bool any_non_finite_generic(const float* values, std::int64_t count) {
+  constexpr std::uint32_t kExponentBits = 0x7f800000u;
+  std::uint32_t any = 0;
+  for (std::int64_t i = 0; i < count; ++i) {
+    any |= static_cast<std::uint32_t>((std::bit_cast<std::uint32_t>(values[i]) & kExponentBits) ==
+                                      kExponentBits);
+  }
+  return any != 0;
+}
+
 void bfloat16_to_float_generic(const std::uint16_t* in, float* out, std::int64_t count) {
   for (std::int64_t i = 0; i < count; ++i) out[i] = to_float(BFloat16{in[i]});
 }
@@ -131,6 +144,7 @@ const Kernels& generic_kernels() {
                                 scale_columns_generic,
                                 column_dot_generic,
                                 softmax_gradient_generic,
+                                any_non_finite_generic,
                                 half_to_float_generic,
                                 bfloat16_to_float_generic};
   return kGeneric;

@@ -58,7 +58,7 @@ bool FiniteTiles::at(std::int64_t batch, std::int64_t head, std::int64_t tile, c
   if (known != kUnknown) return known == kFinite;
   bool found = false;
   for (std::int64_t r = 0; !found && r < count; ++r) {
-    found = any_non_finite(rows + r * ld, columns, 1);
+    found = kernels().any_non_finite(rows + r * ld, columns);
   }
   state.store(found ? kNonFinite : kFinite, std::memory_order_relaxed);
   return !found;
@@ -81,7 +81,7 @@ void gemm_skipping_zeros(const Kernels& kernel, const GemmOperands& g, DataOpera
   bool finite = true;
   if (column_stride == 1) {
     for (std::int64_t r = 0; finite && r < rows; ++r) {
-      finite = !any_non_finite(values + r * row_stride, columns, 1);
+      finite = !kernel.any_non_finite(values + r * row_stride, columns);
     }
   } else {
     for (std::int64_t c = 0; finite && c < columns; ++c) {
