@@ -136,13 +136,17 @@ TEST(CpuKernels, AnyNonFiniteFindsEachNaNAndInfinityAnywhere) {
                                                          : std::numeric_limits<float>::denorm_min();
       }
       if (count > 1) values[1] = -0.0f;
-      ASSERT_FALSE(set->any_non_finite(values.data(), count)) << set->isa << " " << count;
+      ASSERT_FALSE(set->any_non_finite(values.data(), count, 1)) << set->isa << " " << count;
       for (std::int64_t at = 0; at < count; ++at) {
         for (const float special : specials) {
           std::vector<float> marked = values;
           marked[static_cast<std::size_t>(at)] = special;
-          ASSERT_TRUE(set->any_non_finite(marked.data(), count))
+          ASSERT_TRUE(set->any_non_finite(marked.data(), count, 1))
               << set->isa << " " << count << " at " << at << " " << special;
+          // Every third value of the same array: found only where the stride meets it.
+          const std::int64_t every_third = (count + 2) / 3;
+          ASSERT_EQ(set->any_non_finite(marked.data(), every_third, 3), at % 3 == 0)
+              << set->isa << " stride 3, " << count << " at " << at << " " << special;
         }
       }
     }

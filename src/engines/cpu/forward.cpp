@@ -53,35 +53,40 @@ struct CacheRun {
   std::vector<TileGrid> grids;
 };
 
-// Rows [k0, k0 + nk) of sequence b's cache in head h_kv as float32 rows of `dim` in `buffer`,
-// copied page by page through the page table.
-RowsView cache_rows(const TensorView& pool, const TensorView& page_table, const KvCacheDesc& cache,
-                    std::int64_t b, std::int64_t h_kv, std::int64_t k0, std::int64_t nk,
-                    std::int64_t dim, float* buffer) {
+// Rows [k0, k0 + nk) (columns [0, dim)) of sequence b's cache in head h_kv, page by page
+// through the page table: visit(block, at) for each page's run of them, `at` its first row's
+// index from k0.
+template <class Visit>
+void for_each_page_run(const TensorView& pool, const TensorView& page_table,
+                       const KvCacheDesc& cache, std::int64_t b, std::int64_t h_kv, std::int64_t k0,
+                       std::int64_t nk, std::int64_t dim, Visit visit) {
   const auto* pages = static_cast<const std::int32_t*>(page_table.data) + b * cache.max_pages;
   for (std::int64_t s = k0; s < k0 + nk;) {
     const std::int64_t page = pages[s / cache.page_size], slot = s % cache.page_size;
     const std::int64_t count = std::min(cache.page_size - slot, k0 + nk - s);
     const SequenceRows rows{page * pool.strides[0] + h_kv * pool.strides[2], pool.strides[1]};
-    read_rows(pool, {rows, slot, count, dim}, buffer + (s - k0) * dim, dim, count, dim);
+    visit(RowBlock{rows, slot, count, dim}, s - k0);
     s += count;
   }
+}
+
+// Those rows as float32 rows of `dim` in `buffer`.
+RowsView cache_rows(const TensorView& pool, const TensorView& page_table, const KvCacheDesc& cache,
+                    std::int64_t b, std::int64_t h_kv, std::int64_t k0, std::int64_t nk,
+                    std::int64_t dim, float* buffer) {
+  for_each_page_run(pool, page_table, cache, b, h_kv, k0, nk, dim,
+                    [&](const RowBlock& block, std::int64_t at) {
+                      read_rows(pool, block, buffer + at * dim, dim, block.count, dim);
+                    });
   return {buffer, dim};
 }
 
-// Prefetches what cache_rows would read (prefetch_rows, page by page).
+// Prefetches what cache_rows would read.
 void prefetch_cache_rows(const TensorView& pool, const TensorView& page_table,
                          const KvCacheDesc& cache, std::int64_t b, std::int64_t h_kv,
                          std::int64_t k0, std::int64_t nk, std::int64_t dim) {
-  const auto* pages = static_cast<const std::int32_t*>(page_table.data) + b * cache.max_pages;
-  for (std::int64_t s = k0; s < k0 + nk;) {
-    const std::int64_t page = pages[s / cache.page_size], slot = s % cache.page_size;
-    const std::int64_t count = std::min(cache.page_size - slot, k0 + nk - s);
-    prefetch_rows(
-        pool,
-        {{page * pool.strides[0] + h_kv * pool.strides[2], pool.strides[1]}, slot, count, dim});
-    s += count;
-  }
+  for_each_page_run(pool, page_table, cache, b, h_kv, k0, nk, dim,
+                    [&](const RowBlock& block, std::int64_t) { prefetch_rows(pool, block); });
 }
 
 }  // namespace

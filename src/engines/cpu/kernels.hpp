@@ -72,8 +72,8 @@ using ColumnDotFunction = void (*)(const float* a, const float* b, std::int64_t 
 using SoftmaxGradientFunction = void (*)(const float* probs, const float* dmod, float* ds,
                                          float* ds_raw, std::int64_t rows, std::int64_t width,
                                          std::int64_t ld, const float* delta);
-// Whether any of values[0 .. count) is NaN or +-inf.
-using AnyNonFiniteFunction = bool (*)(const float* values, std::int64_t count);
+// Whether any of `count` floats, `stride` apart, is NaN or +-inf.
+using AnyNonFiniteFunction = bool (*)(const float* values, std::int64_t count, std::int64_t stride);
 // out[i] = float(IEEE binary16 bits in[i]), or of bfloat16 bits in[i].
 using HalfToFloatFunction = void (*)(const std::uint16_t* in, float* out, std::int64_t count);
 

@@ -14,6 +14,7 @@
 #include <cpuid.h>
 #include <immintrin.h>
 
+#include <algorithm>
 #include <cmath>
 
 #include "flexattn/dtype.hpp"
@@ -191,26 +192,11 @@ FLEXATTN_AVX2 void narrow_accumulate_columns(const NarrowOperands& g) {
 }
 
 FLEXATTN_AVX2 void narrow_accumulate_avx2(const NarrowOperands& g) {
-  switch (g.n) {
-    case 0:
-      return;
-    case 1:
-      return narrow_accumulate_columns<1>(g);
-    case 2:
-      return narrow_accumulate_columns<2>(g);
-    case 3:
-      return narrow_accumulate_columns<3>(g);
-    case 4:
-      return narrow_accumulate_columns<4>(g);
-    case 5:
-      return narrow_accumulate_columns<5>(g);
-    case 6:
-      return narrow_accumulate_columns<6>(g);
-    case 7:
-      return narrow_accumulate_columns<7>(g);
-    default:
-      return narrow_accumulate_columns<8>(g);
-  }
+  static constexpr NarrowFunction kByColumns[] = {
+      narrow_accumulate_columns<1>, narrow_accumulate_columns<2>, narrow_accumulate_columns<3>,
+      narrow_accumulate_columns<4>, narrow_accumulate_columns<5>, narrow_accumulate_columns<6>,
+      narrow_accumulate_columns<7>, narrow_accumulate_columns<8>};
+  if (g.n > 0) kByColumns[std::min<std::int64_t>(g.n, kFloats) - 1](g);
 }
 
 // exp(x) for 8 floats: Cody-Waite range reduction x = n ln2 + r, |r| <= ln2 / 2, and the
@@ -400,7 +386,10 @@ FLEXATTN_AVX2 void half_to_float_avx2(const std::uint16_t* in, float* out, std::
   for (; i < count; ++i) out[i] = to_float(Half{in[i]});
 }
 
-FLEXATTN_AVX2 bool any_non_finite_avx2(const float* values, std::int64_t count) {
+// Contiguous values 8 at a time; strided ones and the tail through the portable scan.
+FLEXATTN_AVX2 bool any_non_finite_avx2(const float* values, std::int64_t count,
+                                       std::int64_t stride) {
+  if (stride != 1) return generic_kernels().any_non_finite(values, count, stride);
   const __m256i exponent = _mm256_set1_epi32(0x7f800000);
   __m256i any = _mm256_setzero_si256();
   std::int64_t i = 0;
@@ -409,9 +398,8 @@ FLEXATTN_AVX2 bool any_non_finite_avx2(const float* values, std::int64_t count) 
         _mm256_loadu_si256(reinterpret_cast<const __m256i*>(values + i)), exponent);
     any = _mm256_or_si256(any, _mm256_cmpeq_epi32(bits, exponent));
   }
-  bool found = _mm256_testz_si256(any, any) == 0;
-  for (; i < count; ++i) found = found || !(std::fabs(values[i]) <= 3.402823466e38f);
-  return found;
+  return _mm256_testz_si256(any, any) == 0 ||
+         generic_kernels().any_non_finite(values + i, count - i, 1);
 }
 
 // bfloat16 is the high half of a float: widen to 32 bits and shift.
